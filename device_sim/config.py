@@ -1,0 +1,88 @@
+"""Named hardware configurations of the one parameterised CTPU design.
+
+Every figure the project reports names one of these. The RTL takes the same numbers as SystemVerilog
+parameters (see `device_sim/rtl/ctpu_isa_pkg.sv`, generated from this file and `isa.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+SUBLANES = 8  # rows in a vector register, in every configuration (as on TPUs)
+
+
+@dataclass(frozen=True)
+class HardwareConfig:
+    """One CTPU configuration. Sizes are in the units the hardware addresses.
+
+    lanes           width of a vector register row, a vmem row and the matrix unit (mxu_dim == lanes)
+    vmem_rows       vector memory size in rows of `lanes` 32-bit words
+    hbm_bytes       HBM size (byte addressed)
+    hbm_bytes_per_cycle   DMA bandwidth; a vmem row costs ceil(row_bytes / this) cycles
+    dma_latency     cycles from a DMA's last row to its completion flag
+    imem_bundles    instruction memory size in bundles
+    dma_queue / mxu_queue  command FIFO depths; issuing into a full FIFO stalls the bundle
+    """
+
+    name: str
+    lanes: int
+    vmem_rows: int
+    hbm_bytes: int
+    hbm_bytes_per_cycle: int
+    dma_latency: int
+    imem_bundles: int
+    dma_queue: int = 8
+    mxu_queue: int = 4
+    clock_mhz: int = 1000
+
+    @property
+    def mxu_dim(self) -> int:
+        return self.lanes
+
+    @property
+    def sublanes(self) -> int:
+        return SUBLANES
+
+    @property
+    def mxu_drain(self) -> int:
+        """Cycles from the last row entering the systolic array to its result being written: 2N."""
+        return 2 * self.lanes
+
+    @property
+    def vmem_bytes(self) -> int:
+        return self.vmem_rows * self.lanes * 4
+
+    def as_dict(self) -> dict[str, int | str]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+SMALL = HardwareConfig(
+    name="small",
+    lanes=8,
+    vmem_rows=4096,  # 128 KiB
+    hbm_bytes=16 << 20,
+    hbm_bytes_per_cycle=32,
+    dma_latency=32,
+    imem_bundles=4096,
+)
+
+LARGE = HardwareConfig(
+    name="large",
+    lanes=128,
+    vmem_rows=32768,  # 16 MiB, like a TPUv4 core's vector memory
+    hbm_bytes=1 << 30,
+    hbm_bytes_per_cycle=1024,  # ~1 TB/s at 1 GHz
+    dma_latency=500,
+    imem_bundles=65536,
+)
+
+CONFIGS: dict[str, HardwareConfig] = {c.name: c for c in (SMALL, LARGE)}
+
+
+def get_config(name: str | HardwareConfig) -> HardwareConfig:
+    if isinstance(name, HardwareConfig):
+        return name
+    try:
+        return CONFIGS[name]
+    except KeyError:
+        raise ValueError(f"unknown CTPU configuration {name!r}; known: {', '.join(CONFIGS)}") from None

@@ -1,0 +1,336 @@
+"""The CTPU functional and cycle-exact simulator: the executable specification of docs/architecture.md.
+
+`Simulator.run()` issues one bundle per cycle plus documented stalls (wait, full DMA/MXU FIFOs). Results
+land at issue + latency through a small ring of pending writes, so reading a register early returns its
+old value exactly as the exposed pipeline does. Vector and matrix work runs as numpy operations on whole
+registers and tiles; instructions are decoded once at load into (function, operands) pairs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from device_sim import isa
+from device_sim.async_units import Dma, Mxu, Ownership
+from device_sim.config import HardwareConfig, get_config
+from device_sim.program import Program
+from device_sim.semantics import SEMANTICS, Semantics
+
+DEFAULT_MAX_CYCLES = 10**8
+_RING = 8  # > the longest latency: pending writes are kept per landing cycle modulo this
+assert _RING > max(i.latency for i in isa.INSTRUCTIONS)
+
+
+class CtpuTrap(RuntimeError):
+    """The machine stopped on an error; names the bundle address, the cycle and the instruction."""
+
+    def __init__(self, message: str, pc: int, cycle: int, where: str = "", instruction: str = "") -> None:
+        loc = f"bundle {pc}" + (f" ({where})" if where else "")
+        text = f"trap at {loc}, cycle {cycle}: " + (f"{instruction}: " if instruction else "") + message
+        super().__init__(text)
+        self.pc, self.cycle, self.reason = pc, cycle, message
+
+
+class Operands:
+    """A decoded slot: field values as attributes, plus the instruction's mnemonic and latency."""
+
+    __slots__ = ("d", "a", "b", "c", "flag", "imm", "lat", "mnemonic", "ins", "slot")
+
+    def __init__(self, ins: isa.Instr, values: dict[str, int], slot: isa.Slot) -> None:
+        self.d = self.a = self.b = self.c = self.flag = self.imm = 0
+        for k, v in values.items():
+            setattr(self, k, v)
+        self.lat, self.mnemonic, self.ins, self.slot = ins.latency, ins.mnemonic, ins, slot
+
+
+@dataclass
+class DecodedBundle:
+    ops: list[tuple[Semantics, Operands]]  # execution order: async units first (they claim vmem rows)
+    wait_flag: int | None
+    issues_dma: bool
+    issues_mxu: bool
+    halts: bool
+    slot_mask: tuple[bool, ...]
+
+
+@dataclass
+class RunStats:
+    config: str
+    bundles: int = 0
+    cycles: int = 0
+    stall_cycles: dict[str, int] = field(default_factory=lambda: {"wait": 0, "dma_queue": 0, "mxu_queue": 0})
+    slot_ops: dict[str, int] = field(default_factory=lambda: {s.name: 0 for s in isa.SLOTS})
+    mxu_busy_cycles: int = 0
+    mxu_weight_loads: int = 0
+    macs: int = 0
+    dma_commands: int = 0
+    dma_bytes_loaded: int = 0
+    dma_bytes_stored: int = 0
+    wall_seconds: float = 0.0
+
+    @property
+    def mxu_utilization(self) -> float:
+        return self.mxu_busy_cycles / self.cycles if self.cycles else 0.0
+
+    @property
+    def ops_per_bundle(self) -> float:
+        return sum(self.slot_ops.values()) / self.bundles if self.bundles else 0.0
+
+    @property
+    def bundles_per_second(self) -> float:
+        return self.bundles / self.wall_seconds if self.wall_seconds else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items()}
+        d["slot_occupancy"] = {k: (v / self.bundles if self.bundles else 0.0) for k, v in self.slot_ops.items()}
+        d["mxu_utilization"] = self.mxu_utilization
+        d["ops_per_bundle"] = self.ops_per_bundle
+        d["bundles_per_second"] = self.bundles_per_second
+        return d
+
+
+class Machine:
+    """Architectural state and the operations the semantics functions use."""
+
+    def __init__(self, config: HardwareConfig, hbm: np.ndarray | None = None) -> None:
+        self.config = config
+        n, s = config.lanes, config.sublanes
+        assert n & (n - 1) == 0, "lanes must be a power of two (tree reductions)"
+        self.sublanes = s
+        self.vreg_shape = (s, n)
+        self.s = [0] * isa.NUM_SREGS
+        self.vu = np.zeros((isa.NUM_VREGS, s, n), np.uint32)
+        self.vf, self.vi = self.vu.view(np.float32), self.vu.view(np.int32)
+        self.vmem = np.zeros((config.vmem_rows, n), np.uint32)
+        self.hbm = np.zeros(config.hbm_bytes, np.uint8) if hbm is None else hbm
+        lane = np.broadcast_to(np.arange(n, dtype=np.uint32), (s, n))
+        sub = np.broadcast_to(np.arange(s, dtype=np.uint32)[:, None], (s, n))
+        self.iota = (lane, sub, sub * np.uint32(n) + lane)
+        self.mxu = Mxu(n, config.mxu_queue)
+        self.dma = Dma(n, config.hbm_bytes_per_cycle, config.dma_latency, config.dma_queue)
+        self.owners = Ownership()
+        self.flag_done = [0] * isa.NUM_FLAGS
+        self.pending: list[list[tuple[int, int, Any]]] = [[] for _ in range(_RING)]  # (kind, index, value)
+        self.last_land = 0
+        self.pc = 0
+        self.cycle = 0
+        self.current: Operands | None = None
+        self.program: Program | None = None
+        self.trace: list[tuple[Any, ...]] | None = None
+
+    # -- errors --------------------------------------------------------------------------------------
+    def trap(self, message: str) -> None:
+        instruction = ""
+        if self.current is not None:
+            from device_sim.asm import format_instruction  # printing belongs to the assembler
+
+            values = {f.name: getattr(self.current, f.name) for f in self.current.ins.fmt.fields}
+            instruction = format_instruction(self.current.ins, values)
+        where = self.program.where(self.pc) if self.program else ""
+        raise CtpuTrap(message, self.pc, self.cycle, where, instruction)
+
+    # -- registers -----------------------------------------------------------------------------------
+    def write_s(self, reg: int, value: int, land: int) -> None:
+        self._queue(0, reg, value, land)
+
+    def write_v(self, reg: int, value: np.ndarray, land: int) -> None:
+        self._queue(1, reg, value, land)
+
+    def vmem_store(self, row: int, value: np.ndarray, land: int) -> None:
+        self.vmem_span(row, value.shape[0], "vst")
+        self.owners.check(self, row, row + value.shape[0], True, "vst", "vst")
+        self._queue(2, row, value, land)
+
+    def _queue(self, kind: int, index: int, value: Any, land: int) -> None:
+        self.pending[land % _RING].append((kind, index, value))
+        if land > self.last_land:
+            self.last_land = land
+
+    def land_until(self, t: int) -> None:
+        """Apply every pending write that lands at a cycle <= t (cycles after self.cycle)."""
+        for c in range(self.cycle + 1 if self.cycle else 0, min(t, self.cycle + _RING) + 1):
+            writes = self.pending[c % _RING]
+            if not writes:
+                continue
+            self.pending[c % _RING] = []
+            seen = set()
+            for kind, index, value in writes:
+                if kind < 2:
+                    if (kind, index) in seen:
+                        self.trap(f"two results land in {'sv'[kind]}{index} in cycle {c}")
+                    seen.add((kind, index))
+                    if kind == 0:
+                        if index:
+                            self.s[index] = value
+                    else:
+                        self.vu[index] = value
+                    if self.trace is not None and (kind or index):
+                        self.trace.append(("w", c, f"{'sv'[kind]}{index}",
+                                           value if kind == 0 else value.tobytes()))
+                else:
+                    self.vmem[index : index + value.shape[0]] = value
+
+    # -- vmem ----------------------------------------------------------------------------------------
+    def vmem_span(self, row: int, rows: int, what: str) -> np.ndarray:
+        row = row - (1 << 32) if row & 0x80000000 else row
+        if row < 0 or row + rows > self.config.vmem_rows:
+            self.trap(f"{what}: vmem rows [{row}, {row + rows}) out of bounds (vmem has {self.config.vmem_rows} rows)")
+        return self.vmem[row : row + rows]
+
+    def vmem_read(self, row: int, rows: int) -> np.ndarray:
+        data = self.vmem_span(row, rows, "vld")
+        self.owners.check(self, row, row + rows, False, "vld", "vld")
+        return data.copy()
+
+    # -- flags ---------------------------------------------------------------------------------------
+    def complete_on(self, flag: int, done: int) -> None:
+        if done > self.flag_done[flag]:
+            self.flag_done[flag] = done
+
+
+class Simulator:
+    """Loads a Program, holds HBM, runs to halt and reports RunStats. See docs/simulator_api.md."""
+
+    def __init__(self, config: str | HardwareConfig = "small", max_cycles: int = DEFAULT_MAX_CYCLES,
+                 trace: bool = False) -> None:
+        self.config = get_config(config)
+        self.max_cycles = max_cycles
+        self.m = Machine(self.config)
+        if trace:
+            self.m.trace = []
+        self.decoded: list[DecodedBundle] = []
+
+    # state, as the API promises
+    @property
+    def sregs(self) -> np.ndarray:
+        return np.array(self.m.s, dtype=np.uint32)
+
+    @property
+    def vregs(self) -> np.ndarray:
+        return self.m.vu
+
+    @property
+    def vmem(self) -> np.ndarray:
+        return self.m.vmem
+
+    @property
+    def hbm(self) -> np.ndarray:
+        return self.m.hbm
+
+    @property
+    def trace(self) -> list[tuple[Any, ...]] | None:
+        return self.m.trace
+
+    def write_hbm(self, addr: int, array: np.ndarray) -> None:
+        data = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+        if addr < 0 or addr + data.size > self.config.hbm_bytes:
+            raise ValueError(f"HBM write [{addr:#x}, {addr + data.size:#x}) out of bounds "
+                             f"(HBM has {self.config.hbm_bytes:#x} bytes)")
+        self.m.hbm[addr : addr + data.size] = data
+
+    def read_hbm(self, addr: int, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        if addr < 0 or addr + nbytes > self.config.hbm_bytes:
+            raise ValueError(f"HBM read [{addr:#x}, {addr + nbytes:#x}) out of bounds")
+        return self.m.hbm[addr : addr + nbytes].view(dtype).reshape(shape).copy()
+
+    def load(self, program: Program) -> None:
+        if len(program) > self.config.imem_bundles:
+            raise CtpuTrap(f"program has {len(program)} bundles; imem holds {self.config.imem_bundles}", 0, 0,
+                           program.source_name)
+        # a fresh core each load; HBM (the device memory) persists across programs
+        hbm, trace = self.m.hbm, self.m.trace
+        self.m = Machine(self.config, hbm)
+        self.m.trace = [] if trace is not None else None
+        self.m.program = program
+        self.decoded = [self._decode(program, pc, b) for pc, b in enumerate(program.bundles)]
+
+    def _decode(self, program: Program, pc: int, words: tuple[int, ...]) -> DecodedBundle:
+        ops, wait, dma, mxu, halts, mask = [], None, False, False, False, []
+        for slot, word in zip(isa.SLOTS, words):
+            try:
+                ins, values = isa.decode_slot(word, slot)
+            except isa.EncodingError as e:
+                raise CtpuTrap(f"illegal encoding: {e}", pc, 0, program.where(pc)) from None
+            mask.append(ins is not isa.NOP)
+            if ins is isa.NOP:
+                continue
+            op = Operands(ins, values, slot)
+            if ins.mnemonic == "wait":
+                wait = op.flag
+            halts |= ins.mnemonic == "halt"
+            dma |= ins.unit is isa.Unit.DMA
+            mxu |= ins.unit is isa.Unit.MXU
+            if ins.mnemonic == "bnz" or ins.mnemonic == "bz" or ins.mnemonic == "jmp":
+                if not 0 <= op.imm < len(program):
+                    raise CtpuTrap(f"branch target {op.imm} outside the program (0..{len(program) - 1})", pc, 0,
+                                   program.where(pc))
+            ops.append((SEMANTICS[ins.mnemonic], op))
+        ops.sort(key=lambda fo: fo[1].ins.unit not in (isa.Unit.MXU, isa.Unit.DMA))
+        return DecodedBundle(ops, wait, dma, mxu, halts, tuple(mask))
+
+    def run(self) -> RunStats:
+        if not self.decoded:
+            raise CtpuTrap("no program loaded (or an empty one): nothing to run", 0, 0)
+        m, decoded, n_bundles = self.m, self.decoded, len(self.decoded)
+        stats = RunStats(self.config.name)
+        stalls = stats.stall_cycles
+        slot_counts = [0] * isa.NUM_SLOTS
+        trace = m.trace
+        started = time.perf_counter()
+        pc, c, bundles = 0, 0, 0
+        m.pc, m.cycle = 0, 0
+        with np.errstate(all="ignore"):
+            while True:
+                if pc >= n_bundles:
+                    m.pc, m.cycle, m.current = pc, c, None
+                    m.trap(f"pc ran past the end of the program ({n_bundles} bundles) without halt")
+                b = decoded[pc]
+                t = c
+                if b.wait_flag is not None and m.flag_done[b.wait_flag] > t:
+                    stalls["wait"] += m.flag_done[b.wait_flag] - t
+                    t = m.flag_done[b.wait_flag]
+                if b.issues_dma:
+                    t2 = m.dma.fifo.ready(t)
+                    stalls["dma_queue"] += t2 - t
+                    t = t2
+                if b.issues_mxu:
+                    t2 = m.mxu.fifo.ready(t)
+                    stalls["mxu_queue"] += t2 - t
+                    t = t2
+                if t > self.max_cycles:
+                    m.pc, m.cycle, m.current = pc, t, None
+                    m.trap(f"cycle limit {self.max_cycles} exceeded (runaway program?)")
+                m.land_until(t)
+                m.cycle, m.pc = t, pc
+                m.owners.expire(t)
+                if trace is not None:
+                    trace.append((t, pc))
+                next_pc = pc + 1
+                for fn, op in b.ops:
+                    m.current = op
+                    target = fn(m, op, t)
+                    if target is not None:
+                        next_pc = target
+                m.current = None
+                bundles += 1
+                for i, used in enumerate(b.slot_mask):
+                    slot_counts[i] += used
+                if b.halts:
+                    break
+                pc, c = next_pc, t + 1
+            end = max(t + 1, m.last_land, max(m.flag_done), m.owners.last_done())
+            m.land_until(end)
+            m.cycle = end
+        stats.wall_seconds = time.perf_counter() - started
+        stats.bundles, stats.cycles = bundles, end
+        stats.slot_ops = {s.name: slot_counts[s.index] for s in isa.SLOTS}
+        stats.mxu_busy_cycles, stats.mxu_weight_loads, stats.macs = m.mxu.busy_cycles, m.mxu.weight_loads, m.mxu.macs
+        stats.dma_commands = m.dma.commands
+        stats.dma_bytes_loaded, stats.dma_bytes_stored = m.dma.bytes_loaded, m.dma.bytes_stored
+        return stats

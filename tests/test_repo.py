@@ -1,0 +1,24 @@
+"""Repository habits: the README's set-up commands and what CI runs agree."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def readme_commands() -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    return [b.strip() for b in blocks if "python3 -m venv" in b]
+
+
+def test_readme_has_exactly_two_setup_commands() -> None:
+    commands = readme_commands()
+    assert len(commands) == 2, commands
+    assert commands[0].endswith("ctpu demo") and "pytest" in commands[1]
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert readme_commands()[1] in ci.splitlines()

@@ -1,0 +1,118 @@
+"""The `ctpu` command line: assemble, disassemble, run programs on a target, the demo.
+
+    ctpu asm FILE.s -o FILE.bin          assemble
+    ctpu disasm FILE.bin [-o FILE.s]     disassemble
+    ctpu run PROGRAM [--target sim|rtl] [--config small|large] [--json]
+                                         run a .s or binary; a manifest beside it (PROGRAM.toml) supplies
+                                         inputs and checks outputs against their numpy references
+    ctpu demo                            the main job: the shipped GEMM, checked, with its MXU utilization
+    ctpu isa                             the instruction table, as markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+PROGRAMS_DIR = Path(__file__).resolve().parent.parent / "device_sim" / "programs"
+
+
+def _cmd_asm(args: argparse.Namespace) -> int:
+    from device_sim.asm import assemble_file
+
+    program = assemble_file(args.file)
+    out = Path(args.output or Path(args.file).with_suffix(".bin"))
+    out.write_bytes(program.to_bytes())
+    print(f"{args.file}: {len(program)} bundles -> {out}")
+    return 0
+
+
+def _cmd_disasm(args: argparse.Namespace) -> int:
+    from device_sim.asm import disassemble, load_program
+
+    text = disassemble(load_program(args.file))
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from device_sim.manifest import run_manifest
+
+    result = run_manifest(args.program, target=args.target, config=args.config, max_cycles=args.max_cycles)
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+    else:
+        print(result.summary())
+    return 0 if result.passed else 1
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    args.program = str(PROGRAMS_DIR / "gemm.s")
+    args.target = args.target or "sim"
+    args.config, args.max_cycles = None, None
+    return _cmd_run(args)
+
+
+def _cmd_isa(args: argparse.Namespace) -> int:
+    from device_sim import isa
+
+    print("| mnemonic | opcode | unit | operands | latency | semantics |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for i in isa.INSTRUCTIONS:
+        ops = ", ".join(f"{o.field}:{o.kind.value}" for o in i.operands)
+        print(f"| `{i.mnemonic}` | 0x{i.opcode:02x} | {i.unit.value} | {ops} | {i.latency} | {i.semantics} |")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ctpu", description="ctpu: assemble, disassemble and run CTPU programs")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    a = sub.add_parser("asm", help="assemble a .s file into a binary")
+    a.add_argument("file")
+    a.add_argument("-o", "--output")
+    a.set_defaults(fn=_cmd_asm)
+
+    d = sub.add_parser("disasm", help="disassemble a binary")
+    d.add_argument("file")
+    d.add_argument("-o", "--output")
+    d.set_defaults(fn=_cmd_disasm)
+
+    r = sub.add_parser("run", help="run a program (.s or binary) on a target")
+    r.add_argument("program")
+    r.add_argument("--target", choices=["sim", "rtl"], default="sim")
+    r.add_argument("--config", choices=["small", "large"], default=None, help="default: the manifest's, else small")
+    r.add_argument("--max-cycles", type=int, default=None)
+    r.add_argument("--json", action="store_true", help="print the statistics and checks as JSON")
+    r.set_defaults(fn=_cmd_run)
+
+    m = sub.add_parser("demo", help="run the shipped GEMM program, checked, with its MXU utilization")
+    m.add_argument("--target", choices=["sim", "rtl"], default="sim")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(fn=_cmd_demo)
+
+    i = sub.add_parser("isa", help="print the instruction table as markdown")
+    i.set_defaults(fn=_cmd_isa)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from device_sim.asm import AsmError
+    from device_sim.program import BinaryFormatError
+    from device_sim.simulator import CtpuTrap
+
+    try:
+        return args.fn(args)
+    except (AsmError, BinaryFormatError, CtpuTrap, FileNotFoundError, ValueError) as e:
+        print(f"ctpu {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
