@@ -19,7 +19,8 @@ opcode 0 is `nop` in every slot. The remaining bits are laid out by the instruct
     | opcode  |   d    |   000   |      imm16 (unsigned)   |   I16 (lih)
     +---------+--------+---------+-------------------------+
 
-Bits a format does not use must be zero; anything else is an illegal encoding.
+Bits an instruction does not use must be zero (including a format field it has no operand for, e.g. d of
+`jmp`), so every legal slot word has one assembly spelling; anything else is an illegal encoding.
 """
 
 from __future__ import annotations
@@ -257,6 +258,8 @@ for i, (mn, sem) in enumerate([
 _def("vsel", 0x58, Unit.VECTOR, FMT_R, _ops("d:v", "a:v", "b:v", "c:v"), LAT_VALU,
      "vd = (va != 0) ? vb : vc (per lane, bitwise copy)", "d")
 _def("vbcast", 0x59, Unit.VECTOR, FMT_R, _ops("d:v", "a:s"), LAT_VALU, "vd = sa in every lane", "d")
+_def("vext", 0x5B, Unit.VECTOR, FMT_RI, _ops("d:s", "a:v", "imm:i"), LAT_VALU,
+     "sd = bits of va[imm // N][imm % N] (vector -> scalar: data-dependent addresses)", "d")
 _def("viota", 0x5A, Unit.VECTOR, FMT_I19, _ops("d:v", "imm:i"), LAT_VALU,
      "vd = imm==0 ? lane index : imm==1 ? sublane index : sublane*N + lane (int32)", "d", (0, 2))
 for i, (mn, sem) in enumerate([

@@ -74,7 +74,7 @@ def tree_reduce(x: np.ndarray, axis: int, op: str) -> np.ndarray:
             lo, hi = x[..., :h], x[..., h:w]
             x = (lo + hi) if op == "sum" else fmax(lo, hi)
             w = h
-    out = np.broadcast_to(canonicalize_nan(x), x.shape[:-1] + (width,))
+    out = np.broadcast_to(canonicalize_nan(x), (*x.shape[:-1], width))
     return np.moveaxis(out, -1, axis)
 
 

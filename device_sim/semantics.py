@@ -158,6 +158,14 @@ def _vbcast(m: Machine, op: Operands, t: int) -> None:
     m.write_v(op.d, np.full(m.vreg_shape, m.s[op.a], dtype=np.uint32), t + op.lat)
 
 
+@semantics("vext")
+def _vext(m: Machine, op: Operands, t: int) -> None:
+    flat = m.vu[op.a].reshape(-1)
+    if not 0 <= op.imm < flat.size:
+        m.trap(f"vext lane {op.imm} outside the register (0..{flat.size - 1})")
+    m.write_s(op.d, int(flat[op.imm]), t + op.lat)
+
+
 @semantics("viota")
 def _viota(m: Machine, op: Operands, t: int) -> None:
     m.write_v(op.d, m.iota[op.imm].copy(), t + op.lat)

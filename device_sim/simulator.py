@@ -38,7 +38,7 @@ class CtpuTrap(RuntimeError):
 class Operands:
     """A decoded slot: field values as attributes, plus the instruction's mnemonic and latency."""
 
-    __slots__ = ("d", "a", "b", "c", "flag", "imm", "lat", "mnemonic", "ins", "slot")
+    __slots__ = ("a", "b", "c", "d", "flag", "imm", "ins", "lat", "mnemonic", "slot")
 
     def __init__(self, ins: isa.Instr, values: dict[str, int], slot: isa.Slot) -> None:
         self.d = self.a = self.b = self.c = self.flag = self.imm = 0
@@ -252,7 +252,7 @@ class Simulator:
 
     def _decode(self, program: Program, pc: int, words: tuple[int, ...]) -> DecodedBundle:
         ops, wait, dma, mxu, halts, mask = [], None, False, False, False, []
-        for slot, word in zip(isa.SLOTS, words):
+        for slot, word in zip(isa.SLOTS, words, strict=False):
             try:
                 ins, values = isa.decode_slot(word, slot)
             except isa.EncodingError as e:
@@ -274,10 +274,16 @@ class Simulator:
         ops.sort(key=lambda fo: fo[1].ins.unit not in (isa.Unit.MXU, isa.Unit.DMA))
         return DecodedBundle(ops, wait, dma, mxu, halts, tuple(mask))
 
-    def run(self) -> RunStats:
+    def run(self, args: dict[int, int] | None = None) -> RunStats:
+        """Run the loaded program to halt. `args` presets scalar registers (the launch ABI: s1.. hold
+        kernel arguments such as HBM addresses); everything else starts at zero."""
         if not self.decoded:
             raise CtpuTrap("no program loaded (or an empty one): nothing to run", 0, 0)
         m, decoded, n_bundles = self.m, self.decoded, len(self.decoded)
+        for reg, value in (args or {}).items():
+            if not 1 <= reg < isa.NUM_SREGS:
+                raise ValueError(f"launch argument register s{reg}: must be s1..s{isa.NUM_SREGS - 1}")
+            m.s[reg] = value & 0xFFFFFFFF
         stats = RunStats(self.config.name)
         stalls = stats.stall_cycles
         slot_counts = [0] * isa.NUM_SLOTS

@@ -132,7 +132,7 @@ def test_traps_name_the_bundle_and_reason(text: str, message: str) -> None:
 
 
 def test_hbm_out_of_bounds_dma() -> None:
-    with pytest.raises(CtpuTrap, match="HBM bytes .* out of bounds"):
+    with pytest.raises(CtpuTrap, match=r"HBM bytes .* out of bounds"):
         run_asm("li s1, 8\nlih s1, 1\nli s2, 8\nlih s3, 256\ndma.ld s3, s0, s1, s2, f0\nhalt")
 
 
