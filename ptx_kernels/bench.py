@@ -1,0 +1,124 @@
+"""Benchmark the PTX kernels against torch on one GPU; prints JSON.
+
+    python -m ptx_kernels.bench            # on an H100/H200: GEMM vs torch.matmul, RMSNorm/SwiGLU bandwidth
+    python -m ptx_kernels.bench --dry-run  # anywhere: generate and ptxas-check the kernels it would launch
+
+Figures are ratios measured in the same run (GEMM: torch time / PTX time, > 1 means the PTX kernel is
+faster) and achieved bandwidth as a fraction of the device's nominal HBM peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from ptx_kernels import assemble, kernel_for, run
+from ptx_kernels.core import PtxKernel
+
+GEMM_SIZES = (4096, 8192)
+ROWS, HIDDEN, FFN = 16384, 4096, 11008
+# Nominal HBM bandwidth in bytes/s by device name (the driver does not report it).
+PEAK_BYTES_PER_S = {
+    "H100 SXM": 3.35e12,
+    "H100 PCIe": 2.0e12,
+    "H100 NVL": 3.9e12,
+    "H200": 4.8e12,
+    "GH200": 4.0e12,
+}
+
+
+def kernels() -> dict[str, PtxKernel]:
+    bf16 = torch.bfloat16
+    out = {
+        f"gemm_{n}": kernel_for("aten::mm", [(n, n), (n, n)], [bf16, bf16], {"w_layout": "kn"})
+        for n in GEMM_SIZES
+    }
+    out["rms_norm"] = kernel_for("ctpu::rms_norm", [(ROWS, HIDDEN), (HIDDEN,)], [bf16, bf16], {"eps": 1e-6})
+    out["swiglu"] = kernel_for("ctpu::swiglu", [(ROWS, FFN), (ROWS, FFN)], [bf16, bf16], {"act": "silu"})
+    return out
+
+
+def _time_ms(fn: Callable[[], object], iters: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _peak(name: str) -> float | None:
+    for key, value in PEAK_BYTES_PER_S.items():
+        if all(part in name for part in key.split()):
+            return value
+    return None
+
+
+def measure(ks: dict[str, PtxKernel]) -> dict[str, object]:
+    name = torch.cuda.get_device_name()
+    peak = _peak(name)
+    result: dict[str, object] = {"device": name, "peak_hbm_bytes_per_s": peak}
+    for n in GEMM_SIZES:
+        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        kernel = ks[f"gemm_{n}"]
+        ptx_ms = _time_ms(lambda kernel=kernel, a=a, b=b: run(kernel, a, b))
+        torch_ms = _time_ms(lambda a=a, b=b: torch.matmul(a, b))
+        (got,) = run(kernel, a, b)
+        err = (got.view(n, n).float() - torch.matmul(a, b).float()).abs().max().item()
+        result[f"gemm_{n}"] = {
+            "ptx_tflops": 2 * n**3 / ptx_ms / 1e9,
+            "torch_tflops": 2 * n**3 / torch_ms / 1e9,
+            "ratio_torch_over_ptx_time": torch_ms / ptx_ms,
+            "max_abs_err_vs_torch": err,
+        }
+    x = torch.randn(ROWS, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(HIDDEN, device="cuda", dtype=torch.bfloat16)
+    ms = _time_ms(lambda: run(ks["rms_norm"], x, w))
+    result["rms_norm"] = _bandwidth(2 * x.numel() * 2 + HIDDEN * 2, ms, peak)
+    g = torch.randn(ROWS, FFN, device="cuda", dtype=torch.bfloat16)
+    u = torch.randn(ROWS, FFN, device="cuda", dtype=torch.bfloat16)
+    ms = _time_ms(lambda: run(ks["swiglu"], g, u))
+    result["swiglu"] = _bandwidth(3 * g.numel() * 2, ms, peak)
+    return result
+
+
+def _bandwidth(nbytes: int, ms: float, peak: float | None) -> dict[str, float | None]:
+    achieved = nbytes / (ms * 1e-3)
+    return {"ms": ms, "bytes_per_s": achieved, "fraction_of_peak": achieved / peak if peak else None}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="generate and ptxas-check only; no GPU needed")
+    args = parser.parse_args(argv)
+    ks = kernels()
+    ptxas = {}
+    for key, kernel in ks.items():
+        r = assemble(kernel)
+        ptxas[key] = {
+            "kernel": kernel.name,
+            "registers": r.registers,
+            "spill_stores": r.spill_stores,
+            "spill_loads": r.spill_loads,
+            "dynamic_smem_bytes": kernel.smem_bytes,
+            "grid": kernel.grid,
+            "block": kernel.block,
+        }
+    if args.dry_run:
+        print(json.dumps({"mode": "dry-run", "ptxas": ptxas}, indent=2))
+        return
+    print(json.dumps({"mode": "gpu", "ptxas": ptxas, **measure(ks)}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Execution statistics of the last launches: the public API documented in the README.
+
+    import torch_tpu_backend.stats as ctpu_stats
+    ctpu_stats.reset()
+    model(x)                       # compiled with backend="ctpu", or eager ops on ctpu tensors
+    s = ctpu_stats.last()          # ExecutionStats since the last reset
+    s.kernels_launched, s.bundles, s.cycles, s.mxu_busy_cycles, s.dma_bytes, s.fallback_ops
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch_tpu_backend.runtime import LaunchRecord
+
+
+@dataclass
+class ExecutionStats:
+    kernels_launched: int = 0
+    bundles: int = 0
+    cycles: int = 0
+    mxu_busy_cycles: int = 0
+    macs: int = 0
+    dma_bytes_loaded: int = 0
+    dma_bytes_stored: int = 0
+    fallback_ops: Counter[str] = field(default_factory=Counter)  # op name -> times it ran on CPU
+    launches: list[LaunchRecord] = field(default_factory=list)
+
+    @property
+    def dma_bytes(self) -> int:
+        return self.dma_bytes_loaded + self.dma_bytes_stored
+
+    @property
+    def mxu_utilization(self) -> float:
+        return self.mxu_busy_cycles / self.cycles if self.cycles else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "kernels_launched": self.kernels_launched, "bundles": self.bundles, "cycles": self.cycles,
+            "mxu_busy_cycles": self.mxu_busy_cycles, "mxu_utilization": self.mxu_utilization, "macs": self.macs,
+            "dma_bytes_loaded": self.dma_bytes_loaded, "dma_bytes_stored": self.dma_bytes_stored,
+            "fallback_ops": dict(self.fallback_ops),
+            "launches": [{"name": r.name, "target": r.target, "cycles": r.stats.cycles} for r in self.launches],
+        }
+
+
+_lock = threading.Lock()
+_current = ExecutionStats()
+MAX_LAUNCH_RECORDS = 1000  # keep the per-launch list bounded in long runs
+
+
+def reset() -> None:
+    global _current
+    with _lock:
+        _current = ExecutionStats()
+
+
+def last() -> ExecutionStats:
+    """Statistics accumulated since the last reset() (a snapshot)."""
+    with _lock:
+        s = _current
+        return ExecutionStats(s.kernels_launched, s.bundles, s.cycles, s.mxu_busy_cycles, s.macs,
+                              s.dma_bytes_loaded, s.dma_bytes_stored, Counter(s.fallback_ops), list(s.launches))
+
+
+def record_launch(record: LaunchRecord) -> None:
+    st = record.stats
+    with _lock:
+        _current.kernels_launched += 1
+        _current.bundles += st.bundles
+        _current.cycles += st.cycles
+        _current.mxu_busy_cycles += st.mxu_busy_cycles
+        _current.macs += st.macs
+        _current.dma_bytes_loaded += st.dma_bytes_loaded
+        _current.dma_bytes_stored += st.dma_bytes_stored
+        if len(_current.launches) < MAX_LAUNCH_RECORDS:
+            _current.launches.append(record)
+
+
+def record_fallback(op_name: str, count: int = 1) -> None:
+    with _lock:
+        _current.fallback_ops[op_name] += count
