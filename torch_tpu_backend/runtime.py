@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,3 +148,32 @@ def to_numpy_bits(array: Any) -> np.ndarray:
         t = array.detach().contiguous().cpu()
         return t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
     return np.ascontiguousarray(array)
+
+
+def run_compiled(compiled: Any, tensors: Sequence[Any], target: str, config: str, name: str,
+                 out_dtypes: Sequence[Any] | None = None) -> list[Any]:
+    """Launch a codegen.CompiledGraph on a device: inputs and the graph's arena are allocated in HBM for
+    the launch (and freed after), outputs are read back as CPU tensors of the expected dtypes."""
+    import torch
+
+    device = get_device(config)
+    allocations: list[int] = []
+    try:
+        input_addrs = []
+        for placement, tensor in zip(compiled.inputs, tensors, strict=True):
+            bits = compiled.input_bits(placement, to_numpy_bits(tensor))
+            addr = device.allocator.alloc(bits.nbytes)
+            allocations.append(addr)
+            device.hbm[addr : addr + bits.nbytes] = bits.reshape(-1).view(np.uint8)
+            input_addrs.append(addr)
+        arena = device.allocator.alloc(max(compiled.arena_bytes, 1))
+        allocations.append(arena)
+        device.launch(compiled.program, compiled.launch_args(input_addrs, arena), target=target, name=name)
+        arrays = compiled.read_outputs(device.hbm, input_addrs, arena)
+    finally:
+        for addr in allocations:
+            device.allocator.release(addr)
+    outs = [torch.from_numpy(a) for a in arrays]
+    if out_dtypes is not None:
+        outs = [o.to(d) for o, d in zip(outs, out_dtypes, strict=True)]
+    return outs

@@ -84,3 +84,9 @@ def record_launch(record: LaunchRecord) -> None:
 def record_fallback(op_name: str, count: int = 1) -> None:
     with _lock:
         _current.fallback_ops[op_name] += count
+
+
+def record_kernel_launch(count: int = 1) -> None:
+    """A launch that has no CTPU statistics (a PTX kernel on a GPU)."""
+    with _lock:
+        _current.kernels_launched += count

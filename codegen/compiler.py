@@ -1,0 +1,256 @@
+"""`compile_graph`: an FX graph -> one CTPU program (a megakernel) + its HBM layout and launch ABI.
+
+Pipeline: FX -> MLIR linalg on tensors (fx_to_mlir) -> upstream passes incl. elementwise fusion and
+bufferization (mlir_pipeline) -> kernels over HBM views (kernels) -> HBM memory plan (by liveness) ->
+instruction selection into machine IR (isel_vector, isel_matmul) -> list scheduling, register allocation,
+assembly, binary (backend).
+
+Launch ABI: s1..sI hold the HBM byte addresses of the I graph inputs (in placeholder order), s(I+1) the
+base of the *arena* that holds every intermediate and every output (outputs at `output_layout` offsets).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.fx
+
+from codegen.backend import MachineCode, compile_function
+from codegen.builder import Builder
+from codegen.errors import CapacityError
+from codegen.fx_to_mlir import emit_module
+from codegen.isel_common import KernelContext
+from codegen.isel_matmul import lower_matmul
+from codegen.isel_vector import lower_fill, lower_generic
+from codegen.kernels import FillKernel, GenericKernel, Kernel, KernelGraph, MatmulKernel, View, read_function
+from codegen.mir import Function, Reg
+from codegen.mlir_pipeline import run_pipeline
+from device_sim import numerics
+from device_sim.config import HardwareConfig, get_config
+from device_sim.program import Program
+from device_sim.simulator import RunStats, Simulator
+
+ALIGN = 64
+
+
+@dataclass
+class BufferPlacement:
+    name: str
+    kind: str  # "input" | "arena"
+    offset: int  # byte offset in the arena (arena buffers) or 0 (inputs: own argument register)
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass
+class CompiledGraph:
+    """One compiled graph: the program, its HBM layout and launch ABI, and the text of every stage."""
+
+    config: HardwareConfig
+    program: Program
+    inputs: list[BufferPlacement]
+    outputs: list[View]
+    placements: dict[str, BufferPlacement]
+    arena_bytes: int
+    stages: dict[str, str] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_launch_args(self) -> int:
+        return len(self.inputs) + 1
+
+    def launch_args(self, input_addrs: Sequence[int], arena_addr: int) -> dict[int, int]:
+        args = {i + 1: a for i, a in enumerate(input_addrs)}
+        args[len(input_addrs) + 1] = arena_addr
+        return args
+
+    @staticmethod
+    def input_bits(placement: BufferPlacement, x: np.ndarray) -> np.ndarray:
+        """An input as the bits the program expects in HBM (fp32, or bf16 as uint16)."""
+        return _to_device(np.asarray(x), placement.dtype)
+
+    def read_outputs(self, hbm: np.ndarray, input_addrs: Sequence[int], arena: int) -> list[np.ndarray]:
+        """The graph's outputs (fp32 arrays; bf16 results widened exactly) from an HBM byte array."""
+        outs = []
+        for v in self.outputs:
+            p = self.placements[v.buffer]
+            base = input_addrs[self.inputs.index(p)] if p.kind == "input" else arena + p.offset
+            outs.append(_read_view(hbm, base, p, v))
+        return outs
+
+    def run_on_simulator(self, inputs: Sequence[np.ndarray], trace: bool = False) -> tuple[list[np.ndarray], RunStats]:
+        """Run on a fresh simulator: inputs packed from HBM address 0, the arena after them."""
+        sim = Simulator(self.config, trace=trace)
+        sim.load(self.program)
+        addr, addrs = 0, []
+        for p, x in zip(self.inputs, inputs, strict=True):
+            data = self.input_bits(p, x)
+            sim.write_hbm(addr, data)
+            addrs.append(addr)
+            addr += -(-data.nbytes // ALIGN) * ALIGN
+        arena = addr
+        if arena + self.arena_bytes > self.config.hbm_bytes:
+            raise CapacityError(f"graph needs {arena + self.arena_bytes} bytes of HBM; {self.config.name} has "
+                                f"{self.config.hbm_bytes}")
+        stats = sim.run(self.launch_args(addrs, arena))
+        return self.read_outputs(sim.hbm, addrs, arena), stats
+
+    def dump(self, directory: str | os.PathLike[str]) -> None:
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        for i, (name, text) in enumerate(self.stages.items()):
+            (d / f"{i:02d}_{name}").write_text(text)
+        (d / "program.bin").write_bytes(self.program.to_bytes())
+        (d / "summary.json").write_text(json.dumps(self.summary, indent=2))
+
+
+def _to_device(x: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bf16":
+        if x.dtype == np.uint16:
+            return np.ascontiguousarray(x)
+        return numerics.f32_to_bf16_bits(np.ascontiguousarray(x, dtype=np.float32))
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def _read_view(hbm: np.ndarray, base: int, p: BufferPlacement, v: View) -> np.ndarray:
+    np_dtype = np.uint16 if p.dtype == "bf16" else np.float32
+    flat = hbm[base : base + p.nbytes].view(np_dtype)
+    if p.dtype == "bf16":
+        flat = numerics.bf16_bits_to_f32(flat)
+    item = flat.itemsize
+    out = np.lib.stride_tricks.as_strided(flat[v.offset:], v.shape, tuple(s * item for s in v.strides))
+    return np.array(out)
+
+
+def plan_memory(g: KernelGraph) -> tuple[dict[str, BufferPlacement], int]:
+    """Arena offsets for temporaries by liveness (first-fit reuse); outputs live to the end."""
+    last = len(g.kernels)
+    live: dict[str, list[int]] = {}
+    for i, k in enumerate(g.kernels):
+        for v in _views(k):
+            span = live.setdefault(v.buffer, [i, i])
+            span[0], span[1] = min(span[0], i), max(span[1], i)
+    for v in g.results:
+        live.setdefault(v.buffer, [last, last])[1] = last
+    placements: dict[str, BufferPlacement] = {}
+    active: list[tuple[int, int, int]] = []  # (offset, nbytes, end)
+    arena = 0
+    for name, buf in g.buffers.items():
+        if buf.kind == "input":
+            placements[name] = BufferPlacement(name, "input", 0, buf.nbytes, buf.shape, buf.dtype)
+    temps = sorted((n for n, b in g.buffers.items() if b.kind == "temp"), key=lambda n: live.get(n, [0, 0])[0])
+    for name in temps:
+        buf = g.buffers[name]
+        start, end = live.get(name, [0, 0])
+        active = [a for a in active if a[2] >= start]
+        size = -(-buf.nbytes // ALIGN) * ALIGN
+        offset = 0
+        for a_off, a_size, _ in sorted(active):
+            if offset + size <= a_off:
+                break
+            offset = max(offset, a_off + a_size)
+        active.append((offset, size, end))
+        arena = max(arena, offset + size)
+        placements[name] = BufferPlacement(name, "arena", offset, buf.nbytes, buf.shape, buf.dtype)
+    return placements, arena
+
+
+def _views(k: Kernel) -> list[View]:
+    if isinstance(k, GenericKernel):
+        return [o.view for o in k.inputs] + [k.output.view]
+    if isinstance(k, FillKernel):
+        return [k.output]
+    return [k.a, k.b, k.c]
+
+
+def _drop_matmul_fills(kernels: list[Kernel]) -> list[Kernel]:
+    """A zero fill right before the matmul that accumulates into it is implied by `mxu.mms`."""
+    out: list[Kernel] = []
+    for i, k in enumerate(kernels):
+        nxt = kernels[i + 1] if i + 1 < len(kernels) else None
+        if isinstance(k, FillKernel) and k.value == 0.0 and isinstance(nxt, MatmulKernel) and nxt.c == k.output:
+            continue
+        out.append(k)
+    return out
+
+
+def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor], config: str = "small",
+                  options: dict[str, Any] | None = None) -> CompiledGraph:
+    options = dict(options or {})
+    cfg = get_config(config)
+    precision = options.get("matmul_precision", torch.get_float32_matmul_precision())
+    stages: dict[str, str] = {"fx.txt": gm.print_readable(print_output=False) if hasattr(gm, "print_readable")
+                              else str(gm.graph)}
+    text, _, _ = emit_module(gm, example_inputs)
+    pipeline = run_pipeline(text)
+    for name, ir_text in pipeline.stages:
+        stages[f"mlir_{name}.mlir"] = ir_text
+    with pipeline.context:
+        graph = read_function(pipeline.module)
+    graph.kernels = _drop_matmul_fills(graph.kernels)
+    placements, arena_bytes = plan_memory(graph)
+    n_in = len(graph.arguments)
+    func = Function(pinned=tuple(Reg("s", i, True) for i in range(1, n_in + 2)))
+    b = Builder(func)
+    arena_reg = Reg("s", n_in + 1, True)
+    hbm_base: dict[str, tuple[Reg, int]] = {}
+    for i, name in enumerate(graph.arguments):
+        hbm_base[name] = (Reg("s", i + 1, True), 0)
+    for name, p in placements.items():
+        if p.kind == "arena":
+            hbm_base[name] = (arena_reg, p.offset)
+    ctx = KernelContext(b, cfg, hbm_base, (arena_reg, arena_bytes), precision)
+    per_kernel = []
+    for i, k in enumerate(graph.kernels):
+        before = sum(len(blk.instrs) for blk in func.blocks)
+        ctx.begin(f"kernel {i} ({type(k).__name__})")
+        if isinstance(k, GenericKernel):
+            lower_generic(ctx, k)
+        elif isinstance(k, FillKernel):
+            lower_fill(ctx, k)
+        else:
+            lower_matmul(ctx, k)
+        ctx.end()
+        per_kernel.append({"index": i, "kind": _kind(k), "instructions": sum(len(blk.instrs) for blk in func.blocks)
+                           - before, "mlir": k.text.splitlines()[0] if k.text else ""})
+    b.emit("halt")
+    arena_bytes += ctx.scratch_peak
+    machine_ir = func.dump()
+    mc: MachineCode = compile_function(func, next_id=_max_id(func), source_name="<compiled graph>")
+    if len(mc.program) > cfg.imem_bundles:
+        raise CapacityError(f"program of {len(mc.program)} bundles does not fit imem ({cfg.imem_bundles} bundles)")
+    stages["machine_ir.txt"] = machine_ir
+    stages["scheduled.txt"] = mc.scheduled_text()
+    stages["program.s"] = mc.assembly
+    inputs = [placements[n] for n in graph.arguments]
+    summary = {"config": cfg.name, "kernels": per_kernel, "bundles": len(mc.program), "spilled": mc.spilled,
+               "matmul_precision": precision, "arena_bytes": arena_bytes,
+               "launch_args": {f"s{i + 1}": n for i, n in enumerate(graph.arguments)} | {f"s{n_in + 1}": "arena"},
+               "buffers": {n: dataclasses.asdict(p) for n, p in placements.items()},
+               "outputs": [dataclasses.asdict(v) for v in graph.results]}
+    compiled = CompiledGraph(cfg, mc.program, inputs, graph.results, placements, arena_bytes, stages, summary)
+    dump_dir = options.get("dump_dir") or os.environ.get("CTPU_DUMP_DIR")
+    if dump_dir:
+        compiled.dump(Path(dump_dir) / options.get("name", "graph"))
+    return compiled
+
+
+def _kind(k: Kernel) -> str:
+    if isinstance(k, MatmulKernel):
+        return "matmul"
+    if isinstance(k, FillKernel):
+        return "fill"
+    return "reduction" if k.reduction else "elementwise"
+
+
+def _max_id(func: Function) -> int:
+    return max((r.n for blk in func.blocks for i in blk.instrs for r in i.regs() if not r.phys), default=0)

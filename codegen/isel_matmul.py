@@ -1,0 +1,194 @@
+"""Instruction selection for linalg.matmul / batch_matmul on the MXU.
+
+Layout (N = lanes = MXU size). For one batch and one m-tile of Mt rows:
+- A is held as KT = ceil(K / N) column blocks of Mt vmem rows (block kt, row m = A[m, kt*N : kt*N + N]),
+  one strided DMA per block; lanes past K are zero-filled by the DMA;
+- for each n-tile, B[:, n0 : n0 + N] is one DMA of K vmem rows (rows K .. KT*N are zeroed once), so the
+  weight tile (kt) is the N consecutive rows kt*N .. kt*N + N: `mxu.lw` loads it into the shadow buffer while
+  the previous `mxu.mm(a)s` streams, which swaps it in and streams the Mt rows of A's block kt;
+- C[m-tile, n-tile] accumulates in Mt vmem rows (`mxu.mms` first, `mxu.mmas` after) and is stored with one DMA.
+B tiles, C tiles and their flags are double-buffered across n-tiles, so the MXU streams back to back.
+
+fp32 operands follow `torch.get_float32_matmul_precision()`: each is split in vmem into bf16 parts
+(hi = bf(x), mid = bf(x - hi), lo = bf(x - hi - mid), with `vcvt.bf` and `vsub.f`) and the cross products
+are accumulated, smallest first: "highest" 6 passes, "high" 3, "medium" 1. bf16 operands run 1 pass.
+"""
+
+from __future__ import annotations
+
+from codegen.isel_common import KernelContext, Region
+from codegen.kernels import LoweringError, MatmulKernel, View
+from codegen.mir import Reg
+
+PASSES = {  # (part of A, part of B), accumulated in this order (small terms first)
+    "highest": [(2, 0), (1, 1), (0, 2), (1, 0), (0, 1), (0, 0)],
+    "high": [(1, 0), (0, 1), (0, 0)],
+    "medium": [(0, 0)],
+}
+F_B, F_ST, F_A, F_MXU = 0, 2, 4, 8
+UNROLL_K_TILES = 8  # k loops up to this many tiles are unrolled, longer ones run as loops
+
+
+def lower_matmul(ctx: KernelContext, k: MatmulKernel) -> None:
+    a, bm, c = k.a, k.b, k.c
+    batched = len(c.shape) == 3
+    B = c.shape[0] if batched else 1
+    M, K = a.shape[-2:]
+    Nn = bm.shape[-1]
+    for v, what in ((a, "A"), (bm, "B"), (c, "C")):
+        if v.strides[-1] != 1:
+            raise LoweringError(f"matmul operand {what} is not contiguous along its last dim: {v.strides}")
+    precision = "medium" if a.dtype == "bf16" and bm.dtype == "bf16" else ctx.matmul_precision
+    passes = PASSES[precision]
+    parts = 1 + max(max(p) for p in passes)
+    L = ctx.lanes
+    KT, NT = -(-K // L), -(-Nn // L)
+    b_rows = 2 * parts * (KT * L + 8)
+    budget = ctx.vmem_free() - b_rows - 64
+    mt = min(-(-M // 8) * 8, max(8, (budget // (parts * KT + 2)) // 8 * 8), 512)
+    divisors = [d for d in range(8, mt + 1, 8) if M % d == 0 and 2 * d >= mt]
+    mt = divisors[-1] if divisors else mt  # no tail m-tile: less code
+    if parts * KT * mt + 2 * mt + b_rows + 32 > ctx.vmem_free():
+        raise LoweringError(f"matmul {M}x{K}x{Nn} does not fit vmem (K too large for one tile)")
+    a_parts = [ctx.region(KT * mt, f"a{q}_") for q in range(parts)]
+    b_raw = [ctx.region(KT * L, "braw") for _ in range(2)]
+    b_parts = [b_raw] + [[ctx.region(KT * L, f"b{q}_") for _ in range(2)] for q in range(1, parts)]
+    c_tiles = [ctx.region(mt, "c") for _ in range(2)]
+    if K % L:  # weight rows past K must be zero (the DMA never writes them)
+        zero = ctx.b.vconst(0.0)
+        for r in b_raw:
+            row = KT * L - 8
+            ctx.b.emit("vst", None, (zero, ctx.b.const(0)), imm=r.row + row, mem=(r.mem(row, row + 8, True),))
+    for batch in range(B):
+        m_tiles = [(m0, min(mt, M - m0)) for m0 in range(0, M, mt)]
+        full = [t for t in m_tiles if t[1] == mt]
+        if len(full) >= 3:
+            a_reg = ctx.hbm_addr(a, a.offset + (a.strides[0] * batch if batched else 0))
+            c_reg = ctx.hbm_addr(c, c.offset + (c.strides[0] * batch if batched else 0))
+            a_ptr, c_ptr = ctx.b.sreg(), ctx.b.sreg()
+            ctx.b.emit("addi", a_ptr, (a_reg,), imm=0)
+            ctx.b.emit("addi", c_ptr, (c_reg,), imm=0)
+
+            def body(a_ptr: Reg = a_ptr, c_ptr: Reg = c_ptr, batch: int = batch) -> None:
+                _m_tile(ctx, k, batch, 0, mt, (a_ptr, c_ptr), a_parts, b_raw, b_parts, c_tiles, passes, KT, NT)
+                ctx.b.addi(a_ptr, mt * a.strides[-2] * _esize(a), a_ptr)
+                ctx.b.addi(c_ptr, mt * c.strides[-2] * _esize(c), c_ptr)
+
+            ctx.b.counted_loop(len(full), body, "mtile")
+            m_tiles = m_tiles[len(full):]
+        for m0, rows in m_tiles:
+            _m_tile(ctx, k, batch, m0, rows, None, a_parts, b_raw, b_parts, c_tiles, passes, KT, NT)
+
+
+def _esize(v: View) -> int:
+    return 2 if v.dtype == "bf16" else 4
+
+
+def _m_tile(ctx: KernelContext, k: MatmulKernel, batch: int, m0: int, rows: int, ptrs: tuple[Reg, Reg] | None,
+            a_parts: list[Region], b_raw: list[Region], b_parts: list[list[Region]], c_tiles: list[Region],
+            passes: list[tuple[int, int]], KT: int, NT: int) -> None:
+    b = ctx.b
+    a, bm, c = k.a, k.b, k.c
+    L = ctx.lanes
+    K, Nn = a.shape[-1], bm.shape[-1]
+    batched = len(c.shape) == 3
+    mt = a_parts[0].rows // KT
+    a_off = (a.strides[0] * batch if batched else 0) + m0 * a.strides[-2]
+    c_off = (c.strides[0] * batch if batched else 0) + m0 * c.strides[-2]
+    b_off = bm.offset + (bm.strides[0] * batch if batched else 0)
+
+    def a_addr(elem: int) -> Reg:
+        return b.offset_reg(ptrs[0], elem * _esize(a)) if ptrs else ctx.hbm_addr(a, a.offset + a_off + elem)
+
+    def c_addr(elem: int) -> Reg:
+        return b.offset_reg(ptrs[1], elem * _esize(c)) if ptrs else ctx.hbm_addr(c, c.offset + c_off + elem)
+
+    def load_b(nt: int) -> None:
+        n0 = nt * L
+        ctx.dma(True, bm.dtype, ctx.hbm_addr(bm, b_off + n0), b_raw[nt % 2], 0, K, min(L, Nn - n0),
+                bm.strides[-2], F_B + nt % 2)
+
+    load_b(0)
+    for kt in range(KT):
+        ctx.dma(True, a.dtype, a_addr(kt * L), a_parts[0], kt * mt, rows, min(L, K - kt * L), a.strides[-2], F_A)
+    b.emit("wait", flag=ctx.flag(F_A))
+    if len(a_parts) > 1:
+        _split(ctx, a_parts, KT * mt)
+    for nt in range(NT):
+        p = nt % 2
+        b.emit("wait", flag=ctx.flag(F_B + p))
+        if len(b_parts) > 1:
+            _split(ctx, [b_raw[p]] + [parts[p] for parts in b_parts[1:]], KT * L)
+            weights = [b_raw[p]] + [parts[p] for parts in b_parts[1:]]
+        else:
+            weights = [b_raw[p]]
+        if nt >= 2:
+            b.emit("wait", flag=ctx.flag(F_ST + p))
+        commands = [(qa, qb, kt) for qa, qb in passes for kt in range(KT)]
+        _mxu(ctx, a_parts, weights, c_tiles[p], commands[:1], rows, mt, first=True, flag=F_MXU + p)
+        if nt >= 1:
+            _store_c(ctx, c_tiles[1 - p], c_addr((nt - 1) * L), rows, min(L, Nn - (nt - 1) * L), c, 1 - p)
+        if nt + 1 < NT:
+            load_b(nt + 1)
+        _mxu(ctx, a_parts, weights, c_tiles[p], commands[1:], rows, mt, first=False, flag=F_MXU + p)
+    last = (NT - 1) % 2
+    _store_c(ctx, c_tiles[last], c_addr((NT - 1) * L), rows, min(L, Nn - (NT - 1) * L), c, last)
+    ctx.end()
+
+
+def _store_c(ctx: KernelContext, tile: Region, addr: Reg, rows: int, cols: int, c: View, p: int) -> None:
+    ctx.b.emit("wait", flag=ctx.flag(F_MXU + p))
+    ctx.dma(False, c.dtype, addr, tile, 0, rows, cols, c.strides[-2], F_ST + p)
+
+
+def _split(ctx: KernelContext, parts: list[Region], rows: int) -> None:
+    """parts[0] holds fp32 values; rewrite it and fill parts[1:] with the bf16 split (hi, mid, lo)."""
+    b = ctx.b
+    zero = b.const(0)
+    for r in range(0, rows, 8):
+        x = b.vreg()
+        b.emit("vld", x, (zero,), imm=parts[0].row + r, mem=(parts[0].mem(r, r + 8),))
+        rest = x
+        for q, region in enumerate(parts):
+            part = b.vop("vcvt.bf", rest)
+            if q + 1 < len(parts):
+                rest = b.vop("vsub.f", rest, part)
+            b.emit("vst", None, (part, zero), imm=region.row + r, mem=(region.mem(r, r + 8, True),))
+
+
+def _mxu(ctx: KernelContext, a_parts: list[Region], weights: list[Region], c_tile: Region,
+         commands: list[tuple[int, int, int]], rows: int, mt: int, first: bool, flag: int) -> None:
+    """Issue lw + mm(a)s for each (part of A, part of B, k tile); runs of one pass longer than
+    UNROLL_K_TILES become a counted loop with pointer registers."""
+    b = ctx.b
+    f = ctx.flag(flag)
+    n_rows = b.const(rows)
+    c_row = b.const(c_tile.row)
+    L = ctx.lanes
+    i = 0
+    while i < len(commands):
+        qa, qb, kt = commands[i]
+        run = [cmd for cmd in commands[i:] if cmd[:2] == (qa, qb)]
+        if len(run) > UNROLL_K_TILES and not first:
+            w_ptr, a_ptr = b.sreg(), b.sreg()
+            b.emit("li", w_ptr, imm=weights[qb].row + kt * L)
+            b.emit("li", a_ptr, imm=a_parts[qa].row + kt * mt)
+
+            def body(w_ptr: Reg = w_ptr, a_ptr: Reg = a_ptr, qa: int = qa, qb: int = qb) -> None:
+                b.emit("mxu.lw", None, (w_ptr,), flag=f, mem=(weights[qb].mem(),))
+                b.emit("mxu.mmas", None, (a_ptr, b.const(c_tile.row), b.const(rows)), flag=f,
+                       mem=(a_parts[qa].mem(), c_tile.mem(0, rows, True)))
+                b.emit("addi", w_ptr, (w_ptr,), imm=L)
+                b.emit("addi", a_ptr, (a_ptr,), imm=mt)
+
+            b.counted_loop(len(run), body, "ktile")
+            n_rows, c_row = b.const(rows), b.const(c_tile.row)
+            i += len(run)
+            continue
+        w_row = weights[qb].row + kt * L
+        b.emit("mxu.lw", None, (b.const(w_row),), flag=f, mem=(weights[qb].mem(kt * L, kt * L + L),))
+        op = "mxu.mms" if first and i == 0 else "mxu.mmas"
+        a_row = a_parts[qa].row + kt * mt
+        b.emit(op, None, (b.const(a_row), c_row, n_rows), flag=f,
+               mem=(a_parts[qa].mem(kt * mt, kt * mt + rows), c_tile.mem(0, rows, True)))
+        i += 1

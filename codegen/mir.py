@@ -1,0 +1,135 @@
+"""Machine IR: CTPU instructions over virtual registers, in basic blocks.
+
+Instruction selection produces this IR with *virtual* registers (`Reg(kind, n)`, unlimited); launch
+arguments are *pinned* registers (`Reg(kind, n, phys=True)`). Everything an instruction is (its unit, slot,
+latency, which operand it writes) comes from `device_sim.isa`; this file only adds what the scheduler needs
+beyond the table: the vmem rows an instruction touches (`Mem`), so that memory order is kept.
+
+Invariants: a `Block` ends with at most one control instruction (branch/jmp/halt) and it is last; a block
+without one falls through to the next block of the `Function`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from device_sim import isa
+
+
+@dataclass(frozen=True)
+class Reg:
+    """A scalar ('s') or vector ('v') register; virtual unless `phys`."""
+
+    kind: str
+    n: int
+    phys: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.n}" if self.phys else f"%{self.kind}{self.n}"
+
+
+ZERO = Reg("s", 0, phys=True)
+
+
+@dataclass(frozen=True)
+class Mem:
+    """vmem rows [lo, hi) of region `region` touched by an instruction (hi=None: the whole region)."""
+
+    region: str
+    lo: int = 0
+    hi: int | None = None
+    write: bool = False
+
+    def overlaps(self, other: Mem) -> bool:
+        if self.region != other.region:
+            return False
+        if self.hi is None or other.hi is None:
+            return True
+        return self.lo < other.hi and other.lo < self.hi
+
+
+@dataclass
+class MInstr:
+    """One instruction. `uses` are the register operands in the table's operand order, without the
+    destination; `dst` is the register the table says it writes (None for stores, DMA, MXU, control)."""
+
+    op: str
+    dst: Reg | None = None
+    uses: tuple[Reg, ...] = ()
+    imm: int | None = None
+    flag: int | None = None
+    target: str | None = None
+    mem: tuple[Mem, ...] = ()
+    comment: str = ""
+
+    @property
+    def info(self) -> isa.Instr:
+        return isa.BY_MNEMONIC[self.op]
+
+    @property
+    def unit(self) -> isa.Unit:
+        return self.info.unit
+
+    @property
+    def latency(self) -> int:
+        return self.info.latency
+
+    @property
+    def is_async(self) -> bool:
+        return self.unit in (isa.Unit.DMA, isa.Unit.MXU)
+
+    @property
+    def is_control(self) -> bool:
+        return self.op in ("halt", "jmp", "bnz", "bz")
+
+    def regs(self) -> list[Reg]:
+        return ([self.dst] if self.dst else []) + list(self.uses)
+
+    def __str__(self) -> str:
+        parts = []
+        uses = iter(self.uses)
+        for operand in self.info.operands:
+            if operand.field == self.info.writes:
+                parts.append(str(self.dst))
+            elif operand.kind in (isa.Kind.SREG, isa.Kind.VREG):
+                parts.append(str(next(uses)))
+            elif operand.kind is isa.Kind.FLAG:
+                parts.append(f"f{self.flag}")
+            elif operand.kind is isa.Kind.TARGET:
+                parts.append(str(self.target))
+            else:
+                parts.append(str(self.imm))
+        text = self.op + (" " + ", ".join(parts) if parts else "")
+        return text + (f"  # {self.comment}" if self.comment else "")
+
+
+@dataclass
+class Block:
+    label: str
+    instrs: list[MInstr] = field(default_factory=list)
+
+    def successors(self, next_label: str | None) -> list[str]:
+        last = self.instrs[-1] if self.instrs else None
+        if last is not None and last.op == "halt":
+            return []
+        if last is not None and last.op == "jmp":
+            return [str(last.target)]
+        out = [next_label] if next_label else []
+        if last is not None and last.op in ("bnz", "bz"):
+            out.append(str(last.target))
+        return out
+
+
+@dataclass
+class Function:
+    """A whole program: blocks in layout order, plus the pinned launch-argument registers."""
+
+    blocks: list[Block] = field(default_factory=list)
+    pinned: tuple[Reg, ...] = ()
+
+    def dump(self) -> str:
+        lines = []
+        for b in self.blocks:
+            lines.append(f"{b.label}:")
+            lines.extend(f"    {i}" for i in b.instrs)
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,222 @@
+"""VLIW list scheduling of one basic block, with latencies and slots read from `device_sim.isa`.
+
+Before: a `Block` of `MInstr` in program order (virtual registers). After: a list of bundles (one list of
+instructions per cycle) such that, with results landing at issue + latency and no interlocks:
+
+- RAW: a read issues at or after its producer's landing;
+- WAR: a redefinition lands strictly after every earlier read of the old value;
+- WAW: redefinitions land in program order (never in the same cycle: that traps);
+- memory: vmem accesses that overlap (per `Mem` rows) keep their order, a store visible before a later load;
+- `wait fK` is a memory barrier: earlier memory instructions issue no later than it (commands on fK
+  strictly before it), later ones no earlier;
+- commands of one asynchronous unit (DMA, MXU) keep their order (their FIFOs are in order);
+- the control instruction is last, and every result of the block lands by the time the next block
+  issues, so blocks can be scheduled independently (loops included).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from codegen.mir import MInstr, Reg
+from device_sim import isa
+
+SLOT_COUNT: dict[isa.Unit, int] = {u: len(s) for u, s in isa.SLOTS_OF_UNIT.items()}
+# Register pressure above which the scheduler only adds instructions that free as many values as they make
+PRESSURE_LIMIT = {"s": 20, "v": 24}
+
+
+@dataclass
+class Dep:
+    pred: int
+    succ: int
+    distance: int  # t_succ >= t_pred + distance
+
+
+def _is_memory(ins: MInstr) -> bool:
+    return bool(ins.mem) or ins.is_async or ins.unit in (isa.Unit.VLOAD, isa.Unit.VSTORE)
+
+
+def build_deps(instrs: list[MInstr]) -> list[Dep]:
+    """All ordering constraints of a block (see the module docstring), as (pred, succ, distance)."""
+    deps: list[Dep] = []
+    last_def: dict[Reg, int] = {}
+    uses_since: dict[Reg, list[int]] = defaultdict(list)
+    row_writer: dict[tuple[str, int], int] = {}
+    row_readers: dict[tuple[str, int], list[int]] = defaultdict(list)
+    mem_since_wait: list[int] = []
+    last_wait: int | None = None
+    last_async: dict[isa.Unit, int] = {}
+    for b, ins in enumerate(instrs):
+        lat_b = ins.latency
+        for r in ins.uses:
+            if r in last_def:
+                a = last_def[r]
+                deps.append(Dep(a, b, instrs[a].latency))
+        if ins.dst is not None:
+            r = ins.dst
+            for a in uses_since[r]:
+                if a != b:
+                    deps.append(Dep(a, b, 1 - lat_b))
+            if r in last_def:
+                a = last_def[r]
+                deps.append(Dep(a, b, instrs[a].latency - lat_b + 1))
+        for r in ins.uses:
+            uses_since[r].append(b)
+        if ins.dst is not None:
+            last_def[ins.dst] = b
+            uses_since[ins.dst] = []
+        # memory order through rows
+        for m in ins.mem:
+            assert m.hi is not None, f"{ins}: memory rows must be known"
+            for row in range(m.lo, m.hi):
+                key = (m.region, row)
+                w = row_writer.get(key)
+                if m.write:
+                    if w is not None and w != b:
+                        deps.append(Dep(w, b, 1))
+                    for a in row_readers[key]:
+                        if a != b:
+                            deps.append(Dep(a, b, 1 if ins.is_async or instrs[a].is_async else 0))
+                    row_writer[key] = b
+                    row_readers[key] = []
+                else:
+                    if w is not None and w != b:
+                        deps.append(Dep(w, b, max(1, instrs[w].latency)))
+                    row_readers[key].append(b)
+        if ins.is_async:
+            prev = last_async.get(ins.unit)
+            if prev is not None:
+                deps.append(Dep(prev, b, 1))
+            last_async[ins.unit] = b
+        if ins.op == "wait":
+            for a in mem_since_wait:
+                same_flag = instrs[a].is_async and instrs[a].flag == ins.flag
+                deps.append(Dep(a, b, 1 if same_flag else 0))
+            if last_wait is not None:
+                deps.append(Dep(last_wait, b, 1))
+            mem_since_wait, last_wait = [], b
+        elif _is_memory(ins):
+            if last_wait is not None:
+                deps.append(Dep(last_wait, b, 0))
+            mem_since_wait.append(b)
+    # the control instruction closes the block
+    if instrs and instrs[-1].is_control:
+        t = len(instrs) - 1
+        for a in range(t):
+            deps.append(Dep(a, t, max(0, instrs[a].latency - 1)))
+    return deps
+
+
+def schedule_block(instrs: list[MInstr]) -> list[list[MInstr]]:
+    """List-schedule a block into bundles (critical-path priority, program order to break ties).
+
+    Two rounds: the second releases instructions without predecessors (constants: li, vbcast, viota) only
+    a few cycles before their first consumer issued in the first round, so they do not sit in registers."""
+    if not instrs:
+        return []
+    deps = build_deps(instrs)
+    first, times = _list_schedule(instrs, deps, [0] * len(instrs))
+    has_pred = {d.succ for d in deps}
+    release = [0] * len(instrs)
+    for d in deps:
+        if d.pred not in has_pred:
+            t = max(0, times[d.succ] - d.distance - 2)
+            release[d.pred] = t if release[d.pred] == 0 else min(release[d.pred], t)
+    second, _ = _list_schedule(instrs, deps, release)
+    return second if len(second) <= len(first) + len(first) // 8 + 2 else first
+
+
+def _list_schedule(instrs: list[MInstr], deps: list[Dep], release: list[int]) -> tuple[list[list[MInstr]],
+                                                                                     list[int]]:
+    n = len(instrs)
+    preds: list[list[Dep]] = [[] for _ in range(n)]
+    succs: list[list[Dep]] = [[] for _ in range(n)]
+    for d in deps:
+        preds[d.succ].append(d)
+        succs[d.pred].append(d)
+    height = [0] * n
+    for i in reversed(range(n)):
+        h = max(1, instrs[i].latency)
+        for d in succs[i]:
+            h = max(h, d.distance + height[d.succ])
+        height[i] = h
+    control = n - 1 if instrs[-1].is_control else None
+    waiting = [len(p) for p in preds]
+    earliest = list(release)
+    time: list[int | None] = [None] * n
+    ready = [i for i in range(n) if waiting[i] == 0]
+    remaining: dict[Reg, int] = defaultdict(int)
+    for ins in instrs:
+        for r in ins.uses:
+            remaining[r] += 1
+    live: dict[str, int] = defaultdict(int)
+    counted: set[Reg] = set()
+
+    def dying(i: int) -> set[Reg]:
+        uses = instrs[i].uses
+        return {r for r in uses if r in counted and remaining[r] == uses.count(r)}
+
+    def growth(i: int, kind: str) -> int:
+        dst = instrs[i].dst
+        grow = 1 if dst is not None and dst.kind == kind and remaining[dst] > 0 and dst not in counted else 0
+        return grow - sum(1 for r in dying(i) if r.kind == kind)
+
+    def commit(i: int) -> None:
+        for r in dying(i):
+            counted.discard(r)
+            live[r.kind] -= 1
+        for r in instrs[i].uses:
+            remaining[r] -= 1
+        dst = instrs[i].dst
+        if dst is not None and not dst.phys and remaining[dst] > 0 and dst not in counted:
+            counted.add(dst)
+            live[dst.kind] += 1
+
+    bundles: list[list[MInstr]] = []
+    placed = 0
+    cycle = 0
+    while placed < n:
+        used: dict[isa.Unit, int] = defaultdict(int)
+        bundle: list[MInstr] = []
+        ready.sort(key=lambda i: (-height[i], i))
+        now = []
+        for i in ready:
+            if earliest[i] > cycle:
+                continue
+            if i == control and placed < n - 1:
+                continue
+            unit = instrs[i].unit
+            if used[unit] >= SLOT_COUNT[unit]:
+                continue
+            dst = instrs[i].dst
+            if (dst is not None and now and live[dst.kind] >= PRESSURE_LIMIT[dst.kind]
+                    and growth(i, dst.kind) > 0):
+                continue  # under pressure: at most one new value per cycle
+            used[unit] += 1
+            now.append(i)
+            commit(i)
+        for i in now:
+            ready.remove(i)
+            time[i] = cycle
+            bundle.append(instrs[i])
+            placed += 1
+        # successors become ready once every predecessor is placed; distance <= 0 may share this cycle
+        newly = []
+        for i in now:
+            for d in succs[i]:
+                earliest[d.succ] = max(earliest[d.succ], cycle + d.distance)
+                waiting[d.succ] -= 1
+                if waiting[d.succ] == 0:
+                    newly.append(d.succ)
+        ready.extend(newly)
+        bundles.append(bundle)
+        cycle += 1
+    # without a control instruction, pad so every result lands before the next block
+    if control is None:
+        land = max(t + max(0, instrs[i].latency) for i, t in enumerate(time) if t is not None)
+        # a result with latency L issued at t is visible at t + L; the next block starts at len(bundles)
+        while len(bundles) < land:
+            bundles.append([])
+    return bundles, [t if t is not None else 0 for t in time]

@@ -1,0 +1,296 @@
+"""Program manifests: how to set up, run and check a CTPU assembly program.
+
+A manifest is a TOML file beside its program (`gemm.s` -> `gemm.toml`):
+
+    [program]
+    config = "small"                # the configuration it is written for
+    max_cycles = 3_000_000          # the simulator's cycle limit for it
+    description = "..."
+
+    [[inputs]]                      # one per HBM tensor the program reads
+    name = "A"
+    hbm_addr = 0x0
+    shape = [512, 512]
+    dtype = "bf16"                  # f32 | bf16 | i32 (row-major in HBM; bf16 values are rounded RNE)
+    init = { dist = "normal", seed = 1, mean = 0.0, std = 1.0 }
+        # dist: normal (mean, std) | uniform (low, high) | randint (low, high; i32) | file (path: .npy
+        # beside the manifest)
+
+    [[outputs]]                     # one per HBM tensor the program writes
+    name = "C"
+    hbm_addr = 0x100000
+    shape = [512, 512]
+    dtype = "f32"
+    [[outputs.checks]]              # one or more: a reference in device_sim/programs/references.py
+    reference = "gemm_mxu_order"
+    params = { k_tile = 8 }
+    max_ulp = 0                     # or atol = ..., rtol = ... (|out - ref| <= atol + rtol |ref|)
+    why = "one line: why this tolerance"
+
+`run_manifest` sets up HBM, runs the program on the simulator (or on any injected `runner`, e.g. the RTL),
+reads the outputs back and checks each against its references. A program without a manifest just runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from device_sim import numerics, sequences
+from device_sim.asm import load_program
+from device_sim.config import HardwareConfig, get_config
+from device_sim.program import Program
+
+REFERENCES_MODULE = "device_sim.programs.references"
+DTYPES = {"f32": np.float32, "bf16": np.uint16, "i32": np.int32}  # the HBM element types
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be used: names the file and the field."""
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    reference: str
+    params: dict[str, Any]
+    max_ulp: float | None
+    atol: float | None
+    rtol: float | None
+    why: str
+
+    def tolerance(self) -> str:
+        if self.max_ulp is not None:
+            return f"max_ulp <= {self.max_ulp:g}"
+        return f"|err| <= {self.atol or 0.0:g} + {self.rtol or 0.0:g} |ref|"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    hbm_addr: int
+    shape: tuple[int, ...]
+    dtype: str
+    init: dict[str, Any] = field(default_factory=dict)
+    checks: tuple[CheckSpec, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * np.dtype(DTYPES[self.dtype]).itemsize
+
+
+@dataclass(frozen=True)
+class Manifest:
+    path: Path
+    program: Path
+    config: str
+    max_cycles: int
+    description: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+
+def _need(table: dict[str, Any], key: str, where: str) -> Any:
+    if key not in table:
+        raise ManifestError(f"{where}: missing '{key}'")
+    return table[key]
+
+
+def _tensor(t: dict[str, Any], where: str, output: bool) -> TensorSpec:
+    name = _need(t, "name", where)
+    where = f"{where} '{name}'"
+    dtype = _need(t, "dtype", where)
+    if dtype not in DTYPES:
+        raise ManifestError(f"{where}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    checks = []
+    for i, c in enumerate(t.get("checks", []) if output else []):
+        cw = f"{where} check {i}"
+        tol = {k: c.get(k) for k in ("max_ulp", "atol", "rtol")}
+        if tol["max_ulp"] is None and tol["atol"] is None and tol["rtol"] is None:
+            raise ManifestError(f"{cw}: give max_ulp or atol/rtol")
+        checks.append(CheckSpec(_need(c, "reference", cw), dict(c.get("params", {})), tol["max_ulp"], tol["atol"],
+                                tol["rtol"], _need(c, "why", cw)))
+    if not output and "init" not in t:
+        raise ManifestError(f"{where}: missing 'init'")
+    return TensorSpec(name, int(_need(t, "hbm_addr", where)), tuple(_need(t, "shape", where)), dtype,
+                      dict(t.get("init", {})), tuple(checks))
+
+
+def manifest_path(program_path: str | Path) -> Path:
+    return Path(program_path).with_suffix(".toml")
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """Read a manifest (the .toml, or the program's .s: the manifest beside it)."""
+    path = Path(path)
+    if path.suffix != ".toml":
+        path = manifest_path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ManifestError(f"{path}: {e}") from None
+    prog = data.get("program", {})
+    program = path.with_suffix(".s") if "source" not in prog else path.parent / prog["source"]
+    inputs = tuple(_tensor(t, f"{path}: input", False) for t in data.get("inputs", []))
+    outputs = tuple(_tensor(t, f"{path}: output", True) for t in data.get("outputs", []))
+    return Manifest(path, program, prog.get("config", "small"), int(prog.get("max_cycles", 10**8)),
+                    prog.get("description", ""), inputs, outputs)
+
+
+def make_input(spec: TensorSpec, base: Path) -> np.ndarray:
+    """The input's values as float32 (f32, bf16: already bf16-rounded) or int32 (i32)."""
+    init = spec.init
+    dist = init.get("dist", "normal")
+    rng = np.random.default_rng(init.get("seed", 0))
+    if dist == "file":
+        values = np.load(base / init["path"])
+        if tuple(values.shape) != spec.shape:
+            raise ManifestError(f"input '{spec.name}': {init['path']} has shape {values.shape}, not {spec.shape}")
+    elif dist == "normal":
+        values = rng.normal(init.get("mean", 0.0), init.get("std", 1.0), spec.shape)
+    elif dist == "uniform":
+        values = rng.uniform(init.get("low", 0.0), init.get("high", 1.0), spec.shape)
+    elif dist == "randint":
+        values = rng.integers(init.get("low", 0), init.get("high", 100), spec.shape)
+    else:
+        raise ManifestError(f"input '{spec.name}': unknown dist {dist!r} (normal, uniform, randint, file)")
+    if spec.dtype == "i32":
+        return np.asarray(values).astype(np.int32)
+    values = np.asarray(values, dtype=np.float32)
+    return numerics.round_to_bf16(values) if spec.dtype == "bf16" else values
+
+
+def _to_hbm(values: np.ndarray, dtype: str) -> np.ndarray:
+    return numerics.f32_to_bf16_bits(values) if dtype == "bf16" else np.ascontiguousarray(values)
+
+
+def _from_hbm(raw: np.ndarray, dtype: str) -> np.ndarray:
+    return numerics.bf16_bits_to_f32(raw) if dtype == "bf16" else raw
+
+
+@dataclass
+class CheckResult:
+    output: str
+    reference: str
+    passed: bool
+    tolerance: str
+    why: str
+    max_abs_err: float
+    max_rel_err: float
+    max_ulp: float  # vs a float64 reference: fractional ulps of the exact value; else fp32 ulp distance
+    mismatches: int
+
+
+@dataclass
+class ManifestResult:
+    program: str
+    config: str
+    target: str
+    stats: dict[str, Any]
+    checks: list[CheckResult]
+    outputs: dict[str, np.ndarray]
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    def summary(self) -> str:
+        s = self.stats
+        lines = [f"{self.program} on {self.target} ({self.config}): {s.get('cycles')} cycles, "
+                 f"{s.get('bundles')} bundles, MXU utilization {s.get('mxu_utilization', 0.0):.4f}"]
+        for c in self.checks:
+            lines.append(f"  {c.output} vs {c.reference}: {'PASS' if c.passed else 'FAIL'} ({c.tolerance}; "
+                         f"max abs {c.max_abs_err:.3g}, max rel {c.max_rel_err:.3g}, max ulp {c.max_ulp:.3g})")
+        return "\n".join(lines)
+
+
+# runner(program, config, hbm_writes [(addr, array)], hbm_reads [(addr, shape, numpy dtype)], max_cycles)
+#   -> (stats as a dict, [array read back per hbm_reads entry])
+Runner = Callable[[Program, HardwareConfig, list[tuple[int, np.ndarray]], list[tuple[int, tuple[int, ...], Any]], int],
+                  tuple[dict[str, Any], list[np.ndarray]]]
+
+
+def simulator_runner(program: Program, config: HardwareConfig, writes: list[tuple[int, np.ndarray]],
+                     reads: list[tuple[int, tuple[int, ...], Any]], max_cycles: int
+                     ) -> tuple[dict[str, Any], list[np.ndarray]]:
+    from device_sim.simulator import Simulator
+
+    sim = Simulator(config, max_cycles=max_cycles)
+    for addr, arr in writes:
+        sim.write_hbm(addr, arr)
+    sim.load(program)
+    stats = sim.run().as_dict()
+    return stats, [sim.read_hbm(addr, shape, dtype) for addr, shape, dtype in reads]
+
+
+def check_output(name: str, out: np.ndarray, ref: np.ndarray, check: CheckSpec) -> CheckResult:
+    """Compare one output with one reference under the check's tolerance."""
+    ref = np.asarray(ref)
+    if ref.shape != out.shape:
+        raise ManifestError(f"reference {check.reference} returned shape {ref.shape} for '{name}' {out.shape}")
+    o64, r64 = out.astype(np.float64), ref.astype(np.float64)
+    nan_ok = np.isnan(o64) == np.isnan(r64)
+    finite = np.isfinite(o64) & np.isfinite(r64)
+    with np.errstate(all="ignore"):
+        abs_err = np.where(finite, np.abs(o64 - r64), np.where(o64 == r64, 0.0, np.inf))
+        abs_err = np.where(np.isnan(o64) & np.isnan(r64), 0.0, abs_err)
+        rel_err = np.where(abs_err == 0, 0.0, abs_err / np.abs(r64))
+    if ref.dtype == np.float64:
+        ulp = sequences.ulp_error(out, ref)
+    else:
+        ulp = sequences.ulp_distance(out, ref.astype(np.float32))
+    if check.max_ulp is not None:
+        bad = ~(ulp <= check.max_ulp)
+    else:
+        bad = ~(abs_err <= (check.atol or 0.0) + (check.rtol or 0.0) * np.abs(r64))
+    bad |= ~nan_ok
+    return CheckResult(name, check.reference, not bad.any(), check.tolerance(), check.why,
+                       float(abs_err.max(initial=0.0)), float(np.nan_to_num(rel_err, nan=np.inf).max(initial=0.0)),
+                       float(ulp.max(initial=0.0)), int(bad.sum()))
+
+
+def run_manifest(program_path: str | Path, target: str = "sim", config: str | HardwareConfig | None = None,
+                 runner: Runner | None = None, max_cycles: int | None = None) -> ManifestResult:
+    """Assemble and run a program with its manifest's inputs; check every output against its references.
+
+    target: "sim" (the default runner) or the name of the target an injected `runner` drives (e.g. "rtl").
+    config: overrides the manifest's configuration. Without a manifest the program just runs (no checks).
+    """
+    program_path = Path(program_path)
+    if program_path.suffix == ".toml":
+        program_path = program_path.with_suffix(".s")
+    if runner is None:
+        if target != "sim":
+            raise ValueError(f"target {target!r} needs a runner (only 'sim' is built in)")
+        runner = simulator_runner
+    mpath = manifest_path(program_path)
+    manifest = load_manifest(mpath) if mpath.exists() else None
+    cfg = get_config(config if config is not None else (manifest.config if manifest else "small"))
+    limit = max_cycles or (manifest.max_cycles if manifest else 10**8)
+    program = load_program(program_path)
+
+    values = {t.name: make_input(t, mpath.parent) for t in (manifest.inputs if manifest else ())}
+    writes = [(t.hbm_addr, _to_hbm(values[t.name], t.dtype)) for t in (manifest.inputs if manifest else ())]
+    outs = manifest.outputs if manifest else ()
+    reads = [(t.hbm_addr, t.shape, DTYPES[t.dtype]) for t in outs]
+    started = time.perf_counter()
+    stats, raw = runner(program, cfg, writes, reads, limit)
+    stats.setdefault("run_seconds", time.perf_counter() - started)
+
+    refs = importlib.import_module(REFERENCES_MODULE)
+    outputs, checks = {}, []
+    for spec, r in zip(outs, raw, strict=True):
+        out = _from_hbm(np.asarray(r), spec.dtype)
+        outputs[spec.name] = out
+        for check in spec.checks:
+            fn = getattr(refs, check.reference, None)
+            if fn is None:
+                raise ManifestError(f"{mpath}: no reference '{check.reference}' in {REFERENCES_MODULE}")
+            checks.append(check_output(spec.name, out, fn(values, **check.params), check))
+    return ManifestResult(program_path.name, cfg.name, target, stats, checks, outputs)

@@ -1,0 +1,36 @@
+"""fx_passes: FX graph passes between PyTorch (torch_tpu_backend) and code generation (codegen).
+
+    normalize -> pattern fusion -> generic fusion -> partition        (run_passes)
+
+Importing this package registers the `ctpu` custom operators (ops.py) once. This package imports
+torch only; nothing of codegen, device_sim or torch_tpu_backend. See docs/fx_passes.md.
+"""
+
+from . import ops
+from .errors import CtpuDynamicShapeError, CtpuFallbackWarning, CtpuPassError
+from .fuse import FusedKernel, fuse_elementwise
+from .groups import FusionGroup, fusion_groups
+from .normalize import normalize
+from .partition import Partition, Segment, is_supported, partition
+from .patterns import PATTERN_PASSES, fuse_patterns
+from .pipeline import PassReport, run_passes
+
+__all__ = [
+    "PATTERN_PASSES",
+    "CtpuDynamicShapeError",
+    "CtpuFallbackWarning",
+    "CtpuPassError",
+    "FusedKernel",
+    "FusionGroup",
+    "Partition",
+    "PassReport",
+    "Segment",
+    "fuse_elementwise",
+    "fuse_patterns",
+    "fusion_groups",
+    "is_supported",
+    "normalize",
+    "ops",
+    "partition",
+    "run_passes",
+]

@@ -1,0 +1,74 @@
+"""Partitioning: supported vs CPU fallback, one warning per graph, unknown ops never crash."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from fx_helpers import aot_trace, passes_verified, run_graph
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from fx_passes import CtpuFallbackWarning, is_supported, partition, run_passes
+
+# An op nobody taught fx_passes about (registered once per process, in a test-only namespace).
+if not hasattr(torch.ops.ctpu_test, "mystery"):
+
+    @torch.library.custom_op("ctpu_test::mystery", mutates_args=())
+    def _mystery(x: torch.Tensor) -> torch.Tensor:
+        return x.flip(0)
+
+    @_mystery.register_fake
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)
+
+
+def test_unsupported_ops_warn_once_naming_them() -> None:
+    def fn(x):
+        y = torch.cumsum(x * 2, 0)
+        z = torch.cumsum(torch.exp(y), 1)
+        return torch.sort(z, 0).values + 1
+
+    traced = aot_trace(fn, torch.randn(4, 8))
+    with pytest.warns(CtpuFallbackWarning) as record:
+        report = passes_verified(traced)
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "aten.cumsum.default (x2)" in message and "aten.sort.default" in message
+    assert report.fallback_ops == ["aten.cumsum.default", "aten.sort.default"]
+    placements = [s.placement for s in report.partition.segments]
+    assert placements == ["ctpu", "cpu", "ctpu", "cpu", "ctpu"]
+    torch.testing.assert_close(run_graph(traced.gm, traced.inputs)[0], traced.eager)
+
+
+def test_supported_graph_does_not_warn() -> None:
+    traced = aot_trace(lambda x, w: torch.relu(x @ w).sum(-1), torch.randn(4, 8), torch.randn(8, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CtpuFallbackWarning)
+        report = passes_verified(traced)
+    assert report.fallback_ops == [] and [s.placement for s in report.partition.segments] == ["ctpu"]
+
+
+def test_unknown_op_falls_back_without_crashing() -> None:
+    traced = aot_trace(lambda x: torch.ops.ctpu_test.mystery(x * 2) + 1, torch.randn(4, 3))
+    with pytest.warns(CtpuFallbackWarning, match="ctpu_test.mystery.default"):
+        report = passes_verified(traced)
+    assert report.fallback_ops == ["ctpu_test.mystery.default"]
+    node = next(n for n in traced.gm.graph.nodes if "mystery" in str(n.target))
+    assert node.meta["ctpu_placement"] == "cpu" and not is_supported(node, traced.gm)
+
+
+def test_partition_labels_every_compute_node() -> None:
+    gm = make_fx(lambda x: torch.exp(x).t() @ x)(torch.randn(3, 3))
+    part = partition(gm, warn=False)
+    compute = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    assert part.supported == compute and part.fallback == []
+    assert {n.meta["ctpu_placement"] for n in compute} == {"ctpu"}
+
+
+def test_run_passes_warn_false_is_silent() -> None:
+    gm = make_fx(lambda x: torch.cumsum(x, 0))(torch.randn(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CtpuFallbackWarning)
+        _, report = run_passes(gm, [torch.randn(3)], warn=False)
+    assert report.fallback_ops == ["aten.cumsum.default"]
