@@ -163,6 +163,8 @@ class Dma:
             m.trap(f"{kind} with shape {rows}x{cols}: rows and cols must be >= 1")
         if hbm % esize:
             m.trap(f"{kind}: HBM address {hbm:#x} is not aligned to its {esize}-byte elements")
+        if store and rows > 1 and stride < cols:
+            m.trap(f"dma.st with row stride {stride} < {cols} columns: its HBM rows would overlap")
         last = hbm + ((rows - 1) * stride + cols) * esize
         if last > m.config.hbm_bytes:
             m.trap(f"{kind}: HBM bytes [{hbm:#x}, {last:#x}) out of bounds (HBM has {m.config.hbm_bytes:#x} bytes)")

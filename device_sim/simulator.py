@@ -146,7 +146,12 @@ class Machine:
         self._queue(2, row, value, land)
 
     def _queue(self, kind: int, index: int, value: Any, land: int) -> None:
-        self.pending[land % _RING].append((kind, index, value))
+        slot = self.pending[land % _RING]
+        if kind < 2:
+            for k, i, _ in slot:  # the bundle whose result would collide traps, as the RTL does
+                if k == kind and i == index:
+                    self.trap(f"two results would land in {'sv'[kind]}{index} in cycle {land}")
+        slot.append((kind, index, value))
         if land > self.last_land:
             self.last_land = land
 
@@ -157,12 +162,8 @@ class Machine:
             if not writes:
                 continue
             self.pending[c % _RING] = []
-            seen = set()
             for kind, index, value in writes:
                 if kind < 2:
-                    if (kind, index) in seen:
-                        self.trap(f"two results land in {'sv'[kind]}{index} in cycle {c}")
-                    seen.add((kind, index))
                     if kind == 0:
                         if index:
                             self.s[index] = value

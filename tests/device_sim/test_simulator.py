@@ -123,7 +123,9 @@ def test_mm_outputs_may_follow_each_other_but_not_be_read_early() -> None:
     ("li s1, 8\nmxu.mm s0, s0, s1, f0\nhalt", "overlap its input"),
     ("li s1, 5\nli s1, 6", "ran past the end of the program"),
     ("loop: jmp loop", "cycle limit"),
-    ("vred.sum.l v1, v2\nnop\nvadd.f v1, v2, v3\nnop\nnop\nhalt", "two results land in v1"),
+    ("vred.sum.l v1, v2\nnop\nvadd.f v1, v2, v3\nnop\nnop\nhalt", r"bundle 2 .*two results would land in v1"),
+    ("li s3, 1 ; li s3, 2\nhalt", "two results would land in s3"),
+    ("li s1, 4\nlih s1, 2\nli s2, 2\ndma.st s0, s0, s1, s2, f0\nhalt", "HBM rows would overlap"),
 ])
 def test_traps_name_the_bundle_and_reason(text: str, message: str) -> None:
     with pytest.raises(CtpuTrap, match=message) as err:
