@@ -33,6 +33,7 @@ reads the outputs back and checks each against its references. A program without
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import time
 import tomllib
@@ -199,6 +200,11 @@ class ManifestResult:
     @property
     def passed(self) -> bool:
         return all(c.passed for c in self.checks)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: the run's statistics and every check (outputs themselves are left out)."""
+        return {"program": self.program, "config": self.config, "target": self.target, "passed": self.passed,
+                "stats": self.stats, "checks": [dataclasses.asdict(c) for c in self.checks]}
 
     def summary(self) -> str:
         s = self.stats

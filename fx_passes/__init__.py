@@ -12,7 +12,7 @@ from .fuse import FusedKernel, fuse_elementwise
 from .groups import FusionGroup, fusion_groups
 from .normalize import normalize
 from .partition import Partition, Segment, is_supported, partition
-from .patterns import PATTERN_PASSES, fuse_patterns
+from .patterns import PATTERN_PASSES
 from .pipeline import PassReport, run_passes
 
 __all__ = [
@@ -26,7 +26,6 @@ __all__ = [
     "PassReport",
     "Segment",
     "fuse_elementwise",
-    "fuse_patterns",
     "fusion_groups",
     "is_supported",
     "normalize",

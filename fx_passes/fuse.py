@@ -1,8 +1,9 @@
 """Generic fusion: maximal groups of elementwise ops and reductions become `FusedKernel` call_modules.
 
 Before: a graph after pattern fusion. After: every group of at least two fusible nodes (op_sets.py
-ELEMENTWISE and REDUCTIONS, one tensor output, no dtype-less or device-moving cast) is one call_module
-node whose target is a `FusedKernel` holding the group as a sub-GraphModule of core-ATen nodes.
+ELEMENTWISE and REDUCTIONS with one tensor output; `_to_copy` only when it converts the dtype alone) is
+one call_module node whose target is a `FusedKernel` holding the group as a sub-GraphModule of core-ATen
+nodes.
 
 Groups grow from a root (a fusible node, visiting consumers first) towards its producers. A producer
 joins when every one of its users is already in the group: single-consumer chains, and values that

@@ -115,7 +115,7 @@ def _classify_mask(
     if mask is None:
         return None, False
     size = shape(mask)
-    if size is None or torch.broadcast_shapes(size, full) != full:
+    if size is None or not _broadcasts_to(size, full):
         return None
     value = ctx.constants.value(mask)
     with unset_fake_temporarily():  # passes may run inside a tracing context's fake mode
@@ -131,6 +131,13 @@ def _classify_mask(
             if keep_mask:
                 return condition, False  # type: ignore[return-value]
     return mask, False
+
+
+def _broadcasts_to(size: tuple[int, ...], full: tuple[int, ...]) -> bool:
+    try:
+        return torch.broadcast_shapes(size, full) == full
+    except RuntimeError:
+        return False
 
 
 def _as_float(value: object) -> float | None:

@@ -11,10 +11,6 @@ linear epilogue would otherwise take, and every linear feeds on what the others 
 
 from __future__ import annotations
 
-from collections import Counter
-
-from torch.fx import GraphModule
-
 from .pattern_attention import attention_rule, sdpa_rule
 from .pattern_mlp import linear_rule, rope_rule, swiglu_rule
 from .pattern_norm import layer_norm_rule, rms_norm_rule, softmax_rule
@@ -28,8 +24,3 @@ PATTERN_PASSES: tuple[RewritePass, ...] = (
     RewritePass("swiglu", (swiglu_rule,), reverse=True),
     RewritePass("linear", (linear_rule,), reverse=True),
 )
-
-
-def fuse_patterns(gm: GraphModule, *, strict: bool = False) -> dict[str, Counter[str]]:
-    """Run every pattern pass on gm in place; returns {pass name: fusions made, by kind}."""
-    return {p.name: p.run(gm, strict=strict) for p in PATTERN_PASSES}

@@ -11,7 +11,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from fx_passes import CtpuFallbackWarning, is_supported, partition, run_passes
 
-# An op nobody taught fx_passes about (registered once per process, in a test-only namespace).
+# Ops nobody taught fx_passes about (registered once per process, in a test-only namespace).
+FAKE_KERNEL_BROKEN = {"flaky": False}
 if not hasattr(torch.ops.ctpu_test, "mystery"):
 
     @torch.library.custom_op("ctpu_test::mystery", mutates_args=())
@@ -20,6 +21,16 @@ if not hasattr(torch.ops.ctpu_test, "mystery"):
 
     @_mystery.register_fake
     def _(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    @torch.library.custom_op("ctpu_test::flaky", mutates_args=())
+    def _flaky(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    @_flaky.register_fake
+    def _(x: torch.Tensor) -> torch.Tensor:
+        if FAKE_KERNEL_BROKEN["flaky"]:
+            raise RuntimeError("fake kernel broken")
         return torch.empty_like(x)
 
 
@@ -56,6 +67,17 @@ def test_unknown_op_falls_back_without_crashing() -> None:
     assert report.fallback_ops == ["ctpu_test.mystery.default"]
     node = next(n for n in traced.gm.graph.nodes if "mystery" in str(n.target))
     assert node.meta["ctpu_placement"] == "cpu" and not is_supported(node, traced.gm)
+
+
+def test_unknown_op_whose_fake_kernel_fails_later_keeps_its_traced_value() -> None:
+    traced = aot_trace(lambda x: torch.ops.ctpu_test.flaky(x * 2) * 3, torch.randn(4, 3))
+    FAKE_KERNEL_BROKEN["flaky"] = True
+    try:
+        with pytest.warns(CtpuFallbackWarning, match="ctpu_test.flaky.default"):
+            passes_verified(traced)
+    finally:
+        FAKE_KERNEL_BROKEN["flaky"] = False
+    torch.testing.assert_close(run_graph(traced.gm, traced.inputs)[0], traced.eager)
 
 
 def test_partition_labels_every_compute_node() -> None:
