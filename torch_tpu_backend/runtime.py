@@ -40,20 +40,34 @@ class HbmOutOfMemory(RuntimeError):
 
 
 class HbmAllocator:
-    """First-fit allocator over [reserved, size) with coalescing frees. Addresses are HBM byte offsets."""
+    """First-fit allocator over [reserved, size) with coalescing frees. Addresses are HBM byte offsets.
+
+    Thread-safe, and re-entrant in the one way that happens: a garbage collection inside `alloc` can free
+    a ctpu tensor on the same thread; such a release is deferred until the allocation is done.
+    """
 
     def __init__(self, size: int, reserved: int = ALIGN) -> None:
         self.size = size
         self.free: list[tuple[int, int]] = [(reserved, size - reserved)]  # (start, length), sorted
         self.used: dict[int, int] = {}
+        self.allocated = 0
         self.peak = 0
-
-    @property
-    def allocated(self) -> int:
-        return sum(self.used.values())
+        self._lock = threading.RLock()
+        self._busy = False
+        self._deferred: list[int] = []
 
     def alloc(self, nbytes: int) -> int:
         length = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        with self._lock:
+            self._busy = True
+            try:
+                return self._take(nbytes, length)
+            finally:
+                self._busy = False
+                while self._deferred:
+                    self._release(self._deferred.pop())
+
+    def _take(self, nbytes: int, length: int) -> int:
         for i, (start, free_len) in enumerate(self.free):
             if free_len >= length:
                 if free_len == length:
@@ -61,14 +75,33 @@ class HbmAllocator:
                 else:
                     self.free[i] = (start + length, free_len - length)
                 self.used[start] = length
+                self.allocated += length
                 self.peak = max(self.peak, self.allocated)
                 return start
         largest = max((f[1] for f in self.free), default=0)
         raise HbmOutOfMemory(f"CTPU out of memory: tried to allocate {nbytes} bytes; {self.allocated} bytes "
                              f"allocated of {self.size} HBM bytes, largest free block {largest} bytes")
 
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak = self.allocated
+
+    def snapshot(self) -> dict[str, int]:
+        """A consistent view: bytes allocated, peak, live blocks and the largest free block."""
+        with self._lock:
+            return {"allocated": self.allocated, "peak": self.peak, "blocks": len(self.used),
+                    "largest_free": max((n for _, n in self.free), default=0), "size": self.size}
+
     def release(self, addr: int) -> None:
+        with self._lock:
+            if self._busy:  # mid-allocation on this very thread: free when it is done
+                self._deferred.append(addr)
+            else:
+                self._release(addr)
+
+    def _release(self, addr: int) -> None:
         length = self.used.pop(addr)
+        self.allocated -= length
         self.free.append((addr, length))
         self.free.sort()
         merged: list[tuple[int, int]] = []
@@ -152,19 +185,26 @@ def to_numpy_bits(array: Any) -> np.ndarray:
 
 def run_compiled(compiled: Any, tensors: Sequence[Any], target: str, config: str, name: str,
                  out_dtypes: Sequence[Any] | None = None) -> list[Any]:
-    """Launch a codegen.CompiledGraph on a device: inputs and the graph's arena are allocated in HBM for
-    the launch (and freed after), outputs are read back as CPU tensors of the expected dtypes."""
+    """Launch a codegen.CompiledGraph. ctpu tensors already in this device's HBM are read in place (their
+    addresses are the kernel arguments); other inputs are copied into HBM for the launch. The graph's arena
+    is allocated for the launch and freed after. Outputs are ctpu tensors, written in HBM, when any input
+    was a ctpu tensor, else CPU tensors."""
     import torch
 
     device = get_device(config)
     allocations: list[int] = []
+    on_device = False
     try:
         input_addrs = []
         for placement, tensor in zip(compiled.inputs, tensors, strict=True):
-            bits = compiled.input_bits(placement, to_numpy_bits(tensor))
-            addr = device.allocator.alloc(bits.nbytes)
-            allocations.append(addr)
-            device.hbm[addr : addr + bits.nbytes] = bits.reshape(-1).view(np.uint8)
+            addr = _in_place_address(device, placement, tensor)
+            if addr is None:
+                bits = compiled.input_bits(placement, to_numpy_bits(tensor))
+                addr = device.allocator.alloc(bits.nbytes)
+                allocations.append(addr)
+                device.hbm[addr : addr + bits.nbytes] = bits.reshape(-1).view(np.uint8)
+            else:
+                on_device = True
             input_addrs.append(addr)
         arena = device.allocator.alloc(max(compiled.arena_bytes, 1))
         allocations.append(arena)
@@ -173,7 +213,40 @@ def run_compiled(compiled: Any, tensors: Sequence[Any], target: str, config: str
     finally:
         for addr in allocations:
             device.allocator.release(addr)
-    outs = [torch.from_numpy(a) for a in arrays]
-    if out_dtypes is not None:
-        outs = [o.to(d) for o, d in zip(outs, out_dtypes, strict=True)]
-    return outs
+    dtypes = list(out_dtypes) if out_dtypes is not None else [torch.float32] * len(arrays)
+    if on_device:
+        return [_device_tensor(device, a, d) for a, d in zip(arrays, dtypes, strict=True)]
+    return [torch.from_numpy(a).to(d) for a, d in zip(arrays, dtypes, strict=True)]
+
+
+_DTYPES = {"f32": "float32", "bf16": "bfloat16"}
+
+
+def _in_place_address(device: CtpuDevice, placement: Any, tensor: Any) -> int | None:
+    """The HBM address of a ctpu tensor the program can read as it is (same device, dtype, contiguous)."""
+    if getattr(tensor, "device", None) is None or tensor.device.type != "ctpu":
+        return None
+    from torch_tpu_backend.device import memory
+
+    if memory.hbm_device() is not device or not tensor.is_contiguous():
+        return None
+    if str(tensor.dtype).removeprefix("torch.") != _DTYPES.get(placement.dtype):
+        return None
+    return memory.hbm_address(tensor)
+
+
+def _device_tensor(device: CtpuDevice, values: np.ndarray, dtype: Any) -> Any:
+    """A new ctpu tensor holding `values` (fp32), written straight into its HBM bytes."""
+    import torch
+
+    from device_sim import numerics
+    from torch_tpu_backend.device import memory
+
+    out = torch.empty(values.shape, dtype=dtype, device="ctpu")
+    if dtype == torch.bfloat16:
+        bits = numerics.f32_to_bf16_bits(values)
+    else:
+        bits = np.ascontiguousarray(values).astype(str(dtype).removeprefix("torch."), copy=False)
+    addr = memory.hbm_address(out)
+    device.hbm[addr : addr + bits.nbytes] = bits.reshape(-1).view(np.uint8)
+    return out

@@ -1,0 +1,78 @@
+"""`torch.ctpu`: the device module of the ctpu device (registered by torch_tpu_backend.device.register()).
+
+    torch.ctpu.is_available(), device_count(), current_device(), set_device(0), synchronize()
+    torch.ctpu.manual_seed(0), get_rng_state(), set_rng_state(state)
+    torch.ctpu.memory_allocated(), max_memory_allocated(), reset_peak_memory_stats(), memory_stats()
+    torch.ctpu.stats.last(), torch.ctpu.stats.reset()    # execution statistics (torch_tpu_backend.stats)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_tpu_backend import stats
+from torch_tpu_backend.device import _C
+from torch_tpu_backend.device.fallback import CtpuFallbackWarning
+from torch_tpu_backend.device.memory import (
+    DeviceLike,
+    _check_device,
+    empty_cache,
+    hbm_address,
+    hbm_device,
+    max_memory_allocated,
+    memory_allocated,
+    memory_stats,
+    reset_peak_memory_stats,
+)
+from torch_tpu_backend.device.random import (
+    _is_in_bad_fork,
+    default_generator,
+    get_rng_state,
+    get_rng_state_all,
+    initial_seed,
+    manual_seed,
+    manual_seed_all,
+    seed,
+    seed_all,
+    set_rng_state,
+    set_rng_state_all,
+)
+
+__all__ = [
+    "CtpuFallbackWarning", "_is_in_bad_fork", "current_device", "default_generator", "device_count",
+    "empty_cache", "get_amp_supported_dtype", "get_rng_state", "get_rng_state_all", "hbm_address", "hbm_device",
+    "initial_seed", "is_available", "is_initialized", "manual_seed", "manual_seed_all", "max_memory_allocated",
+    "memory_allocated", "memory_stats", "reset_peak_memory_stats", "seed", "seed_all", "set_device",
+    "set_rng_state", "set_rng_state_all", "stats", "synchronize",
+]
+
+
+def is_available() -> bool:
+    return True  # the simulator needs nothing but the CPU
+
+
+def is_initialized() -> bool:
+    return True
+
+
+def device_count() -> int:
+    return _C._device_count()
+
+
+def current_device() -> int:
+    return _C._current_device()
+
+
+def set_device(device: DeviceLike) -> None:
+    _check_device(device)
+
+
+def synchronize(device: DeviceLike = None) -> None:
+    """Wait for a launch in flight on another thread; launches are synchronous, so that is all there is."""
+    _check_device(device)
+    with hbm_device().lock:
+        pass
+
+
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    return [torch.bfloat16]  # the MXU's native input type

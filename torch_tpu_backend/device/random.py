@@ -1,0 +1,59 @@
+"""The ctpu random generator: `torch.ctpu.manual_seed`, `get_rng_state`, `set_rng_state`, ...
+
+The generator is a C++ CPUGeneratorImpl labelled ctpu (csrc/ctpu/hooks.cpp): random ops run as CPU kernels
+with its state (see fallback.py), so randn on ctpu is deterministic under manual_seed and equals randn on
+the CPU under the same seed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_tpu_backend.device import _C
+from torch_tpu_backend.device.memory import DeviceLike, _check_device
+
+
+def default_generator(device: DeviceLike = None) -> torch.Generator:
+    _check_device(device)
+    return _C._default_generator(0)
+
+
+def manual_seed(seed: int) -> None:
+    default_generator().manual_seed(int(seed))
+
+
+def manual_seed_all(seed: int) -> None:
+    manual_seed(seed)  # one device
+
+
+def seed() -> None:
+    default_generator().seed()
+
+
+def seed_all() -> None:
+    seed()
+
+
+def initial_seed() -> int:
+    return default_generator().initial_seed()
+
+
+def get_rng_state(device: DeviceLike = "ctpu") -> torch.Tensor:
+    return default_generator(device).get_state()
+
+
+def set_rng_state(new_state: torch.Tensor, device: DeviceLike = "ctpu") -> None:
+    default_generator(device).set_state(new_state)
+
+
+def get_rng_state_all() -> list[torch.Tensor]:
+    return [get_rng_state()]
+
+
+def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
+    (state,) = new_states
+    set_rng_state(state)
+
+
+def _is_in_bad_fork() -> bool:
+    return False  # no driver state that a fork could break
