@@ -2,9 +2,12 @@
 
     out[b, h, l] = sum_s softmax_s(scale * q[b, h, l] . k[b, h / G, s] + mask[b, h, l, s]) v[b, h / G, s]
 
-with G = Hq / Hkv (grouped-query attention). One warp per query row, four rows per CTA; each lane owns
-D / 32 consecutive elements of q, of the running output and of every K/V row it reads, so K/V loads are
-coalesced 4/8/16-byte vectors. Per key: a warp-reduced dot product, then the online update
+with G = Hq / Hkv (grouped-query attention). One warp per query row when D % 32 == 0, else one half-warp
+per query row (D a multiple of 16, up to 256); four warps per CTA; each lane owns D / 32 (D / 16)
+consecutive elements of q, of the running output and of every K/V row it reads, so K/V loads are
+coalesced aligned vectors. With half-warps the two rows of a warp loop to the larger of their key counts
+(keys past a row's own causal limit count as masked) so that every shuffle sees the full warp.
+Per key: a warp-reduced dot product, then the online update
 m' = max(m, s), l = l e^(m - m') + e^(s - m'), acc = acc e^(m - m') + e^(s - m') v.
 Causal rows stop at key l + S - L (the last query sees the last key), so masked keys cost nothing.
 
@@ -35,16 +38,16 @@ from ptx_kernels.core import (
     fresh_label,
     global_ptr,
     kernel_name,
+    load_chunks,
     load_f32,
-    load_vec,
     setp,
-    store_vec,
+    store_chunks,
     tid_x,
     trace,
     warp_allreduce,
 )
 
-ROWS_PER_CTA = 4
+WARPS_PER_CTA = 4
 
 
 def _mask_strides(mask_shape: Shape, full: Shape) -> tuple[int, ...]:
@@ -74,10 +77,13 @@ def attention(
     bk, hkv, s_, dk = kv_shape
     if bk != b_ or dk != d or hq % hkv:
         raise ValueError(f"attention shapes q {q_shape} / kv {kv_shape}: need same B and D, Hq % Hkv == 0")
-    if d % 32 or d > 256:
-        raise NotImplementedError(f"ptx attention: head dim {d} (need a multiple of 32, at most 256)")
+    if d % 16 or d > 256:
+        raise NotImplementedError(f"ptx attention: head dim {d} (need a multiple of 16, at most 256)")
     group = hq // hkv
-    per_lane = d // 32
+    width = 32 if d % 32 == 0 else 16  # lanes per query row
+    rows_per_warp = 32 // width
+    rows_per_cta = WARPS_PER_CTA * rows_per_warp
+    per_lane = d // width
     esize = DTYPE_BYTES[dtype]
     full = (b_, hq, l_, s_)
     mstrides = _mask_strides(mask_shape, full) if mask_shape is not None else None
@@ -90,14 +96,20 @@ def attention(
 
     def body() -> None:
         tid = tid_x()
-        lane, warp = reg.scalar(u32), reg.scalar(u32)
-        ptx.inst.and_.b32(lane, tid, 31)
-        ptx.inst.shr.u32(warp, tid, 5)
+        lane, slot = reg.scalar(u32), reg.scalar(u32)
+        ptx.inst.and_.b32(lane, tid, width - 1)
+        ptx.inst.shr.u32(slot, tid, width.bit_length() - 1)
         row = reg.scalar(u32)
-        ptx.inst.mad.lo.u32(row, ctaid("x"), ROWS_PER_CTA, warp)
+        ptx.inst.mad.lo.u32(row, ctaid("x"), rows_per_cta, slot)
         h, b = ctaid("y"), ctaid("z")
-        # No CTA-wide barriers below, so warps past the last row may simply leave.
-        ptx.inst.ret(pred=setp("ge", row, l_))
+        row_ok = None
+        if rows_per_warp == 1:
+            # No CTA-wide barriers below, so warps past the last row may simply leave.
+            ptx.inst.ret(pred=setp("ge", row, l_))
+        else:
+            # The partner half-warp may have a valid row: compute the last row again, do not store it.
+            row_ok = setp("lt", row, l_)
+            ptx.inst.min.u32(row, row, l_ - 1)
         hk = reg.scalar(u32)
         ptx.inst.div.u32(hk, h, group)
         col = reg.scalar(u32)
@@ -108,7 +120,7 @@ def attention(
         ptx.inst.mad.lo.u32(q_row, q_row, l_, row)
         ptx.inst.mad.lo.u32(q_row, q_row, d, col)
         q_p, k_p, v_p, out_p = (global_ptr(n) for n in ("q", "k", "v", "out"))
-        q = [m.binary("mul", x, fimm(scale)) for x in load_vec(elem_addr(q_p, q_row, esize), dtype, per_lane)]
+        q = [m.binary("mul", x, fimm(scale)) for x in load_chunks(elem_addr(q_p, q_row, esize), dtype, per_lane)]
         kv_elem = reg.scalar(u32)  # (b * Hkv + hk) * S * D + col, advanced by D per key
         ptx.inst.mad.lo.u32(kv_elem, b, hkv, hk)
         ptx.inst.mul.lo.u32(kv_elem, kv_elem, s_ * d)
@@ -131,6 +143,12 @@ def attention(
             ptx.inst.min.s32(n_keys, n_keys, s_)
         else:
             ptx.inst.mov.u32(n_keys, s_)
+        loop_keys = n_keys
+        if causal and rows_per_warp > 1:  # the warp loops to the larger key count of its two rows
+            other = reg.scalar(u32)
+            ptx.inst.shfl.sync.bfly.b32(other, n_keys, 16, 31, -1)
+            loop_keys = reg.scalar(u32)
+            ptx.inst.max.u32(loop_keys, n_keys, other)
 
         run_max, run_sum = fconst(float("-inf")), fconst(0.0)
         acc = [fconst(0.0) for _ in range(per_lane)]
@@ -138,14 +156,16 @@ def attention(
         ptx.inst.mov.u32(s, 0)
         top, done = fresh_label("key_loop"), fresh_label("key_done")
         ptx.label(top)
-        ptx.bra(done, pred=setp("ge", s, n_keys))
-        ks = load_vec(k_addr, dtype, per_lane)
+        ptx.bra(done, pred=setp("ge", s, loop_keys))
+        ks = load_chunks(k_addr, dtype, per_lane)
         score = m.binary("mul", q[0], ks[0])
         for qi, ki in zip(q[1:], ks[1:], strict=True):
             ptx.inst.fma.rn.f32(score, qi, ki, score)
-        warp_allreduce(score, "add")
+        warp_allreduce(score, "add", width)
         if mask_addr is not None:
             score = _apply_mask(score, mask_addr, mask_dtype)
+        if loop_keys is not n_keys:  # keys past this row's causal limit
+            ptx.inst.selp.f32(score, fimm(float("-inf")), score, setp("ge", s, n_keys))
         new_max = m.binary("max", run_max, score)
         # While every key so far is masked (max = -inf) subtract 0 instead, so exp gives 0, not NaN.
         is_inf = setp("eq", new_max, fimm(float("-inf")), "f32")
@@ -154,7 +174,7 @@ def attention(
         corr = m.exp(m.binary("sub", run_max, shift))
         p = m.exp(m.binary("sub", score, shift))
         ptx.inst.fma.rn.f32(run_sum, run_sum, corr, p)
-        vs = load_vec(v_addr, dtype, per_lane)
+        vs = load_chunks(v_addr, dtype, per_lane)
         for a, vv in zip(acc, vs, strict=True):
             ptx.inst.mul.rn.f32(a, a, corr)
             ptx.inst.fma.rn.f32(a, p, vv, a)
@@ -169,7 +189,7 @@ def attention(
         # A row with every key masked has run_sum 0 and yields NaN, as eager softmax does.
         inv = m.div(fimm(1.0), run_sum)
         outs = [m.binary("mul", a, inv) for a in acc]
-        store_vec(elem_addr(out_p, q_row, esize), outs, dtype)
+        store_chunks(elem_addr(out_p, q_row, esize), outs, dtype, row_ok)
         ptx.ret()
 
     params = [KernelParam(n, "ptr", n) for n in ("q", "k", "v")]
@@ -186,12 +206,12 @@ def attention(
         name,
         body,
         params,
-        grid=(ceil_div(l_, ROWS_PER_CTA), hq, b_),
-        block=(32 * ROWS_PER_CTA, 1, 1),
+        grid=(ceil_div(l_, rows_per_cta), hq, b_),
+        block=(32 * WARPS_PER_CTA, 1, 1),
         smem_bytes=0,
         inputs=inputs,
         outputs=[TensorArg("out", q_shape, dtype)],
-        notes={"rows_per_cta": ROWS_PER_CTA, "group": group},
+        notes={"rows_per_cta": rows_per_cta, "lanes_per_row": width, "group": group},
     )
 
 

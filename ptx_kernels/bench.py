@@ -1,6 +1,7 @@
 """Benchmark the PTX kernels against torch on one GPU; prints JSON.
 
-    python -m ptx_kernels.bench            # on an H100/H200: GEMM vs torch.matmul, RMSNorm/SwiGLU bandwidth
+    python -m ptx_kernels.bench            # on an H100/H200: GEMMs (bf16 wgmma, fp32 SIMT) vs torch.matmul,
+                                           # causal GQA attention vs SDPA, RMSNorm/SwiGLU bandwidth
     python -m ptx_kernels.bench --dry-run  # anywhere: generate and ptxas-check the kernels it would launch
 
 Figures are ratios measured in the same run (GEMM: torch time / PTX time, > 1 means the PTX kernel is
@@ -21,6 +22,8 @@ from ptx_kernels.core import PtxKernel
 
 GEMM_SIZES = (4096, 8192)
 ROWS, HIDDEN, FFN = 16384, 4096, 11008
+FP32_GEMM = 4096
+ATTN_Q, ATTN_KV = (1, 32, 2048, 128), (1, 8, 2048, 128)
 # Nominal HBM bandwidth in bytes/s by device name (the driver does not report it).
 PEAK_BYTES_PER_S = {
     "H100 SXM": 3.35e12,
@@ -37,6 +40,11 @@ def kernels() -> dict[str, PtxKernel]:
         f"gemm_{n}": kernel_for("aten::mm", [(n, n), (n, n)], [bf16, bf16], {"w_layout": "kn"})
         for n in GEMM_SIZES
     }
+    n = FP32_GEMM
+    out["gemm_f32_simt"] = kernel_for("aten::mm", [(n, n), (n, n)], [torch.float32] * 2, {"w_layout": "kn"})
+    out["attention_d128_prefill"] = kernel_for(
+        "ctpu::attention", [ATTN_Q, ATTN_KV, ATTN_KV, None], [bf16] * 3 + [None], {"causal": True}
+    )
     out["rms_norm"] = kernel_for("ctpu::rms_norm", [(ROWS, HIDDEN), (HIDDEN,)], [bf16, bf16], {"eps": 1e-6})
     out["swiglu"] = kernel_for("ctpu::swiglu", [(ROWS, FFN), (ROWS, FFN)], [bf16, bf16], {"act": "silu"})
     return out
@@ -81,6 +89,27 @@ def measure(ks: dict[str, PtxKernel]) -> dict[str, object]:
             "ratio_torch_over_ptx_time": torch_ms / ptx_ms,
             "max_abs_err_vs_torch": err,
         }
+    n = FP32_GEMM
+    a, b = torch.randn(n, n, device="cuda"), torch.randn(n, n, device="cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False  # compare with torch's fp32-exact ("highest") matmul
+    ptx_ms = _time_ms(lambda: run(ks["gemm_f32_simt"], a, b))
+    torch_ms = _time_ms(lambda: torch.matmul(a, b))
+    (got,) = run(ks["gemm_f32_simt"], a, b)
+    result["gemm_f32_simt"] = {
+        "ptx_tflops": 2 * n**3 / ptx_ms / 1e9,
+        "torch_tflops": 2 * n**3 / torch_ms / 1e9,
+        "ratio_torch_over_ptx_time": torch_ms / ptx_ms,
+        "max_abs_err_vs_torch": (got.view(n, n) - torch.matmul(a, b)).abs().max().item(),
+    }
+    q = torch.randn(ATTN_Q, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(ATTN_KV, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(ATTN_KV, device="cuda", dtype=torch.bfloat16)
+    ptx_ms = _time_ms(lambda: run(ks["attention_d128_prefill"], q, k, v))
+    torch_ms = _time_ms(
+        lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    )
+    result["attention_d128_prefill"] = {"ptx_ms": ptx_ms, "torch_sdpa_ms": torch_ms,
+                                        "ratio_torch_over_ptx_time": torch_ms / ptx_ms}
     x = torch.randn(ROWS, HIDDEN, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(HIDDEN, device="cuda", dtype=torch.bfloat16)
     ms = _time_ms(lambda: run(ks["rms_norm"], x, w))

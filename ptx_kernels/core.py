@@ -15,13 +15,19 @@ import torch
 from pyptx import kernel as pyptx_kernel
 from pyptx import ptx, reg
 from pyptx.reg import Reg
-from pyptx.types import b16, b32, f32, pred, u32, u64
+from pyptx.types import b16, b32, f32, pred, s32, s64, u32, u64
 
 Shape = tuple[int, ...]
 
 # dtypes the kernels read and write; everything is computed in fp32 in registers.
-DTYPE_BYTES: dict[torch.dtype, int] = {torch.float32: 4, torch.bfloat16: 2, torch.bool: 1}
-DTYPE_NAMES: dict[torch.dtype, str] = {torch.float32: "f32", torch.bfloat16: "bf16", torch.bool: "b8"}
+# Integers (generated kernels only: indices, positions, masks) live in s64 registers.
+DTYPE_BYTES: dict[torch.dtype, int] = {
+    torch.float32: 4, torch.bfloat16: 2, torch.bool: 1, torch.int32: 4, torch.int64: 8,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float32: "f32", torch.bfloat16: "bf16", torch.bool: "b8", torch.int32: "s32", torch.int64: "s64",
+}
+INT_DTYPES = (torch.int32, torch.int64)
 
 
 @dataclass(frozen=True)
@@ -215,9 +221,55 @@ def load_f32(addr: Reg, dtype: torch.dtype, guard: Reg | None = None, offset: in
         ptx.inst.mov.u32(byte, 0)
         ptx.inst.ld.global_.u8(byte, where, pred=guard)
         ptx.inst.cvt.rn.f32.u32(out, byte)
+    elif dtype in INT_DTYPES:
+        ptx.inst.cvt.rn.f32.s64(out, load_s64(addr, dtype, guard, offset))
     else:
         raise NotImplementedError(f"ptx kernels: unsupported load dtype {dtype}")
     return out
+
+
+def load_s64(addr: Reg, dtype: torch.dtype, guard: Reg | None = None, offset: int = 0) -> Reg:
+    """Load one int32/int64 element into a fresh s64 register (0 where `guard` is false)."""
+    where = ptx.addr(addr, offset) if offset else ptx.addr(addr)
+    out = reg.scalar(s64)
+    ptx.inst.mov.s64(out, 0)
+    if dtype == torch.int64:
+        ptx.inst.ld.global_.s64(out, where, pred=guard)
+    elif dtype == torch.int32:
+        narrow = reg.scalar(s32)
+        ptx.inst.mov.s32(narrow, 0)
+        ptx.inst.ld.global_.s32(narrow, where, pred=guard)
+        ptx.inst.cvt.s64.s32(out, narrow)
+    else:
+        raise NotImplementedError(f"ptx kernels: integer load of {dtype}")
+    return out
+
+
+def load_value(addr: Reg, dtype: torch.dtype, guard: Reg | None = None) -> Reg:
+    """Load in the register form of `dtype`: s64 for integers, f32 otherwise (bool as 0.0/1.0)."""
+    return load_s64(addr, dtype, guard) if dtype in INT_DTYPES else load_f32(addr, dtype, guard)
+
+
+def store_value(addr: Reg, value: Reg, dtype: torch.dtype, guard: Reg | None = None) -> None:
+    """Store an s64 or f32 register as `dtype` (integers truncate to int32 like a C cast)."""
+    is_int = value.dtype == s64
+    if dtype in INT_DTYPES:
+        if not is_int:
+            wide = reg.scalar(s64)
+            ptx.inst.cvt.rzi.s64.f32(wide, value)
+            value = wide
+        if dtype == torch.int64:
+            ptx.inst.st.global_.s64(ptx.addr(addr), value, pred=guard)
+        else:
+            narrow = reg.scalar(s32)
+            ptx.inst.cvt.s32.s64(narrow, value)
+            ptx.inst.st.global_.s32(ptx.addr(addr), narrow, pred=guard)
+        return
+    if is_int:
+        wide = reg.scalar(f32)
+        ptx.inst.cvt.rn.f32.s64(wide, value)
+        value = wide
+    store_f32(addr, value, dtype, guard)
 
 
 def store_f32(addr: Reg, value: Reg, dtype: torch.dtype, guard: Reg | None = None, offset: int = 0) -> None:
@@ -384,3 +436,27 @@ def _offset(addr: Reg, nbytes: int) -> Reg:
     out = reg.scalar(u64)
     ptx.inst.add.u64(out, addr, nbytes)
     return out
+
+
+def chunk_width(count: int, dtype: torch.dtype) -> int:
+    """Elements per access for `count` consecutive elements starting at a multiple of `count`: the largest
+    power of two dividing `count` that fits 16 bytes (so every access stays naturally aligned)."""
+    width = count & -count
+    return min(width, 16 // DTYPE_BYTES[dtype])
+
+
+def load_chunks(addr: Reg, dtype: torch.dtype, count: int, guard: Reg | None = None) -> list[Reg]:
+    """`count` consecutive elements (any count) as f32 registers, in aligned vector accesses."""
+    width = chunk_width(count, dtype)
+    vals: list[Reg] = []
+    for start in range(0, count, width):
+        part = addr if start == 0 else _offset(addr, start * DTYPE_BYTES[dtype])
+        vals += load_vec(part, dtype, width, guard)
+    return vals
+
+
+def store_chunks(addr: Reg, vals: list[Reg], dtype: torch.dtype, guard: Reg | None = None) -> None:
+    width = chunk_width(len(vals), dtype)
+    for start in range(0, len(vals), width):
+        part = addr if start == 0 else _offset(addr, start * DTYPE_BYTES[dtype])
+        store_vec(part, vals[start : start + width], dtype, guard)

@@ -50,6 +50,29 @@ cases = [
         [B] * 4,
         {"act": "gelu"},
     ),
+    ("mm f32 4096^3 SIMT w [K,N]", "aten::mm", [(4096, 4096), (4096, 4096)], [F, F], {"w_layout": "kn"}),
+    (
+        "linear f32 SIMT 74x200x96 bias+silu+residual",
+        "ctpu::linear",
+        [(2, 37, 96), (96, 200), (200,), (2, 37, 200)],
+        [F] * 4,
+        {"act": "silu"},
+    ),
+    ("mm bf16 16x16x13 (K % 8 != 0: SIMT)", "aten::mm", [(16, 13), (13, 16)], [B, B], {}),
+    (
+        "attention f32 D=16 prefill causal GQA 4/2",
+        "ctpu::attention",
+        [(1, 4, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16), None],
+        [F, F, F, None],
+        {"causal": True},
+    ),
+    (
+        "attention bf16 D=240 decode S=300",
+        "ctpu::attention",
+        [(1, 8, 1, 240), (1, 8, 300, 240), (1, 8, 300, 240), None],
+        [B, B, B, None],
+        {},
+    ),
     (
         "linear 4096x4096x4096 no epilogue (nk)",
         "ctpu::linear",
@@ -95,6 +118,51 @@ def main() -> None:
         k = kernel_for_subgraph(gm, shapes, dts)
         r = assemble(k)
         print(_row(label, r, k))
+    for dtype in (F, B):
+        print(f"\n### tiny Llama, {dtype}: every kernel of torch.compile(target='ptx')\n")
+        print("| kernel | registers | spill st/ld (bytes) | dyn. smem (bytes) | grid x block |")
+        print("| --- | --- | --- | --- | --- |")
+        for k in tiny_llama_kernels(dtype):
+            print(_row(k.kernel.name, k.report, k.kernel))
+
+
+def tiny_llama_kernels(dtype: torch.dtype) -> list:
+    """The distinct kernels the ptx target builds for the tiny Llama of the tests (needs transformers)."""
+    import warnings
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ptx_kernels import PtxLaunchError
+    from torch_tpu_backend import ptx_target
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).eval().to(dtype)
+    seen: dict[str, object] = {}
+    original = ptx_target.build_kernels
+
+    def capture(gm):
+        kernels, uncovered = original(gm)
+        if uncovered:
+            raise RuntimeError(f"uncovered nodes: {uncovered}")
+        for k in kernels:
+            seen.setdefault(k.kernel.name, k)
+        return kernels, uncovered
+
+    ptx_target.build_kernels = capture
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="ctpu", options={"target": "ptx", "cache": False})
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            try:
+                compiled(torch.randint(0, 128, (1, 8)))
+            except PtxLaunchError:
+                pass  # no GPU: the kernels were built and checked before the launch
+    finally:
+        ptx_target.build_kernels = original
+    return list(seen.values())
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from pyptx import ptx, reg
 from pyptx.reg import Reg
 from pyptx.types import f32
@@ -164,4 +165,33 @@ def compare(cmp: str, a: Reg, b: Reg) -> Reg:
     p = setp(kind, a, b, "f32")
     out = new()
     ptx.inst.selp.f32(out, fimm(1.0), fimm(0.0), p)
+    return out
+
+
+# 2*pi split for Cody-Waite reduction: TWO_PI_HI has 8 significant bits, so k * TWO_PI_HI is exact for
+# |k| < 2^16 (|x| < ~4e5); the fp32 remainder MID and what is left of it (LO) follow as two fma steps.
+_TWO_PI_HI = 6.28125
+_TWO_PI_MID = float(np.float32(2.0 * math.pi - _TWO_PI_HI))
+_TWO_PI_LO = float(np.float32(2.0 * math.pi - _TWO_PI_HI - _TWO_PI_MID))
+
+
+def _reduce_2pi(x: Reg) -> Reg:
+    """x - k 2 pi with k = rint(x / 2 pi), r in [-pi, pi], where sin.approx/cos.approx are accurate
+    (absolute error ~2^-21); they degrade quickly outside that range, hence the reduction."""
+    k = binary("mul", x, fimm(1.0 / (2.0 * math.pi)))
+    ptx.inst.cvt.rni.f32.f32(k, k)
+    r = fma(neg(k), fimm(_TWO_PI_HI), x)
+    r = fma(neg(k), fimm(_TWO_PI_MID), r)
+    return fma(neg(k), fimm(_TWO_PI_LO), r)
+
+
+def cos(x: Reg) -> Reg:
+    out = new()
+    ptx.inst.cos.approx.f32(out, _reduce_2pi(x))
+    return out
+
+
+def sin(x: Reg) -> Reg:
+    out = new()
+    ptx.inst.sin.approx.f32(out, _reduce_2pi(x))
     return out

@@ -49,12 +49,24 @@ def ptxas_path() -> str:
     return path
 
 
+_REPORTS: dict[tuple[str, str], PtxasReport] = {}
+
+
 def assemble(kernel: PtxKernel | str, ptx_text: str | None = None) -> PtxasReport:
-    """Run ptxas on one kernel; return its figures or raise PtxasError naming the kernel and the message."""
+    """Run ptxas on one kernel; return its figures or raise PtxasError naming the kernel and the message.
+
+    Reports are memoised per (name, PTX text): a graph with the same kernel twice pays ptxas once."""
     name = kernel.name if isinstance(kernel, PtxKernel) else kernel
     text = kernel.ptx if isinstance(kernel, PtxKernel) else ptx_text
     if text is None:
         raise ValueError("assemble(name, ptx_text): PTX text missing")
+    key = (name, text)
+    if key not in _REPORTS:
+        _REPORTS[key] = _assemble(name, text)
+    return _REPORTS[key]
+
+
+def _assemble(name: str, text: str) -> PtxasReport:
     with tempfile.TemporaryDirectory(prefix="ctpu_ptxas_") as tmp:
         src = Path(tmp) / f"{name}.ptx"
         src.write_text(text)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ptx_kernels import attention, elementwise, gemm, rowwise
+from ptx_kernels import attention, elementwise, gemm, gemm_simt, rowwise
 from ptx_kernels.core import PtxKernel, Shape, numel
 
 _CACHE: dict[tuple, PtxKernel] = {}
@@ -22,19 +22,29 @@ def _opt(shapes: Sequence[Shape | None], dtypes: Sequence[torch.dtype | None], i
     return dtypes[i] if len(shapes) > i and shapes[i] is not None else None
 
 
+def _any_gemm(m_: int, n_: int, k_: int, a_dtype, w_dtype, **kw: Any) -> PtxKernel:
+    """wgmma + TMA for bf16 operands with 16-byte row strides; the SIMT fp32-accumulate kernel otherwise
+    (fp32 operands = matmul precision "highest", or bf16 with K % 8 != 0)."""
+    for dt in (a_dtype, w_dtype):
+        if dt not in (torch.float32, torch.bfloat16):
+            raise NotImplementedError(f"ptx linear/mm: operand dtype {dt} (fp32 or bf16)")
+    tma_ok = k_ % 8 == 0 and (kw.get("w_layout") != "kn" or n_ % 8 == 0)
+    if a_dtype == w_dtype == torch.bfloat16 and tma_ok:
+        return gemm.gemm(m_, n_, k_, **kw)
+    return gemm_simt.gemm_simt(m_, n_, k_, a_dtype=a_dtype, w_dtype=w_dtype, **kw)
+
+
 def _linear(shapes, dtypes, attrs) -> PtxKernel:
     x, w = tuple(shapes[0]), tuple(shapes[1])
-    if dtypes[0] != torch.bfloat16 or dtypes[1] != torch.bfloat16:
-        raise NotImplementedError(
-            f"ptx linear/mm: bf16 operands only (wgmma bf16), got {dtypes[0]}, {dtypes[1]}"
-        )
     k_, n_ = w[-2], w[-1]
     if x[-1] != k_:
         raise ValueError(f"linear: x {x} and w {w} disagree on K")
-    return gemm.gemm(
+    return _any_gemm(
         numel(x) // k_,
         n_,
         k_,
+        dtypes[0],
+        dtypes[1],
         w_layout=attrs.get("w_layout", "nk"),
         out_dtype=dtypes[0],
         bias_dtype=_opt(shapes, dtypes, 2),
@@ -45,13 +55,10 @@ def _linear(shapes, dtypes, attrs) -> PtxKernel:
 
 def _mm(shapes, dtypes, attrs) -> PtxKernel:
     a, b = tuple(shapes[0]), tuple(shapes[1])
-    if dtypes[0] != torch.bfloat16 or dtypes[1] != torch.bfloat16:
-        raise NotImplementedError(
-            f"ptx mm/bmm: bf16 operands only (wgmma bf16), got {dtypes[0]}, {dtypes[1]}"
-        )
     batch = a[0] if len(a) == 3 else 1
-    return gemm.gemm(
-        a[-2], b[-1], a[-1], batch=batch, w_layout=attrs.get("w_layout", "kn"), out_dtype=dtypes[0]
+    return _any_gemm(
+        a[-2], b[-1], a[-1], dtypes[0], dtypes[1], batch=batch, w_layout=attrs.get("w_layout", "kn"),
+        out_dtype=dtypes[0],
     )
 
 

@@ -121,3 +121,99 @@ def test_generated_subgraphs():
     outs = run(kernel_for_subgraph(gm, [x.shape, w.shape], [BF16, F32]), x, w)
     for got, ref in zip(outs, fn(x, w), strict=True):
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+# ---- kernels added for full coverage of the tiny Llama (fp32 GEMM, any head dim, generated indexing) ----
+
+
+@pytest.mark.parametrize(
+    "m,n,k,layout", [(8, 64, 64, "nk"), (100, 72, 200, "kn"), (129, 33, 7, "kn"), (1, 264, 4096, "nk")]
+)
+def test_gemm_simt_fp32(m, n, k, layout):
+    a = cuda(m, k)
+    w = cuda(n, k).t() if layout == "nk" else cuda(k, n)
+    (out,) = run(kernel_for("aten::mm", [a.shape, w.shape], [F32, F32], {"w_layout": layout}), a, w)
+    ref = torch.matmul(a.double(), w.double()).float()
+    torch.testing.assert_close(out.view(m, n), ref, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("act", ["none", "silu", "gelu"])
+def test_linear_simt_fp32_epilogue(act):
+    x, w, b, r = cuda(2, 37, 96), cuda(200, 96).t(), cuda(200), cuda(2, 37, 200)
+    kernel = kernel_for("ctpu::linear", [x.shape, w.shape, b.shape, r.shape], [F32] * 4, {"act": act})
+    (out,) = run(kernel, x, w, b, r)
+    fn = {"none": lambda t: t, "silu": F.silu, "gelu": F.gelu}[act]
+    torch.testing.assert_close(out.view(2, 37, 200), fn(x @ w + b) + r, atol=1e-4, rtol=1e-4)
+
+
+def test_bmm_simt_fp32_and_unaligned_bf16():
+    a, b = cuda(3, 130, 64), cuda(3, 64, 264)
+    (out,) = run(kernel_for("aten::bmm", [a.shape, b.shape], [F32, F32]), a, b)
+    torch.testing.assert_close(out, a @ b, atol=1e-4, rtol=1e-5)
+    a, b = cuda(16, 13, dtype=BF16), cuda(13, 16, dtype=BF16)
+    (out,) = run(kernel_for("aten::mm", [a.shape, b.shape], [BF16, BF16]), a, b)
+    torch.testing.assert_close(out.view(16, 16), (a.float() @ b.float()).to(BF16), atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("head_dim", [16, 48, 96, 240, 256])
+@pytest.mark.parametrize("q_len,kv_len,causal", [(8, 8, True), (1, 9, False), (13, 20, True)])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_attention_any_head_dim(head_dim, q_len, kv_len, causal, dtype):
+    q = cuda(1, 4, q_len, head_dim, dtype=dtype)
+    k, v = cuda(1, 2, kv_len, head_dim, dtype=dtype), cuda(1, 2, kv_len, head_dim, dtype=dtype)
+    kernel = kernel_for(
+        "ctpu::attention", [q.shape, k.shape, v.shape, None], [dtype] * 3 + [None], {"causal": causal}
+    )
+    (out,) = run(kernel, q, k, v)
+    kr, vr = k.float().repeat_interleave(2, 1), v.float().repeat_interleave(2, 1)
+    mask = None
+    if causal:
+        mask = torch.ones(q_len, kv_len, device="cuda", dtype=torch.bool).tril(kv_len - q_len)
+    ref = F.scaled_dot_product_attention(q.float(), kr, vr, attn_mask=mask)
+    torch.testing.assert_close(out, ref.to(dtype), **TOL[dtype])
+
+
+def test_generated_indexing_subgraphs():
+    from test_generator import INDEX_CASES
+
+    for fn, shapes, dtypes in INDEX_CASES:
+        args = []
+        for s, d in zip(shapes, dtypes, strict=True):
+            t = torch.randint(0, 8, s, device="cuda") if d in (torch.int64, torch.int32) else cuda(*s)
+            args.append(t.to(d))
+        gm = make_fx(fn)(*[a.cpu() for a in args])
+        outs = run(kernel_for_subgraph(gm, [tuple(s) for s in shapes], dtypes), *args)
+        want = fn(*args)
+        for got, ref in zip(outs, want if isinstance(want, tuple) else (want,), strict=True):
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=fn.__name__)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_tiny_llama_end_to_end(dtype):
+    """The whole tiny Llama through torch.compile(target="ptx") against eager CUDA."""
+    from test_compile_ptx import tiny_llama
+
+    model, ids = tiny_llama(dtype)
+    model, ids = model.cuda(), ids.cuda()
+    with torch.no_grad():
+        ref = model(ids).logits
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="ctpu", options={"target": "ptx", "cache": False})
+        got = compiled(ids).logits
+    tol = dict(atol=2e-4, rtol=2e-4) if dtype == F32 else dict(atol=6e-2, rtol=5e-2)
+    torch.testing.assert_close(got, ref, **tol)
+
+
+@pytest.mark.parametrize("name", ["mlp", "softmax", "rms_norm", "layer_norm"])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_small_graphs_end_to_end(name, dtype):
+    from test_compile_ptx import GRAPHS
+
+    fn, args = GRAPHS[name](dtype)
+    fn = fn.cuda() if isinstance(fn, torch.nn.Module) else fn
+    args = [a.cuda() for a in args]
+    with torch.no_grad():
+        ref = fn(*args)
+        torch._dynamo.reset()
+        got = torch.compile(fn, backend="ctpu", options={"target": "ptx", "cache": False})(*args)
+    torch.testing.assert_close(got, ref, **TOL[dtype])

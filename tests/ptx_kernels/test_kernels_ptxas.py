@@ -49,7 +49,7 @@ def test_rope(x, cs, dtype):
     check(kernel_for("ctpu::rope", [x, cs, cs], [dtype, dtype]))
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [16, 48, 96, 128, 256])
 @pytest.mark.parametrize("dtype", [BF16, F32])
 @pytest.mark.parametrize(
     "q_len,kv_len,hq,hkv,causal", [(77, 77, 8, 2, True), (1, 300, 8, 8, False), (1, 129, 4, 1, True)]
@@ -64,9 +64,23 @@ def test_attention(head_dim, dtype, q_len, kv_len, hq, hkv, causal):
 
 
 @pytest.mark.parametrize("mask_shape,mask_dtype", [((1, 1, 16, 16), torch.bool), ((16, 16), F32)])
-def test_attention_masks(mask_shape, mask_dtype):
-    q = (1, 4, 16, 64)
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_attention_masks(mask_shape, mask_dtype, head_dim):
+    q = (1, 4, 16, head_dim)
     check(kernel_for("ctpu::attention", [q, q, q, mask_shape], [BF16] * 3 + [mask_dtype], {"causal": False}))
+
+
+def test_attention_half_warp_layout():
+    kernel = kernel_for("ctpu::attention", [(1, 4, 9, 16), (1, 2, 9, 16)] * 1 + [(1, 2, 9, 16), None],
+                        [F32] * 3 + [None], {"causal": True})
+    assert kernel.notes["lanes_per_row"] == 16 and kernel.grid == (2, 4, 1)
+
+
+@pytest.mark.parametrize("head_dim", [8, 40, 272])
+def test_attention_refuses_other_head_dims(head_dim):
+    q = (1, 2, 4, head_dim)
+    with pytest.raises(NotImplementedError, match="multiple of 16"):
+        kernel_for("ctpu::attention", [q, q, q, None], [F32] * 3 + [None], {"causal": False})
 
 
 @pytest.mark.parametrize(
@@ -91,14 +105,36 @@ def test_bmm():
     assert kernel.grid == (2, 2, 3)
 
 
-def test_gemm_refuses_unaligned_k():
-    with pytest.raises(NotImplementedError, match="16-byte"):
-        kernel_for("aten::mm", [(16, 13), (13, 16)], [BF16, BF16])
+def test_unaligned_bf16_gemm_takes_the_simt_kernel():
+    kernel = kernel_for("aten::mm", [(16, 13), (13, 16)], [BF16, BF16])
+    check(kernel)
+    assert kernel.notes["kind"] == "gemm_simt"
 
 
-def test_fp32_gemm_is_refused_clearly():
-    with pytest.raises(NotImplementedError, match="bf16"):
-        kernel_for("aten::mm", [(16, 16), (16, 16)], [F32, F32])
+@pytest.mark.parametrize(
+    "m,n,k,layout", [(8, 64, 64, "nk"), (100, 72, 200, "kn"), (1, 4096, 4096, "nk"), (129, 33, 7, "kn")]
+)
+def test_fp32_gemm_simt(m, n, k, layout):
+    kernel = kernel_for("aten::mm", [(m, k), (k, n)], [F32, F32], {"w_layout": layout})
+    check(kernel)
+    assert kernel.notes["kind"] == "gemm_simt" and kernel.grid == (-(-n // 64), -(-m // 64), 1)
+
+
+@pytest.mark.parametrize("act", ["none", "silu", "gelu_tanh"])
+def test_fp32_linear_epilogues(act):
+    x, w = (2, 37, 96), (96, 200)
+    check(kernel_for("ctpu::linear", [x, w, (200,), (2, 37, 200)], [F32] * 4, {"act": act}))
+
+
+def test_fp32_bmm():
+    kernel = kernel_for("aten::bmm", [(3, 130, 64), (3, 64, 264)], [F32, F32])
+    check(kernel)
+    assert kernel.grid == (5, 3, 3)
+
+
+def test_gemm_refuses_integer_operands():
+    with pytest.raises(NotImplementedError, match="operand dtype"):
+        kernel_for("aten::mm", [(16, 16), (16, 16)], [torch.int64, torch.int64])
 
 
 def test_unknown_op():
