@@ -1,22 +1,34 @@
-"""Machine IR -> scheduled bundles -> physical registers -> assembly text -> `Program`.
+"""Machine IR -> loop passes -> scheduled bundles -> physical registers -> assembly text -> `Program`.
 
-The driver loops schedule + allocate until allocation succeeds (each round spills the values linear scan
-gave up on), then prints assembly with one bundle per line and assembles it with `device_sim.asm`.
+Passes, in order: `loops.hoist_invariants` (loop-invariant constants to the preheader), `modulo.pipeline_loops`
+(software pipelining of counted loops: pre-scheduled prologue / kernel / epilogue blocks), list scheduling
+of the other blocks, linear-scan allocation. The driver loops schedule + allocate until allocation succeeds
+(each round spills the values linear scan gave up on); spills are inserted into list-scheduled blocks only,
+so when a value of a pipelined loop would have to spill, the whole function is compiled again without
+pipelining (logged). Then it prints assembly with one bundle per line and assembles it with `device_sim.asm`.
+With `verify=True` (tests) every pass's result is checked by `verify.py`, loops across their back edge.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from codegen.errors import CapacityError
+from codegen.loops import hoist_invariants
 from codegen.mir import Function, MInstr, Reg
+from codegen.modulo import PipelinedLoop, pipeline_loops
 from codegen.regalloc import allocate, insert_spills
 from codegen.schedule import schedule_block
+from codegen.verify import verify_allocation, verify_loop_block, verify_pipelined, verify_schedule
 from device_sim.asm import assemble
 from device_sim.program import Program
 
 MAX_SPILL_ROUNDS = 24
+PIPELINE_RETRIES = 4  # recompilations with lower register budgets for pipelined loops that spilled
+PIPELINE_BUDGET_STEP = 4
 
 
 @dataclass
@@ -27,6 +39,8 @@ class MachineCode:
     assembly: str
     program: Program
     spilled: int
+    pipelined: list[PipelinedLoop] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)  # why loops were or were not pipelined, fallbacks
 
     def scheduled_text(self) -> str:
         lines = []
@@ -48,23 +62,87 @@ def _physical(ins: MInstr, assignment: dict[Reg, Reg]) -> MInstr:
 
 
 def schedule_function(func: Function) -> dict[str, list[list[MInstr]]]:
-    return {blk.label: schedule_block(blk.instrs) for blk in func.blocks}
+    """List-schedule every block, except pre-scheduled (pipelined) ones, which keep their bundles."""
+    return {blk.label: blk.bundles if blk.bundles is not None else schedule_block(blk.instrs)
+            for blk in func.blocks}
 
 
-def compile_function(func: Function, next_id: int, source_name: str = "<ctpu>") -> MachineCode:
+class _PipelineSpill(Exception):
+    def __init__(self, loops: set[str]) -> None:
+        super().__init__(f"values of pipelined loops {sorted(loops)} would spill")
+        self.loops = loops
+
+
+def compile_function(func: Function, next_id: int, source_name: str = "<ctpu>", pipeline: bool | None = None,
+                     verify: bool | None = None) -> MachineCode:
+    """Compile `func` (modified in place) to a `MachineCode`. `pipeline` and `verify` default to the
+    environment: CTPU_PIPELINE=0 turns software pipelining off, CTPU_VERIFY=1 turns the verifiers on."""
+    if pipeline is None:
+        pipeline = os.environ.get("CTPU_PIPELINE", "1") != "0"
+    if verify is None:
+        verify = os.environ.get("CTPU_VERIFY", "0") == "1"
+    if not pipeline:
+        return _compile(func, next_id, source_name, False, verify, {})
+    original = copy.deepcopy(func)
+    cuts: dict[str, int] = {}
+    notes: list[str] = []
+    for _ in range(PIPELINE_RETRIES):
+        try:
+            mc = _compile(copy.deepcopy(original), next_id, source_name, True, verify, cuts)
+            mc.log += notes
+            return mc
+        except _PipelineSpill as e:
+            notes.append(f"retry: {e}; their register budget is lowered")
+            for label in e.loops:
+                cuts[label] = cuts.get(label, 0) + PIPELINE_BUDGET_STEP
+    mc = _compile(original, next_id, source_name, False, verify, {})
+    mc.log += [*notes, "pipelining undone"]
+    return mc
+
+
+def _compile(func: Function, next_id: int, source_name: str, pipeline: bool, verify: bool,
+             cuts: dict[str, int]) -> MachineCode:
+    hoist_invariants(func)
+    pipelined: list[PipelinedLoop] = []
+    log: list[str] = []
+    if pipeline:
+        pipelined, log, next_id = pipeline_loops(func, next_id, cuts)
     spilled, slot = 0, 0
     for _ in range(MAX_SPILL_ROUNDS):
         bundles = schedule_function(func)
         assignment, spills = allocate(func, bundles)
         if not spills:
             break
+        spilled_set = set(spills)
+        loops = {p.label for p in pipelined for b in func.blocks if b.bundles is not None
+                 and b.label in p.blocks and any(spilled_set & set(i.regs()) for i in b.instrs)}
+        if loops:
+            raise _PipelineSpill(loops)
         spilled += len(spills)
         next_id, slot = insert_spills(func, spills, next_id + 1000, slot)
     else:
         raise CapacityError("register allocation did not converge")
+    if verify:
+        verify_function(func, bundles, assignment, pipelined)
     text = emit_assembly(func, bundles, assignment)
     program = assemble(text, source_name)
-    return MachineCode(func, bundles, assignment, text, program, spilled)
+    return MachineCode(func, bundles, assignment, text, program, spilled, pipelined, log)
+
+
+def verify_function(func: Function, bundles: dict[str, list[list[MInstr]]], assignment: dict[Reg, Reg],
+                    pipelined: list[PipelinedLoop]) -> None:
+    """Every check of verify.py: list-scheduled blocks (and their loops across the back edge), pipelined
+    loops as traces, on virtual and then on physical registers."""
+    for blk in func.blocks:
+        if blk.bundles is not None:
+            continue
+        verify_schedule(blk.instrs, bundles[blk.label])
+        verify_allocation(blk.instrs, bundles[blk.label], assignment)
+        if blk.instrs and blk.instrs[-1].target == blk.label:
+            verify_loop_block(blk.label, blk.instrs, bundles[blk.label])
+    for loop in pipelined:
+        verify_pipelined(loop)
+        verify_pipelined(loop, assignment)
 
 
 def emit_assembly(func: Function, bundles: dict[str, list[list[MInstr]]], assignment: dict[Reg, Reg]) -> str:

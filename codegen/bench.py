@@ -1,8 +1,10 @@
 """Compiler benchmark: prints one JSON object.
 
 - `gemm`: the compiler-generated bf16 GEMM (default 512x512x512 on `small`) with its MXU utilization,
-  and, when device_sim/programs/gemm.s exists, the hand-written program's utilization and the ratio.
-- `graphs`: bundles, cycles and ops per bundle of each test graph.
+  and the hand-written device_sim/programs/gemm.s run through `device_sim.manifest.run_manifest` (same
+  shape and config): its cycles and utilization and the ratio compiled / hand-written.
+- `graphs`: program bundles, issued bundles, cycles, ops per bundle, MXU utilization of each graph, with
+  software pipelining on (`after`) and off (`before`, CTPU_PIPELINE=0) for the vector graphs.
 
     python -m codegen.bench [--size 512] [--config small] [--skip-gemm]
 """
@@ -28,10 +30,14 @@ from codegen import compile_graph
 HAND_GEMM = Path(__file__).resolve().parent.parent / "device_sim" / "programs" / "gemm.s"
 
 
-def _run(fn: Any, xs: list[torch.Tensor], config: str) -> dict[str, Any]:
+def _run(fn: Any, xs: list[torch.Tensor], config: str, pipeline: bool = True) -> dict[str, Any]:
     gm = make_fx(fn, decomposition_table=core_aten_decompositions())(*xs)
     t0 = time.perf_counter()
-    cg = compile_graph(gm, xs, config=config)
+    os.environ["CTPU_PIPELINE"] = "1" if pipeline else "0"
+    try:
+        cg = compile_graph(gm, xs, config=config)
+    finally:
+        os.environ.pop("CTPU_PIPELINE", None)
     compile_s = time.perf_counter() - t0
     _, st = cg.run_on_simulator([x.float().numpy() for x in xs])
     return {"program_bundles": len(cg.program), "bundles": st.bundles, "cycles": st.cycles,
@@ -43,15 +49,35 @@ def gemm(size: int, config: str) -> dict[str, Any]:
     a = torch.randn(size, size).bfloat16()
     b = torch.randn(size, size).bfloat16()
     out = {"shape": [size, size, size], "dtype": "bf16", "config": config, **_run(lambda a, b: a @ b, [a, b], config)}
-    if HAND_GEMM.exists():
-        out["hand_written"] = str(HAND_GEMM.name)
-        out["note"] = "hand-written gemm.s found; its launch ABI is program specific: run it with its own harness"
+    if HAND_GEMM.exists() and size == 512:
+        from device_sim.manifest import run_manifest
+
+        hand = run_manifest(HAND_GEMM, config=config)
+        st = hand.stats
+        out["hand_written"] = {"program": HAND_GEMM.name, "cycles": st["cycles"], "bundles": st["bundles"],
+                               "ops_per_bundle": round(st["ops_per_bundle"], 3),
+                               "mxu_utilization": round(st["mxu_utilization"], 4),
+                               "checks_passed": hand.passed}
+        out["cycles_ratio_compiled_over_hand"] = round(out["cycles"] / st["cycles"], 4)
+        out["utilization_ratio_compiled_over_hand"] = round(out["mxu_utilization"] / st["mxu_utilization"], 4)
     else:
         out["hand_written"] = None
     return out
 
 
-# shapes the current compiler handles (larger vector kernels: see docs/compiler.md, "Limitations")
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+# vector graphs at realistic sizes: measured with and without software pipelining
+SCALE_GRAPHS = {
+    "softmax_128x256": (lambda x: torch.softmax(x, -1), lambda: [torch.randn(128, 256)]),
+    "layernorm_128x256": (lambda x: F.layer_norm(x, (256,)), lambda: [torch.randn(128, 256)]),
+    "rmsnorm_16x4096": (_rms, lambda: [torch.randn(16, 4096)]),
+    "exp_elementwise_128x256": (lambda x: torch.exp(x) * 0.5 + x, lambda: [torch.randn(128, 256)]),
+    "axpb_elementwise_128x256": (lambda x: x * 2.0 + 1.0, lambda: [torch.randn(128, 256)]),
+}
+
 GRAPHS = {
     "elementwise_8x16": (lambda x, b: torch.exp(x + b) * 0.5, lambda: [torch.randn(8, 16), torch.randn(16)]),
     "softmax_5x12": (lambda x: torch.softmax(x, -1), lambda: [torch.randn(5, 12)]),
@@ -76,6 +102,13 @@ def main() -> None:
     if not args.skip_gemm:
         result["gemm"] = gemm(args.size, args.config)
     result["graphs"] = {name: _run(fn, make(), args.config) for name, (fn, make) in GRAPHS.items()}
+    scale = {}
+    for name, (fn, make) in SCALE_GRAPHS.items():
+        xs = make()
+        before, after = _run(fn, xs, args.config, pipeline=False), _run(fn, xs, args.config)
+        scale[name] = {"before_pipelining": before, "after_pipelining": after,
+                       "speedup": round(before["cycles"] / after["cycles"], 3)}
+    result["pipelining"] = scale
     print(json.dumps(result, indent=2))
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from codegen.mir import ZERO, Block, Function, Mem, MInstr, Reg
+from codegen.mir import ZERO, Block, Function, LoopInfo, Mem, MInstr, Reg
 
 IMM14 = (-(1 << 13), (1 << 13) - 1)
 IMM19 = (-(1 << 18), (1 << 18) - 1)
@@ -124,4 +124,6 @@ class Builder:
         body()
         self.emit("addi", counter, (counter,), imm=-1)
         self.emit("bnz", None, (counter,), target=loop.label)
+        if self.block is loop:  # a single-block loop: candidate for software pipelining
+            loop.loop = LoopInfo(count, counter)
         self.new_block(f"{hint}_exit")

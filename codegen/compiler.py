@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,14 +24,27 @@ import numpy as np
 import torch
 import torch.fx
 
+from codegen import isel_scalar_ops  # noqa: F401  (registers the extra body-op lowerings)
 from codegen.backend import MachineCode, compile_function
 from codegen.builder import Builder
 from codegen.errors import CapacityError
 from codegen.fx_to_mlir import emit_module
 from codegen.isel_common import KernelContext
+from codegen.isel_gather import lower_gather, lower_iota
 from codegen.isel_matmul import lower_matmul
 from codegen.isel_vector import lower_fill, lower_generic
-from codegen.kernels import FillKernel, GenericKernel, Kernel, KernelGraph, MatmulKernel, View, read_function
+from codegen.kernels import (
+    FillKernel,
+    GatherKernel,
+    GenericKernel,
+    IotaKernel,
+    Kernel,
+    KernelGraph,
+    MatmulKernel,
+    View,
+    describe,
+    read_function,
+)
 from codegen.mir import Function, Reg
 from codegen.mlir_pipeline import run_pipeline
 from device_sim import numerics
@@ -75,11 +89,12 @@ class CompiledGraph:
 
     @staticmethod
     def input_bits(placement: BufferPlacement, x: np.ndarray) -> np.ndarray:
-        """An input as the bits the program expects in HBM (fp32, or bf16 as uint16)."""
+        """An input as the bits the program expects in HBM (fp32; bf16 as uint16; integers narrowed to
+        int32; bools as 0 / ~0 int32 masks)."""
         return _to_device(np.asarray(x), placement.dtype)
 
     def read_outputs(self, hbm: np.ndarray, input_addrs: Sequence[int], arena: int) -> list[np.ndarray]:
-        """The graph's outputs (fp32 arrays; bf16 results widened exactly) from an HBM byte array."""
+        """The graph's outputs (fp32 arrays, bf16 results widened exactly; int32; bool) from HBM bytes."""
         outs = []
         for v in self.outputs:
             p = self.placements[v.buffer]
@@ -114,6 +129,13 @@ class CompiledGraph:
 
 
 def _to_device(x: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "i1":
+        return np.where(np.asarray(x) != 0, -1, 0).astype(np.int32)
+    if dtype == "i32":
+        x = np.asarray(x)
+        if x.size and (x.max() > np.iinfo(np.int32).max or x.min() < np.iinfo(np.int32).min):
+            raise ValueError("integer input does not fit int32 (the CTPU narrows int64 tensors to int32)")
+        return np.ascontiguousarray(x, dtype=np.int32)
     if dtype == "bf16":
         if x.dtype == np.uint16:
             return np.ascontiguousarray(x)
@@ -122,13 +144,13 @@ def _to_device(x: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def _read_view(hbm: np.ndarray, base: int, p: BufferPlacement, v: View) -> np.ndarray:
-    np_dtype = np.uint16 if p.dtype == "bf16" else np.float32
+    np_dtype = {"bf16": np.uint16, "i32": np.int32, "i1": np.int32}.get(p.dtype, np.float32)
     flat = hbm[base : base + p.nbytes].view(np_dtype)
     if p.dtype == "bf16":
         flat = numerics.bf16_bits_to_f32(flat)
     item = flat.itemsize
-    out = np.lib.stride_tricks.as_strided(flat[v.offset:], v.shape, tuple(s * item for s in v.strides))
-    return np.array(out)
+    out = np.array(np.lib.stride_tricks.as_strided(flat[v.offset:], v.shape, tuple(s * item for s in v.strides)))
+    return out != 0 if p.dtype == "i1" else out
 
 
 def plan_memory(g: KernelGraph) -> tuple[dict[str, BufferPlacement], int]:
@@ -167,8 +189,10 @@ def plan_memory(g: KernelGraph) -> tuple[dict[str, BufferPlacement], int]:
 def _views(k: Kernel) -> list[View]:
     if isinstance(k, GenericKernel):
         return [o.view for o in k.inputs] + [k.output.view]
-    if isinstance(k, FillKernel):
+    if isinstance(k, FillKernel | IotaKernel):
         return [k.output]
+    if isinstance(k, GatherKernel):
+        return [k.table, k.ids.view, k.output]
     return [k.a, k.b, k.c]
 
 
@@ -185,19 +209,67 @@ def _drop_matmul_fills(kernels: list[Kernel]) -> list[Kernel]:
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor], config: str = "small",
                   options: dict[str, Any] | None = None) -> CompiledGraph:
+    """Compile `gm` to one CTPU program. `stages` holds the text of every stage (FX, MLIR before and after
+    each upstream pass, the kernel graph, machine IR, scheduled bundles, assembly); `summary` the layout,
+    per-kernel instruction counts and the seconds each phase took."""
     options = dict(options or {})
     cfg = get_config(config)
     precision = options.get("matmul_precision", torch.get_float32_matmul_precision())
+    clock = _Clock()
     stages: dict[str, str] = {"fx.txt": gm.print_readable(print_output=False) if hasattr(gm, "print_readable")
                               else str(gm.graph)}
     text, _, _ = emit_module(gm, example_inputs)
+    clock.lap("fx_to_mlir")
     pipeline = run_pipeline(text)
     for name, ir_text in pipeline.stages:
         stages[f"mlir_{name}.mlir"] = ir_text
+    clock.lap("mlir_passes")
     with pipeline.context:
         graph = read_function(pipeline.module)
     graph.kernels = _drop_matmul_fills(graph.kernels)
+    stages["kernels.txt"] = describe(graph)
     placements, arena_bytes = plan_memory(graph)
+    clock.lap("kernels_and_memory_plan")
+    func, per_kernel, scratch = _select(graph, placements, arena_bytes, cfg, precision)
+    arena_bytes += scratch
+    machine_ir = func.dump()
+    clock.lap("instruction_selection")
+    mc: MachineCode = compile_function(func, next_id=_max_id(func), source_name="<compiled graph>")
+    clock.lap("schedule_regalloc_assemble")
+    if len(mc.program) > cfg.imem_bundles:
+        raise CapacityError(f"program of {len(mc.program)} bundles does not fit imem ({cfg.imem_bundles} bundles)")
+    stages["machine_ir.txt"] = machine_ir
+    stages["scheduled.txt"] = mc.scheduled_text()
+    stages["program.s"] = mc.assembly
+    inputs = [placements[n] for n in graph.arguments]
+    n_in = len(graph.arguments)
+    summary = {"config": cfg.name, "kernels": per_kernel, "bundles": len(mc.program), "spilled": mc.spilled,
+               "matmul_precision": precision, "arena_bytes": arena_bytes,
+               "launch_args": {f"s{i + 1}": n for i, n in enumerate(graph.arguments)} | {f"s{n_in + 1}": "arena"},
+               "buffers": {n: dataclasses.asdict(p) for n, p in placements.items()},
+               "outputs": [dataclasses.asdict(v) for v in graph.results], "compile_seconds": clock.laps}
+    compiled = CompiledGraph(cfg, mc.program, inputs, graph.results, placements, arena_bytes, stages, summary)
+    dump_dir = options.get("dump_dir") or os.environ.get("CTPU_DUMP_DIR")
+    if dump_dir:
+        compiled.dump(Path(dump_dir) / options.get("name", "graph"))
+    return compiled
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = round(now - self._t, 4)
+        self._t = now
+
+
+def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_bytes: int, cfg: HardwareConfig,
+            precision: str) -> tuple[Function, list[dict[str, Any]], int]:
+    """Instruction selection of every kernel, in order, into one machine-IR function (+ the HBM scratch
+    bytes the kernels need beyond the arena)."""
     n_in = len(graph.arguments)
     func = Function(pinned=tuple(Reg("s", i, True) for i in range(1, n_in + 2)))
     b = Builder(func)
@@ -217,31 +289,17 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tenso
             lower_generic(ctx, k)
         elif isinstance(k, FillKernel):
             lower_fill(ctx, k)
+        elif isinstance(k, GatherKernel):
+            lower_gather(ctx, k)
+        elif isinstance(k, IotaKernel):
+            lower_iota(ctx, k)
         else:
             lower_matmul(ctx, k)
         ctx.end()
         per_kernel.append({"index": i, "kind": _kind(k), "instructions": sum(len(blk.instrs) for blk in func.blocks)
                            - before, "mlir": k.text.splitlines()[0] if k.text else ""})
     b.emit("halt")
-    arena_bytes += ctx.scratch_peak
-    machine_ir = func.dump()
-    mc: MachineCode = compile_function(func, next_id=_max_id(func), source_name="<compiled graph>")
-    if len(mc.program) > cfg.imem_bundles:
-        raise CapacityError(f"program of {len(mc.program)} bundles does not fit imem ({cfg.imem_bundles} bundles)")
-    stages["machine_ir.txt"] = machine_ir
-    stages["scheduled.txt"] = mc.scheduled_text()
-    stages["program.s"] = mc.assembly
-    inputs = [placements[n] for n in graph.arguments]
-    summary = {"config": cfg.name, "kernels": per_kernel, "bundles": len(mc.program), "spilled": mc.spilled,
-               "matmul_precision": precision, "arena_bytes": arena_bytes,
-               "launch_args": {f"s{i + 1}": n for i, n in enumerate(graph.arguments)} | {f"s{n_in + 1}": "arena"},
-               "buffers": {n: dataclasses.asdict(p) for n, p in placements.items()},
-               "outputs": [dataclasses.asdict(v) for v in graph.results]}
-    compiled = CompiledGraph(cfg, mc.program, inputs, graph.results, placements, arena_bytes, stages, summary)
-    dump_dir = options.get("dump_dir") or os.environ.get("CTPU_DUMP_DIR")
-    if dump_dir:
-        compiled.dump(Path(dump_dir) / options.get("name", "graph"))
-    return compiled
+    return func, per_kernel, ctx.scratch_peak
 
 
 def _kind(k: Kernel) -> str:
@@ -249,6 +307,10 @@ def _kind(k: Kernel) -> str:
         return "matmul"
     if isinstance(k, FillKernel):
         return "fill"
+    if isinstance(k, GatherKernel):
+        return "gather"
+    if isinstance(k, IotaKernel):
+        return "iota"
     return "reduction" if k.reduction else "elementwise"
 
 

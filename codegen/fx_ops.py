@@ -31,6 +31,8 @@ def _reg(*targets: Any) -> Callable[[Lowering], Lowering]:
 
 def lower_node(e: MlirEmitter, node: torch.fx.Node, env: dict[torch.fx.Node, Any]) -> Any:
     fn = TABLE.get(node.target)
+    if fn is None and isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "ctpu":
+        fn = CTPU_TABLE.get(node.target.name().split("::")[-1].removesuffix(".default"))
     if fn is None:
         raise UnsupportedOp(f"FX node {node.name}: {node.target} has no CTPU lowering")
     args = torch.fx.node.map_arg(node.args, lambda n: env[n])
@@ -92,17 +94,159 @@ _reg(aten.sigmoid.default)(_unary(_sigmoid))
 _reg(aten.silu.default)(_unary(lambda x, w: w.op("arith.mulf", x, _sigmoid(x, w))))
 
 
+def _gelu_erf(x: str, w: BodyWriter) -> str:
+    t = w.op("math.erf", w.op("arith.mulf", x, w.const(1.0 / math.sqrt(2.0))))
+    return w.op("arith.mulf", w.op("arith.mulf", w.const(0.5), x), w.op("arith.addf", w.const(1.0), t))
+
+
+_reg(aten.log.default)(_unary(lambda x, w: w.op("math.log", x)))
+_reg(aten.sin.default)(_unary(lambda x, w: w.op("math.sin", x)))
+_reg(aten.cos.default)(_unary(lambda x, w: w.op("math.cos", x)))
+_reg(aten.erf.default)(_unary(lambda x, w: w.op("math.erf", x)))
+
+
 @_reg(aten.gelu.default)
 def _gelu(e: MlirEmitter, x: TValue, approximate: str = "none") -> TValue:
-    if approximate != "tanh":
-        raise UnsupportedOp("gelu with approximate='none' (erf) is not implemented; use approximate='tanh'")
-    return e.elementwise([x], lambda v, w: _gelu_tanh(v[0], w))
+    return e.elementwise([x], lambda v, w: _gelu_tanh(v[0], w) if approximate == "tanh" else _gelu_erf(v[0], w))
+
+
+@_reg(aten.clamp.default)
+def _clamp(e: MlirEmitter, x: TValue, lo: float | None = None, hi: float | None = None) -> TValue:
+    def fn(v: list[str], w: BodyWriter) -> str:
+        r = v[0]
+        if lo is not None:
+            r = w.op("arith.maximumf", r, w.const(float(lo)))
+        if hi is not None:
+            r = w.op("arith.minimumf", r, w.const(float(hi)))
+        return r
+    return e.elementwise([x], fn)
+
+
+# ---- comparisons, masks, select (bool tensors are i1: 0 / ~0 lane masks on the CTPU) -------------------
+def _compare(pred: str) -> Lowering:
+    def lower(e: MlirEmitter, a: Any, b: Any) -> TValue:
+        return e.elementwise([a, b], lambda v, w: w.cmp(pred, v[0], v[1]), dtype="i1", result="i1")
+    return lower
+
+
+for _name, _pred in [("eq", "oeq"), ("ne", "une"), ("lt", "olt"), ("le", "ole"), ("gt", "ogt"), ("ge", "oge")]:
+    _reg(getattr(aten, _name).Scalar, getattr(aten, _name).Tensor)(_compare(_pred))
+
+
+def _logical(opname: str) -> Lowering:
+    def lower(e: MlirEmitter, a: TValue, b: TValue) -> TValue:
+        a, b = (_as_bool(e, t) for t in (a, b))
+        return e.elementwise([a, b], lambda v, w: w.op(opname, v[0], v[1], dtype="i1"), dtype="i1", result="i1")
+    return lower
+
+
+def _as_bool(e: MlirEmitter, x: TValue) -> TValue:
+    return x if x.dtype == "i1" else e.elementwise([x], lambda v, w: w.cast(v[0], "f32", "i1"), dtype="i1",
+                                                   result="i1")
+
+
+_reg(aten.logical_and.default, aten.bitwise_and.Tensor)(_logical("arith.andi"))
+_reg(aten.logical_or.default, aten.bitwise_or.Tensor)(_logical("arith.ori"))
+_reg(aten.logical_xor.default, aten.bitwise_xor.Tensor)(_logical("arith.xori"))
+
+
+@_reg(aten.logical_not.default, aten.bitwise_not.default)
+def _logical_not(e: MlirEmitter, x: TValue) -> TValue:
+    x = _as_bool(e, x)
+    return e.elementwise([x], lambda v, w: w.op("arith.xori", v[0], w.const_int(1, "i1"), dtype="i1"),
+                         dtype="i1", result="i1")
+
+
+@_reg(aten.where.self)
+def _where(e: MlirEmitter, cond: TValue, a: Any, b: Any) -> TValue:
+    dtypes = [t.dtype for t in (a, b) if isinstance(t, TValue)]
+    dtype = "bf16" if dtypes and all(d == "bf16" for d in dtypes) else "f32"
+    return e.elementwise([_as_bool(e, cond), a, b], lambda v, w: w.select(v[0], v[1], v[2]), dtype=dtype)
+
+
+# ---- creation: arange, full --------------------------------------------------------------------------
+def _creation_dtype(dtype: torch.dtype | None, *values: Any) -> str:
+    if dtype is None:
+        dtype = torch.float32 if any(isinstance(v, float) for v in values) else torch.int64
+    if dtype not in DTYPES:
+        raise UnsupportedOp(f"dtype {dtype}")
+    return DTYPES[dtype]
+
+
+@_reg(aten.arange.start_step, aten.arange.start, aten.arange.default)
+def _arange(e: MlirEmitter, start: float, end: float | None = None, step: float = 1, dtype: Any = None,
+            **_: Any) -> TValue:
+    if end is None:
+        start, end = 0, start
+    out = _creation_dtype(dtype, start, end, step)
+    n = max(0, math.ceil((end - start) / step))
+
+    def fn(idx: list[str], w: BodyWriter) -> str:
+        if out == "i32" and all(isinstance(v, int) for v in (start, step)):
+            r = w.op("arith.muli", idx[0], w.const_int(int(step)), dtype="i32")
+            return w.op("arith.addi", r, w.const_int(int(start)), dtype="i32")
+        f = w.cast(idx[0], "i32", "f32")
+        r = w.op("arith.addf", w.op("arith.mulf", f, w.const(float(step), "f32"), dtype="f32"),
+                 w.const(float(start), "f32"), dtype="f32")
+        return w.cast(r, "f32", out)
+
+    return e.iota((n,), fn, out)
+
+
+@_reg(aten.full.default)
+def _full(e: MlirEmitter, size: Any, value: float, dtype: Any = None, **_: Any) -> TValue:
+    return e.fill(value, tuple(int(s) for s in size), _creation_dtype(dtype, value))
+
+
+@_reg(aten.scalar_tensor.default)
+def _scalar_tensor(e: MlirEmitter, value: float, dtype: Any = None, **_: Any) -> TValue:
+    return e.fill(value, (), _creation_dtype(dtype if dtype is not None else torch.float32, value))
+
+
+# ---- gather, cat, select, split -------------------------------------------------------------------------
+@_reg(aten.embedding.default)
+def _embedding(e: MlirEmitter, weight: TValue, ids: TValue, padding_idx: int = -1, scale_grad: bool = False,
+               sparse: bool = False) -> TValue:
+    if ids.dtype != "i32" or len(weight.shape) != 2:
+        raise UnsupportedOp(f"embedding of a {weight.type} table with {ids.type} indices")
+    return e.gather_rows(weight, ids)
+
+
+@_reg(aten.cat.default)
+def _cat(e: MlirEmitter, tensors: Any, dim: int = 0) -> TValue:
+    parts = [t for t in tensors if isinstance(t, TValue) and math.prod(t.shape) > 0]
+    if len(parts) == 1:
+        return parts[0]
+    return e.concat(parts, _norm_dim(dim, len(parts[0].shape)))
+
+
+@_reg(aten.select.int)
+def _select(e: MlirEmitter, x: TValue, dim: int, index: int) -> TValue:
+    d = _norm_dim(dim, len(x.shape))
+    index = index + x.shape[d] if index < 0 else index
+    s = e.extract_slice(x, d, index, index + 1)
+    return e.reshape(s, (*x.shape[:d], *x.shape[d + 1:]))
+
+
+@_reg(aten.split.Tensor)
+def _split(e: MlirEmitter, x: TValue, size: int, dim: int = 0) -> list[TValue]:
+    d = _norm_dim(dim, len(x.shape))
+    return [_slice(e, x, d, i, min(i + size, x.shape[d])) for i in range(0, x.shape[d], size)]
+
+
+@_reg(aten.split_with_sizes.default)
+def _split_with_sizes(e: MlirEmitter, x: TValue, sizes: Any, dim: int = 0) -> list[TValue]:
+    d = _norm_dim(dim, len(x.shape))
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [_slice(e, x, d, s, s + n) for s, n in zip(starts, sizes, strict=True)]
 
 
 @_reg(aten.pow.Tensor_Scalar)
 def _pow(e: MlirEmitter, x: TValue, p: float) -> TValue:
-    if p == 2:
-        return e.elementwise([x], lambda v, w: w.op("arith.mulf", v[0], v[0]))
+    if p in (2, 3, 4):
+        return e.elementwise([x], lambda v, w: _product([v[0]] * int(p), w))
+    if p == -1:
+        return e.elementwise([x], lambda v, w: w.op("arith.divf", w.const(1.0), v[0]))
     if p == 0.5:
         return e.elementwise([x], lambda v, w: w.op("math.sqrt", v[0]))
     if p == -0.5:
@@ -112,12 +256,14 @@ def _pow(e: MlirEmitter, x: TValue, p: float) -> TValue:
     raise UnsupportedOp(f"pow with exponent {p}")
 
 
-@_reg(aten._to_copy.default, aten.clone.default, aten.alias.default)
+@_reg(aten._to_copy.default, aten.clone.default, aten.alias.default, aten.lift_fresh_copy.default)
 def _copy(e: MlirEmitter, x: TValue, dtype: torch.dtype | None = None, **_: Any) -> TValue:
     if dtype is None or DTYPES.get(dtype) == x.dtype:
         return x
     if dtype not in DTYPES:
         raise UnsupportedOp(f"conversion to {dtype}")
+    if x.dtype == "i1":  # bool -> number: 0 / 1
+        return e.elementwise([x], lambda v, w: w.cast(v[0], "i1", "f32"), dtype=DTYPES[dtype])
     return e.elementwise([x], lambda v, w: v[0], dtype=DTYPES[dtype])
 
 
@@ -144,7 +290,23 @@ def _amax(e: MlirEmitter, x: TValue, dims: Any = (), keepdim: bool = False) -> T
 def _mean(e: MlirEmitter, x: TValue, dims: Any, keepdim: bool = False, dtype: Any = None) -> TValue:
     _last_dim_only(x, dims)
     s = e.reduce_last(x, "sum", keepdim)
-    return e.elementwise([s, float(x.shape[-1])], lambda v, w: w.op("arith.divf", v[0], v[1]))
+    return e.elementwise([s, float(x.shape[-1])], lambda v, w: w.op("arith.divf", v[0], v[1]), dtype=x.dtype)
+
+
+@_reg(aten.var.correction)
+def _var(e: MlirEmitter, x: TValue, dims: Any = None, correction: float | None = None,
+         keepdim: bool = False) -> TValue:
+    _last_dim_only(x, dims)
+    n = x.shape[-1]
+    mean = _mean(e, x, [-1], keepdim=True)
+    sq = e.elementwise([x, mean], lambda v, w: _square(w.op("arith.subf", v[0], v[1]), w), dtype="f32")
+    denom = float(max(n - (1 if correction is None else correction), 0))
+    return e.elementwise([e.reduce_last(sq, "sum", keepdim), denom], lambda v, w: w.op("arith.divf", v[0], v[1]),
+                         dtype=x.dtype)
+
+
+def _square(x: str, w: BodyWriter) -> str:
+    return w.op("arith.mulf", x, x)
 
 
 @_reg(aten._softmax.default)
@@ -277,31 +439,118 @@ def _slice(e: MlirEmitter, x: TValue, dim: int = 0, start: Any = None, end: Any 
         raise UnsupportedOp("slice with step != 1")
     if start == 0 and end == size:
         return x
-    shape = (*x.shape[:d], end - start, *x.shape[d + 1:])
-    out = TValue(e.fresh(), shape, x.dtype)
-    offs = ", ".join(str(start if i == d else 0) for i in range(len(shape)))
-    sizes = ", ".join(str(s) for s in shape)
-    ones = ", ".join("1" for _ in shape)
-    e.lines.append(f"{out.name} = tensor.extract_slice {x.name}[{offs}] [{sizes}] [{ones}] : {x.type} to {out.type}")
-    return out
+    return e.extract_slice(x, d, start, end)
 
 
 # ---- ctpu fused ops (docs/fused_ops.md), by their decomposition -------------------------------------
-def _register_ctpu_ops() -> None:
-    ns = getattr(torch.ops, "ctpu", None)
-    if ns is None:
-        return
-    table = {
-        "rms_norm": lambda e, x, weight, eps: _rms_norm(e, x, weight, eps),
-        "layer_norm": lambda e, x, weight, bias, eps: _layer_norm(e, x, weight, bias, eps),
-        "softmax": lambda e, x, dim: _softmax(e, x, dim),
-    }
-    for name, fn in table.items():
-        try:
-            op = getattr(ns, name)
-        except (AttributeError, RuntimeError):
-            continue
-        TABLE[op.default] = fn
+ACTIVATIONS: dict[str, Callable[[str, BodyWriter], str]] = {
+    "none": lambda x, w: x,
+    "relu": lambda x, w: w.op("arith.maximumf", x, w.const(0.0)),
+    "silu": lambda x, w: w.op("arith.mulf", x, _sigmoid(x, w)),
+    "gelu": _gelu_erf,
+    "gelu_tanh": _gelu_tanh,
+}
 
 
-_register_ctpu_ops()
+def _activation(act: str) -> Callable[[str, BodyWriter], str]:
+    if act not in ACTIVATIONS:
+        raise UnsupportedOp(f"activation {act!r}")
+    return ACTIVATIONS[act]
+
+
+def _linear(e: MlirEmitter, x: TValue, w: TValue, bias: TValue | None, act: str,
+            residual: TValue | None) -> TValue:
+    """act(x @ w + bias) + residual: one matmul (fp32 accumulation) and one fused epilogue generic."""
+    k, n = w.shape
+    lead = x.shape[:-1]
+    m = e.matmul(e.reshape(x, (math.prod(lead), k)), w, "f32")
+    m = e.reshape(m, (*lead, n))
+    fn = _activation(act)
+    ops: list[TValue] = [m] + [t for t in (bias, residual) if t is not None]
+    out_dtype = x.dtype if x.dtype == w.dtype else "f32"
+
+    def epilogue(v: list[str], wr: BodyWriter) -> str:
+        y = wr.op("arith.addf", v[0], v[1]) if bias is not None else v[0]
+        y = fn(y, wr)
+        return wr.op("arith.addf", y, v[-1]) if residual is not None else y
+
+    if bias is None and residual is None and act == "none" and out_dtype == "f32":
+        return m
+    return e.elementwise(ops, epilogue, dtype=out_dtype)
+
+
+def _swiglu(e: MlirEmitter, gate: TValue, up: TValue, act: str) -> TValue:
+    fn = _activation(act)
+    return e.elementwise([gate, up], lambda v, w: w.op("arith.mulf", fn(v[0], w), v[1]))
+
+
+def _rope(e: MlirEmitter, x: TValue, cos: TValue, sin: TValue) -> TValue:
+    """x * cos + cat(-x2, x1) * sin over the last dim."""
+    d = len(x.shape) - 1
+    half = x.shape[-1] // 2
+    x1, x2 = e.extract_slice(x, d, 0, half), e.extract_slice(x, d, half, x.shape[-1])
+    rotated = e.concat([e.elementwise([x2], lambda v, w: w.op("arith.negf", v[0])), x1], d)
+    return e.elementwise([x, cos, rotated, sin], lambda v, w: w.op(
+        "arith.addf", w.op("arith.mulf", v[0], v[1]), w.op("arith.mulf", v[2], v[3])))
+
+
+def _heads(e: MlirEmitter, t: TValue, rep: int, transpose: bool) -> TValue:
+    """[B, Hkv, S, D] -> [B * Hkv * rep, S, D] (or [.., D, S] transposed), each kv head repeated `rep` times
+    (grouped-query attention: query head h reads kv head h // rep), as one copy generic in f32."""
+    b, h, s, d = t.shape
+    last = ("d3", "d4") if not transpose else ("d4", "d3")
+    shape = (b, h, rep, s, d) if not transpose else (b, h, rep, d, s)
+    rank = 5
+    maps = [f"affine_map<(d0, d1, d2, d3, d4) -> (d0, d1, {last[0]}, {last[1]})>",
+            f"affine_map<({', '.join(f'd{i}' for i in range(rank))}) -> ({', '.join(f'd{i}' for i in range(rank))})>"]
+    init = e.empty(shape, "f32")
+    out = e.generic([t], maps, init, ["parallel"] * rank, lambda a, w: w.cast(a[0], t.dtype, "f32"))
+    return e.reshape(out, (b * h * rep, *shape[3:]))
+
+
+def _attention(e: MlirEmitter, q: TValue, k: TValue, v: TValue, mask: TValue | None, causal: bool,
+               scale: float) -> TValue:
+    """softmax(q @ k^T * scale (+ mask, causal)) @ v with grouped-query heads, in f32, cast to q's dtype."""
+    b, hq, length, d = q.shape
+    hkv, keys = k.shape[1], k.shape[2]
+    if hq % hkv:
+        raise UnsupportedOp(f"{hq} query heads over {hkv} kv heads")
+    rep = hq // hkv
+    qf = e.reshape(e.elementwise([q], lambda a, w: a[0], dtype="f32") if q.dtype != "f32" else q,
+                   (b * hq, length, d))
+    scores = e.reshape(e.matmul(qf, _heads(e, k, rep, True), "f32"), (b, hq, length, keys))
+    operands: list[Any] = [scores]
+    if mask is not None:
+        operands.append(mask)
+    if causal:
+        operands.append(e.iota((length, keys), lambda i, w: w.cmp(
+            "sle", i[1], w.op("arith.addi", i[0], w.const_int(keys - length), dtype="i32"), "i32"), "i1"))
+    neg_inf = -math.inf
+
+    def masked(vals: list[str], w: BodyWriter) -> str:
+        y = w.op("arith.mulf", vals[0], w.const(scale))
+        rest = vals[1:]
+        if mask is not None:
+            m, rest = rest[0], rest[1:]
+            y = w.select(m, y, w.const(neg_inf)) if mask.dtype == "i1" else w.op("arith.addf", y, m)
+        if causal:
+            y = w.select(rest[0], y, w.const(neg_inf))
+        return y
+
+    probs = _softmax(e, e.elementwise(operands, masked, dtype="f32"), -1)
+    out = e.matmul(e.reshape(probs, (b * hq, length, keys)), _heads(e, v, rep, False), "f32")
+    out = e.reshape(out, (b, hq, length, v.shape[-1]))
+    return e.elementwise([out], lambda a, w: a[0], dtype=q.dtype) if q.dtype != "f32" else out
+
+
+# Looked up by name when a node calls a ctpu:: op: the ops are registered by fx_passes (a layer above
+# codegen), so codegen does not import them.
+CTPU_TABLE: dict[str, Lowering] = {
+    "rms_norm": lambda e, x, weight, eps: _rms_norm(e, x, weight, eps),
+    "layer_norm": lambda e, x, weight, bias, eps: _layer_norm(e, x, weight, bias, eps),
+    "softmax": lambda e, x, dim: _softmax(e, x, dim),
+    "linear": _linear,
+    "swiglu": _swiglu,
+    "rope": _rope,
+    "attention": _attention,
+}

@@ -28,7 +28,10 @@ import torch.fx
 
 from codegen.errors import UnsupportedError
 
-DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i32", torch.bool: "i1"}
+FLOATS = ("f32", "bf16")
+# int64 tensors are narrowed to int32 (the lane width) at the graph boundary; bool tensors are i1 in MLIR
+# and 0 / ~0 lane masks (32-bit words) in vmem and HBM.
 
 
 class UnsupportedOp(UnsupportedError):
@@ -70,12 +73,62 @@ class BodyWriter:
         return r
 
     def cast(self, x: str, src: str, dst: str) -> str:
+        """Convert a scalar between f32, bf16, i32 (truncating, like torch) and i1 (nonzero)."""
         if src == dst:
             return x
+        if src in FLOATS and dst in FLOATS:
+            return self._conv("arith.extf" if dst == "f32" else "arith.truncf", x, src, dst)
+        if dst == "i1":
+            zero = self.const(0.0, src) if src in FLOATS else self.const_int(0, src)
+            return self._cmp("une" if src in FLOATS else "ne", x, zero, src)
+        if src in ("i32", "i1") and dst in FLOATS:
+            f = self._conv("arith.sitofp" if src == "i32" else "arith.uitofp", x, src, "f32")
+            return self.cast(f, "f32", dst)
+        if src in FLOATS and dst == "i32":
+            return self._conv("arith.fptosi", self.cast(x, src, "f32"), "f32", "i32")
+        if src == "i1" and dst == "i32":
+            return self._conv("arith.extui", x, "i1", "i32")
+        raise UnsupportedOp(f"conversion {src} -> {dst}")
+
+    def _conv(self, kind: str, x: str, src: str, dst: str) -> str:
         r = self.e.fresh()
-        kind = "arith.extf" if dst == "f32" else "arith.truncf"
         self.lines.append(f"{r} = {kind} {x} : {src} to {dst}")
         return r
+
+    def _cmp(self, pred: str, a: str, b: str, dtype: str) -> str:
+        r = self.e.fresh()
+        kind = "arith.cmpf" if dtype in FLOATS else "arith.cmpi"
+        self.lines.append(f"{r} = {kind} {pred}, {a}, {b} : {dtype}")
+        return r
+
+    def cmp(self, pred: str, a: str, b: str, dtype: str = "f32") -> str:
+        """An i1 comparison: pred in oeq/one/olt/ole/ogt/oge/une (floats), eq/ne/slt/sle/sgt/sge (ints)."""
+        return self._cmp(pred, a, b, dtype)
+
+    def const_int(self, value: int, dtype: str = "i32") -> str:
+        r = self.e.fresh()
+        self.lines.append(f"{r} = arith.constant {_literal(value, dtype)}")
+        return r
+
+    def select(self, cond: str, a: str, b: str, dtype: str = "f32") -> str:
+        r = self.e.fresh()
+        self.lines.append(f"{r} = arith.select {cond}, {a}, {b} : {dtype}")
+        return r
+
+    def index(self, dim: int) -> str:
+        """The iteration index along `dim`, as i32."""
+        i = self.e.fresh()
+        self.lines.append(f"{i} = linalg.index {dim} : index")
+        return self._conv("arith.index_cast", i, "index", "i32")
+
+
+def _literal(value: float, dtype: str) -> str:
+    """The text after `arith.constant` for a scalar of `dtype`."""
+    if dtype == "i1":
+        return "true" if value else "false"
+    if dtype == "i32":
+        return f"{int(value)} : i32"
+    return f"{_float_literal(value)} : {dtype}"
 
 
 def _float_literal(value: float) -> str:
@@ -111,7 +164,7 @@ class MlirEmitter:
     def fill(self, value: float, shape: tuple[int, ...], dtype: str) -> TValue:
         e = self.empty(shape, dtype)
         c = self.fresh()
-        self.lines.append(f"{c} = arith.constant {_float_literal(value)} : {dtype}")
+        self.lines.append(f"{c} = arith.constant {_literal(value, dtype)}")
         v = TValue(self.fresh(), shape, dtype)
         self.lines.append(f"{v.name} = linalg.fill ins({c} : {dtype}) outs({e.name} : {e.type}) -> {v.type}")
         return v
@@ -137,8 +190,12 @@ class MlirEmitter:
         return out
 
     def elementwise(self, operands: Sequence[Operand], fn: Callable[[list[str], BodyWriter], str],
-                    dtype: str | None = None, shape: tuple[int, ...] | None = None) -> TValue:
-        """Broadcasting elementwise op; float operands become constants in the body."""
+                    dtype: str | None = None, shape: tuple[int, ...] | None = None, result: str = "f32") -> TValue:
+        """Broadcasting elementwise op; float operands become constants in the body.
+
+        The body computes in f32: float and integer operands arrive converted to f32 (integers exactly up to
+        2^24), bool (i1) operands as i1; `fn` returns a value of type `result` (f32, or i1 for compares),
+        converted to the output dtype (default: the first tensor operand's)."""
         tensors = [o for o in operands if isinstance(o, TValue)]
         out_shape = shape if shape is not None else tuple(torch.broadcast_shapes(*(t.shape for t in tensors)))
         out_dtype = dtype or (tensors[0].dtype if tensors else "f32")
@@ -156,12 +213,12 @@ class MlirEmitter:
             vals = []
             for o in operands:
                 if isinstance(o, TValue):
-                    vals.append(w.cast(next(it), o.dtype, "f32"))
+                    vals.append(next(it) if o.dtype == "i1" else w.cast(next(it), o.dtype, "f32"))
                 else:
                     vals.append(w.const(float(o), "f32"))
             w.dtype = "f32"
             r = fn(vals, w)
-            return w.cast(r, "f32", out_dtype)
+            return w.cast(r, result, out_dtype)
 
         return self.generic(tensors, maps, init, ["parallel"] * rank, body)
 
@@ -204,6 +261,62 @@ class MlirEmitter:
                           f"{flat.type} into {out.type}")
         return out
 
+    def iota(self, shape: tuple[int, ...], fn: Callable[[list[str], BodyWriter], str], dtype: str) -> TValue:
+        """out[i...] = fn(indices as i32): arange, masks; `fn` returns a value of type `dtype`."""
+        rank = len(shape)
+        init = self.empty(shape, dtype)
+
+        def body(args: list[str], w: BodyWriter) -> str:
+            w.dtype = dtype
+            return fn([w.index(d) for d in range(rank)], w)
+
+        return self.generic([], [_affine(rank, [f"d{i}" for i in range(rank)])], init, ["parallel"] * rank, body)
+
+    def gather_rows(self, table: TValue, ids: TValue) -> TValue:
+        """out[i..., j] = table[ids[i...], j] (an embedding lookup: tensor.extract in a generic body)."""
+        shape = (*ids.shape, table.shape[-1])
+        rank = len(shape)
+        init = self.empty(shape, table.dtype)
+
+        def body(args: list[str], w: BodyWriter) -> str:
+            row, col = w.e.fresh(), w.e.fresh()
+            r = w.e.fresh()
+            w.lines.append(f"{row} = arith.index_cast {args[0]} : {ids.dtype} to index")
+            w.lines.append(f"{col} = linalg.index {rank - 1} : index")
+            w.lines.append(f"{r} = tensor.extract {table.name}[{row}, {col}] : {table.type}")
+            return r
+
+        maps = [_affine(rank, [f"d{i}" for i in range(rank - 1)]), _affine(rank, [f"d{i}" for i in range(rank)])]
+        return self.generic([ids], maps, init, ["parallel"] * rank, body)
+
+    def extract_slice(self, x: TValue, dim: int, start: int, end: int) -> TValue:
+        shape = (*x.shape[:dim], end - start, *x.shape[dim + 1:])
+        out = TValue(self.fresh(), shape, x.dtype)
+        offs = ", ".join(str(start if i == dim else 0) for i in range(len(shape)))
+        sizes = ", ".join(str(s) for s in shape)
+        ones = ", ".join("1" for _ in shape)
+        self.lines.append(f"{out.name} = tensor.extract_slice {x.name}[{offs}] [{sizes}] [{ones}] : "
+                          f"{x.type} to {out.type}")
+        return out
+
+    def concat(self, parts: Sequence[TValue], dim: int) -> TValue:
+        """cat along `dim`: tensor.insert_slice of each part into an empty tensor (copies into subviews)."""
+        shape = list(parts[0].shape)
+        shape[dim] = sum(p.shape[dim] for p in parts)
+        acc = self.empty(tuple(shape), parts[0].dtype)
+        offset = 0
+        for p in parts:
+            if p.dtype != acc.dtype:
+                p = self.elementwise([p], lambda v, w: v[0], dtype=acc.dtype)
+            out = TValue(self.fresh(), acc.shape, acc.dtype)
+            offs = ", ".join(str(offset if i == dim else 0) for i in range(len(shape)))
+            sizes = ", ".join(str(s) for s in p.shape)
+            ones = ", ".join("1" for _ in shape)
+            self.lines.append(f"{out.name} = tensor.insert_slice {p.name} into {acc.name}[{offs}] [{sizes}] "
+                              f"[{ones}] : {p.type} into {acc.type}")
+            acc, offset = out, offset + p.shape[dim]
+        return acc
+
     def matmul(self, a: TValue, b: TValue, out_dtype: str) -> TValue:
         batch = len(a.shape) == 3
         shape = (*a.shape[:-1], b.shape[-1])
@@ -235,7 +348,7 @@ def emit_module(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, example in zip(placeholders, example_inputs, strict=True):
         if example.dtype not in DTYPES:
-            raise UnsupportedOp(f"input {node.name}: dtype {example.dtype} (supported: float32, bfloat16)")
+            raise UnsupportedOp(f"input {node.name}: dtype {example.dtype} (supported: {', '.join(map(str, DTYPES))})")
         v = TValue(f"%arg{len(args)}", tuple(example.shape), DTYPES[example.dtype])
         args.append(v)
         env[node] = v

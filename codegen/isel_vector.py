@@ -10,6 +10,12 @@ Outer dims that every operand strides uniformly merge into one row dim (one DMA 
 unrolled at compile time. Tiles of T rows are double-buffered: the loads of tile i + 1 are issued before
 tile i is computed, stores drain behind.
 
+Program size does not grow with the tensor: the tiles run in a runtime loop (two tiles per iteration, so
+buffers and flags alternate with constant addresses; HBM addresses are pointer registers), and inside a
+tile the chunks of 8 vmem rows run in a runtime *chunk loop* (a single-block counted loop whose vmem row
+offset is an induction register: the back end software-pipelines it). Wide rows (P > 8 vmem rows) reduce
+in a row loop around a chunk loop that carries the accumulator.
+
 Reductions (last iterator) combine `f(inputs)` across lanes, masking padding lanes with the identity
 (`viota` + `vsel`), then across vmem rows of one row, and finally with the output's initial value.
 """
@@ -24,9 +30,11 @@ from codegen.builder import Builder
 from codegen.isel_common import KernelContext, Region
 from codegen.kernels import ESIZE, FillKernel, GenericKernel, LoweringError, Operand, ScalarProgram, View
 from codegen.math_seqs import vexp, vrecip, vrsqrt, vsqrt, vtanh
-from codegen.mir import Reg
+from codegen.mir import ZERO, Mem, Reg
 
-MAX_TILE_VMEM_ROWS = 256  # vmem rows of one operand's tile: bounds the unrolled code
+MAX_TILE_VMEM_ROWS = 512  # vmem rows of one operand's tile (64 chunks): keeps double buffering useful
+UNROLL_CHUNKS = 4  # chunk sequences up to this long are unrolled, longer ones run as loops
+F_LD, F_ST = 0, 2  # flags: loads of tile parity p on F_LD + p, stores on F_ST + p
 NEG_INF = 0xFF800000
 ZERO_BITS = 0
 
@@ -46,6 +54,7 @@ class Stream:
     arg: str  # body block argument name
     tiles: tuple[Region, Region] | None = None
     expanded: Region | None = None
+    ptr: Reg | None = None  # HBM byte address of the next tile to load
 
 
 def lower_fill(ctx: KernelContext, k: FillKernel) -> None:
@@ -76,17 +85,12 @@ def lower_generic(ctx: KernelContext, k: GenericKernel) -> None:
     groups = outer[:split]
     N = ctx.lanes
     P = -(-C // N)
-    if P > MAX_TILE_VMEM_ROWS:
-        raise LoweringError(f"innermost dim {C} needs {P} vmem rows per row (limit {MAX_TILE_VMEM_ROWS})")
-    n_streams = len(operands) + sum(1 for st in strides[:-1] if st[-1] == 0)
-    budget = min(ctx.vmem_free() // (2 * n_streams + 2), MAX_TILE_VMEM_ROWS)
-    tile_rows = max(1, min(rows, budget // max(P, 1) - 1))
     body_args = k.body.args
     for g_index in _multi_index(groups):
         base = [sum(i * s for i, s in zip(g_index, st, strict=False)) for st in strides]
         streams = [Stream(v, rs, v.offset + bo, "row" if st[-1] == 1 else "col", arg)
                    for v, rs, bo, st, arg in zip(views, row_strides, base, strides, body_args, strict=True)]
-        _tile_loop(ctx, k, streams, rows, tile_rows, C, P)
+        _tile_loop(ctx, k, streams, rows, C, P)
 
 
 def _multi_index(dims: list[int]) -> list[tuple[int, ...]]:
@@ -98,17 +102,31 @@ def _multi_index(dims: list[int]) -> list[tuple[int, ...]]:
 
 def _materialize(ctx: KernelContext, view: View, st: list[int], sizes: list[int]) -> tuple[View, list[int]]:
     """Copy a transposed operand into HBM scratch in iteration order: one DMA pair per row (column in,
-    column out through lane 0 of C vmem rows)."""
+    column out through lane 0 of C vmem rows); a runtime loop over the rows of a 2-D operand."""
+    b = ctx.b
     C = sizes[-1]
     esize = ESIZE[view.dtype]
     n_rows = math.prod(sizes[:-1]) if len(sizes) > 1 else 1
     reg, off = ctx.scratch_bytes(n_rows * C * esize)
     region = ctx.region(C, "gather")
-    for r, idx in enumerate(_multi_index(sizes[:-1])):
-        src = view.offset + sum(i * s for i, s in zip(idx, st, strict=False))
-        ctx.dma(True, view.dtype, ctx.hbm_addr(view, src), region, 0, C, 1, st[-1], 6)
-        ctx.dma(False, view.dtype, ctx.b.offset_reg(reg, off + r * C * esize), region, 0, C, 1, 1, 6)
-    ctx.b.emit("wait", flag=6)
+    if len(sizes) == 2 and n_rows > UNROLL_CHUNKS:
+        src, dst = b.sreg(), b.sreg()
+        b.emit("addi", src, (ctx.hbm_addr(view, view.offset),), imm=0)
+        b.emit("addi", dst, (b.offset_reg(reg, off),), imm=0)
+
+        def copy_row() -> None:
+            ctx.dma(True, view.dtype, src, region, 0, C, 1, st[-1], 6)
+            ctx.dma(False, view.dtype, dst, region, 0, C, 1, 1, 6)
+            b.addi(src, st[0] * esize, src)
+            b.addi(dst, C * esize, dst)
+
+        b.counted_loop(n_rows, copy_row, "transpose")
+    else:
+        for r, idx in enumerate(_multi_index(sizes[:-1])):
+            src_el = view.offset + sum(i * s for i, s in zip(idx, st, strict=False))
+            ctx.dma(True, view.dtype, ctx.hbm_addr(view, src_el), region, 0, C, 1, st[-1], 6)
+            ctx.dma(False, view.dtype, b.offset_reg(reg, off + r * C * esize), region, 0, C, 1, 1, 6)
+    b.emit("wait", flag=ctx.flag(6))
     name = f"scratch@{off}"
     ctx.hbm_base[name] = (reg, off)
     dense = [0] * len(sizes)
@@ -119,11 +137,40 @@ def _materialize(ctx: KernelContext, view: View, st: list[int], sizes: list[int]
     return View(name, 0, tuple(sizes), tuple(dense), view.dtype), dense
 
 
-def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], rows: int, tile_rows: int, C: int,
-               P: int) -> None:
+def _round8(rows: int) -> int:
+    return max(8, -(-rows // 8) * 8)
+
+
+def _choose_tile_rows(ctx: KernelContext, k: GenericKernel, streams: list[Stream], rows: int, P: int) -> int:
+    """The most rows per tile (<= MAX_TILE_VMEM_ROWS vmem rows per operand) whose double-buffered tiles fit
+    the free vmem."""
+    out = streams[-1]
+    loads = streams[:-1] + ([out] if k.reduction else [])
+
+    def need(t: int) -> int:
+        total = 2 * _round8(t * (1 if k.reduction else P) + 8)
+        for s in loads:
+            total += 2 * _round8(t * (P if s.kind == "row" else 1) + 8)
+            if s.kind == "col" and s is not out:
+                total += _round8(t * P + 8)
+        return total
+
+    t = max(1, min(rows, MAX_TILE_VMEM_ROWS // P))
+    while t > 1 and need(t) > ctx.vmem_free():
+        t = max(1, min(t - 1, t * ctx.vmem_free() // need(t)))
+    if need(t) > ctx.vmem_free():
+        raise LoweringError(f"{ctx.kernel}: one row of {P} vmem rows per operand does not fit vmem")
+    return t
+
+
+def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], rows: int, C: int, P: int) -> None:
+    """Double-buffered tiles of T rows: tile i waits for its loads (flag F_LD + i % 2), issues the loads of
+    tile i + 1, waits for the store of tile i - 2 (F_ST + i % 2), computes, and stores. Pairs of full tiles
+    run in a runtime loop; the last one or two tiles follow it (the last tile may be partial)."""
     b = ctx.b
     out = streams[-1]
     loads = streams[:-1] + ([out] if k.reduction else [])  # a reduction reads its output's initial value
+    tile_rows = _choose_tile_rows(ctx, k, streams, rows, P)
     for s in loads:
         per_row = P if s.kind == "row" else 1
         s.tiles = (ctx.region(tile_rows * per_row + 8, "in"), ctx.region(tile_rows * per_row + 8, "in"))
@@ -131,34 +178,74 @@ def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], rows
             s.expanded = ctx.region(tile_rows * P + 8, "bcast")
     out_rows = tile_rows * (1 if k.reduction else P) + 8
     out_tiles = (ctx.region(out_rows, "out"), ctx.region(out_rows, "out"))
-    tiles = [(t0, min(tile_rows, rows - t0)) for t0 in range(0, rows, tile_rows)]
+    sizes = [min(tile_rows, rows - t0) for t0 in range(0, rows, tile_rows)]
+    for s in loads:
+        s.ptr = b.sreg()
+        b.emit("addi", s.ptr, (ctx.hbm_addr(s.view, s.base),), imm=0)
+    out_ptr = b.sreg()
+    b.emit("addi", out_ptr, (ctx.hbm_addr(out.view, out.base),), imm=0)
 
-    def issue_loads(i: int) -> None:
-        t0, n = tiles[i]
+    def issue_loads(p: int, n: int) -> None:
         for s in loads:
+            assert s.ptr is not None and s.tiles is not None
             cols = C if s.kind == "row" else 1
-            ctx.dma(True, s.view.dtype, ctx.hbm_addr(s.view, s.base + t0 * s.row_stride), s.tiles[i % 2], 0, n,
-                    cols, s.row_stride, i % 2)
+            ctx.dma(True, s.view.dtype, s.ptr, s.tiles[p], 0, n, cols, s.row_stride, F_LD + p)
+            if s.row_stride:
+                b.addi(s.ptr, n * s.row_stride * ESIZE[s.view.dtype], s.ptr)
 
-    issue_loads(0)
-    for i, (t0, n) in enumerate(tiles):
-        p = i % 2
-        if i + 1 < len(tiles):
-            issue_loads(i + 1)
-        b.emit("wait", flag=ctx.flag(p))
-        if i >= 2:
-            b.emit("wait", flag=ctx.flag(2 + p))
+    def tile(p: int, n: int, n_next: int) -> None:
+        b.emit("wait", flag=ctx.flag(F_LD + p))
+        if n_next:
+            issue_loads(1 - p, n_next)
         for s in streams[:-1]:
             if s.expanded is not None:
+                assert s.tiles is not None
                 _broadcast_rows(b, s.tiles[p], s.expanded, n, P)
+        b.emit("wait", flag=ctx.flag(F_ST + p))
         if k.reduction:
             _reduce_tile(ctx, k.body, streams, p, out_tiles[p], n, C, P)
-            cols = 1
         else:
             _map_tile(ctx, k.body, streams, p, out_tiles[p], n, P)
-            cols = C
-        ctx.dma(False, out.view.dtype, ctx.hbm_addr(out.view, out.base + t0 * out.row_stride), out_tiles[p], 0, n,
-                cols, out.row_stride, 2 + p)
+        cols = 1 if k.reduction else C
+        ctx.dma(False, out.view.dtype, out_ptr, out_tiles[p], 0, n, cols, out.row_stride, F_ST + p)
+        if out.row_stride:
+            b.addi(out_ptr, n * out.row_stride * ESIZE[out.view.dtype], out_ptr)
+        b.new_block("tile_next")  # a tile's code ends a block: its DMA issues before the next tile's waits
+
+    issue_loads(0, sizes[0])
+    pairs = (len(sizes) - 1) // 2  # tiles 0 .. 2 * pairs - 1 are full and each has a next tile
+    if pairs:
+        b.counted_loop(pairs, lambda: (tile(0, tile_rows, tile_rows), tile(1, tile_rows, tile_rows)), "tiles")
+    for i in range(2 * pairs, len(sizes)):
+        tile(i % 2, sizes[i], sizes[i + 1] if i + 1 < len(sizes) else 0)
+
+
+def _chunk_loop(b: Builder, count: int, body: Callable[[Reg], None], hint: str, start: Reg = ZERO,
+                step: int = 8) -> None:
+    """body(off) for off = start, start + step, ... (`count` times). Up to UNROLL_CHUNKS runs are unrolled
+    only when `start` is ZERO (constant addresses); otherwise a counted loop whose offset register is an
+    induction variable (`addi off, off, step` ends the body)."""
+    if count <= 0:
+        return
+    if count == 1:
+        body(start)
+        return
+    off = b.sreg()
+    b.emit("addi", off, (start,), imm=0)
+
+    def step_body() -> None:
+        body(off)
+        b.emit("addi", off, (off,), imm=step)
+
+    b.counted_loop(count, step_body, hint)
+
+
+def _mem(region: Region, base: Reg, row: int, rows: int, write: bool = False) -> Mem:
+    """The rows an access at `base + region.row + row` touches: exact for constant addresses, the whole
+    region when the base is a loop register."""
+    if base == ZERO:
+        return region.mem(row, row + rows, write)
+    return region.mem(0, region.rows, write)
 
 
 def _lane0_mask(b: Builder) -> Reg:
@@ -167,39 +254,55 @@ def _lane0_mask(b: Builder) -> Reg:
 
 def _broadcast_rows(b: Builder, col: Region, dst: Region, n: int, P: int) -> None:
     """dst (row layout, P vmem rows per row) = the lane-0 value of each of the n rows of `col`."""
-    mask, ninf = _lane0_mask(b), b.vconst_bits(NEG_INF)
-    base = b.const(0)
     if P == 1:
-        for c in range(0, n, 8):
+        def chunk(off: Reg) -> None:
             v = b.vreg()
-            b.emit("vld", v, (base,), imm=col.row + c, mem=(col.mem(c, c + 8),))
-            r = b.vop("vred.max.l", b.vop("vsel", mask, v, ninf))
-            b.emit("vst", None, (r, base), imm=dst.row + c, mem=(dst.mem(c, c + 8, write=True),))
+            b.emit("vld", v, (off,), imm=col.row, mem=(_mem(col, off, 0, 8),))
+            r = b.vop("vred.max.l", b.vop("vsel", _lane0_mask(b), v, b.vconst_bits(NEG_INF)))
+            b.emit("vst", None, (r, off), imm=dst.row, mem=(_mem(dst, off, 0, 8, True),))
+
+        _chunk_loop(b, -(-n // 8), chunk, "bcast")
         return
-    for t in range(n):
+    P8 = -(-P // 8)
+    row_base = b.sreg()
+    b.emit("li", row_base, imm=0)
+
+    def row(t: Reg) -> None:
         v = b.vreg()
-        b.emit("vld.row", v, (base,), imm=col.row + t, mem=(col.mem(t, t + 1),))
-        r = b.vop("vred.max.l", b.vop("vsel", mask, v, ninf))
-        for j in range(0, P, 8):
-            row = t * P + j
-            b.emit("vst", None, (r, base), imm=dst.row + row, mem=(dst.mem(row, row + 8, write=True),))
+        b.emit("vld.row", v, (t,), imm=col.row, mem=(_mem(col, t, 0, 1),))
+        r = b.vop("vred.max.l", b.vop("vsel", _lane0_mask(b), v, b.vconst_bits(NEG_INF)))
+        if P8 <= UNROLL_CHUNKS:
+            for j in range(P8):
+                b.emit("vst", None, (r, row_base), imm=dst.row + 8 * j, mem=(_mem(dst, row_base, 0, 8, True),))
+        else:
+            _chunk_loop(b, P8, lambda off: b.emit("vst", None, (r, off), imm=dst.row,
+                                                  mem=(_mem(dst, off, 0, 8, True),)), "bcast_row", row_base)
+        b.emit("addi", row_base, (row_base,), imm=P)
+
+    _chunk_loop(b, n, row, "bcast_rows", step=1)
 
 
-def _load(b: Builder, s: Stream, p: int, row: int) -> Reg:
+def _load(b: Builder, s: Stream, p: int, base: Reg, row: int = 0) -> Reg:
+    assert s.tiles is not None
     region = s.expanded if s.expanded is not None else s.tiles[p]
     v = b.vreg()
-    b.emit("vld", v, (b.const(0),), imm=region.row + row, mem=(region.mem(row, row + 8),))
+    b.emit("vld", v, (base,), imm=region.row + row, mem=(_mem(region, base, row, 8),))
     return v
+
+
+def _store(b: Builder, r: Reg, out: Region, base: Reg, row: int = 0) -> None:
+    b.emit("vst", None, (r, base), imm=out.row + row, mem=(_mem(out, base, row, 8, True),))
 
 
 def _map_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream], p: int, out: Region, n: int,
               P: int) -> None:
     b = ctx.b
-    for c in range(0, n * P, 8):
-        b.new_scope()
-        env = {s.arg: _load(b, s, p, c) for s in streams[:-1]}
-        r = evaluate(b, body, env, body.yields[0])
-        b.emit("vst", None, (r, b.const(0)), imm=out.row + c, mem=(out.mem(c, c + 8, write=True),))
+
+    def chunk(off: Reg) -> None:
+        env = {s.arg: _load(b, s, p, off) for s in streams[:-1]}
+        _store(b, evaluate(b, body, env, body.yields[0]), out, off)
+
+    _chunk_loop(b, -(-n * P // 8), chunk, "map")
 
 
 def _reduce_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream], p: int, out: Region, n: int,
@@ -208,40 +311,48 @@ def _reduce_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream],
     out_arg = body.args[-1]
     combine_name, value = _split_reduction(body, out_arg)
     vop, red_l, red_s, identity = COMBINERS[combine_name]
-    ident = b.vconst_bits(identity)
     init = streams[-1]
-    zero = b.const(0)
     if P == 1:
-        mask = b.vop("vcmp.lt.i", b.vop_imm("viota", 0), b.vconst_bits(C)) if C < ctx.lanes else None
-        for c in range(0, n, 8):
-            b.new_scope()
-            env = {s.arg: _load(b, s, p, c) for s in streams[:-1]}
+        def chunk(off: Reg) -> None:
+            env = {s.arg: _load(b, s, p, off) for s in streams[:-1]}
             f = evaluate(b, body, env, value)
-            if mask is not None:
-                f = b.vop("vsel", mask, f, ident)
-            r = b.vop(vop, b.vop(red_l, f), _load(b, init, p, c))
-            b.emit("vst", None, (r, zero), imm=out.row + c, mem=(out.mem(c, c + 8, write=True),))
+            if C < ctx.lanes:
+                mask = b.vop("vcmp.lt.i", b.vop_imm("viota", 0), b.vconst_bits(C))
+                f = b.vop("vsel", mask, f, b.vconst_bits(identity))
+            _store(b, b.vop(vop, b.vop(red_l, f), _load(b, init, p, off)), out, off)
+
+        _chunk_loop(b, -(-n // 8), chunk, "reduce")
         return
-    chunk = 8 * ctx.lanes
-    tail = C % chunk
-    mask = None
-    if tail:
-        mask = b.vop("vcmp.lt.i", b.vop_imm("viota", 2), b.vconst_bits(tail))
-    for t in range(n):
-        b.new_scope()
-        acc = None
-        for j in range(0, P, 8):
-            env = {s.arg: _load(b, s, p, t * P + j) for s in streams[:-1]}
-            f = evaluate(b, body, env, value)
-            if mask is not None and j + 8 >= P:
-                f = b.vop("vsel", mask, f, ident)
-            acc = f if acc is None else b.vop(vop, acc, f)
+    tail = C % (8 * ctx.lanes)
+    P8 = -(-P // 8)
+    plain = P8 - 1 if tail else P8  # the last chunk of a row is masked when the row ends inside it
+    row_base = b.sreg()
+    b.emit("li", row_base, imm=0)
+
+    def f_at(base: Reg, row: int) -> Reg:
+        return evaluate(b, body, {s.arg: _load(b, s, p, base, row) for s in streams[:-1]}, value)
+
+    def row(t: Reg) -> None:
+        acc = b.vreg()
+        b.emit("vbcast", acc, (b.const(identity),))
+        if plain <= UNROLL_CHUNKS:
+            for j in range(plain):
+                b.emit(vop, acc, (acc, f_at(row_base, 8 * j)))
+        else:
+            _chunk_loop(b, plain, lambda off: b.emit(vop, acc, (acc, f_at(off, 0))), "reduce_row", row_base)
+        if tail:
+            mask = b.vop("vcmp.lt.i", b.vop_imm("viota", 2), b.vconst_bits(tail))
+            f = b.vop("vsel", mask, f_at(row_base, 8 * plain), b.vconst_bits(identity))
+            b.emit(vop, acc, (acc, f))
         total = b.vop(red_s, b.vop(red_l, acc))
         iv = b.vreg()
+        assert init.tiles is not None
         region = init.tiles[p]
-        b.emit("vld.row", iv, (zero,), imm=region.row + t, mem=(region.mem(t, t + 1),))
-        r = b.vop(vop, total, iv)
-        b.emit("vst", None, (r, zero), imm=out.row + t, mem=(out.mem(t, t + 8, write=True),))
+        b.emit("vld.row", iv, (t,), imm=region.row, mem=(_mem(region, t, 0, 1),))
+        _store(b, b.vop(vop, total, iv), out, t)
+        b.emit("addi", row_base, (row_base,), imm=P)
+
+    _chunk_loop(b, n, row, "reduce_rows", step=1)
 
 
 def _split_reduction(body: ScalarProgram, out_arg: str) -> tuple[str, str]:

@@ -5,18 +5,32 @@ Before: one `func.func @main` on memrefs (after `one-shot-bufferize`): `memref.a
 After: `KernelGraph` with one `Buffer` per function argument / alloc, every memref value as a `View`
 (buffer, element offset, shape, strides: read from its static strided layout), and the kernels in program
 order. Generic bodies become `ScalarProgram`s (op name + operand names), constants captured from the
-function body included.
+function body included; compare ops carry their predicate in the name (`arith.cmpf.olt`).
+
+Two body ops that read something other than the generic's operands are split out of the generic:
+- `linalg.index d` (arange, causal masks) becomes an extra operand reading an `IotaKernel`'s int32 buffer
+  [0, 1, .., n-1] with stride 1 along iteration dim d (0 elsewhere);
+- `memref.load %table[index_cast(%id), linalg.index(last)]` (an embedding lookup, possibly fused into its
+  consumer) becomes a `GatherKernel` that copies the addressed rows into a dense temporary, which the
+  generic then reads as an ordinary operand.
+Integer and bool constants are kept as the fp32 value with the same 32-bit pattern (a lane's bits);
+`true` is ~0, because bool lanes are 0 / ~0 masks.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+import numpy as np
 from iree.compiler import ir
 
 from codegen.errors import UnsupportedError
 
-ESIZE = {"f32": 4, "bf16": 2}
+ESIZE = {"f32": 4, "bf16": 2, "i32": 4, "i1": 4}
+CMPF = ("false", "oeq", "ogt", "oge", "olt", "ole", "one", "ord", "ueq", "ugt", "uge", "ult", "ule", "une", "uno",
+        "true")
+CMPI = ("eq", "ne", "slt", "sle", "sgt", "sge", "ult", "ule", "ugt", "uge")
 
 
 @dataclass
@@ -85,7 +99,27 @@ class MatmulKernel:
     text: str = ""
 
 
-Kernel = GenericKernel | FillKernel | MatmulKernel
+@dataclass
+class IotaKernel:
+    """output[i] = i (int32), a dense 1-D buffer."""
+
+    output: View
+    text: str = ""
+
+
+@dataclass
+class GatherKernel:
+    """output[i..., j] = table[ids[i...], j]: `ids` strides the output's outer dims (int32 row numbers),
+    `output` is dense over `sizes`."""
+
+    table: View  # [V, D]
+    ids: Operand  # iter_strides over `sizes` (0 along the last)
+    output: View
+    sizes: tuple[int, ...]
+    text: str = ""
+
+
+Kernel = GenericKernel | FillKernel | MatmulKernel | IotaKernel | GatherKernel
 
 
 @dataclass
@@ -94,6 +128,31 @@ class KernelGraph:
     kernels: list[Kernel] = field(default_factory=list)
     results: list[View] = field(default_factory=list)
     arguments: list[str] = field(default_factory=list)
+
+
+def describe(g: KernelGraph) -> str:
+    """The kernel graph as text (the `kernels.txt` stage): buffers, then one line per kernel."""
+    lines = [f"buffer {b.name}: {b.kind} {b.dtype}{list(b.shape)}" for b in g.buffers.values()]
+    for i, k in enumerate(g.kernels):
+        if isinstance(k, GenericKernel):
+            ins = ", ".join(f"{_v(o.view)} by {list(o.iter_strides)}" for o in k.inputs)
+            ops = " ; ".join(f"{r} = {n} {', '.join(a)}" for r, n, a in k.body.ops)
+            kind = "reduction" if k.reduction else "elementwise"
+            lines.append(f"{i}: {kind} {list(k.sizes)} ({ins}) -> {_v(k.output.view)} {{ {ops} }}")
+        elif isinstance(k, MatmulKernel):
+            lines.append(f"{i}: matmul {_v(k.a)} @ {_v(k.b)} -> {_v(k.c)}")
+        elif isinstance(k, FillKernel):
+            lines.append(f"{i}: fill {k.value} -> {_v(k.output)}")
+        elif isinstance(k, GatherKernel):
+            lines.append(f"{i}: gather rows of {_v(k.table)} by {_v(k.ids.view)} -> {_v(k.output)}")
+        else:
+            lines.append(f"{i}: iota -> {_v(k.output)}")
+    lines.append(f"results: {', '.join(_v(v) for v in g.results)}")
+    return "\n".join(lines) + "\n"
+
+
+def _v(v: View) -> str:
+    return f"{v.buffer}[+{v.offset} {list(v.shape)} strides {list(v.strides)} {v.dtype}]"
 
 
 class LoweringError(UnsupportedError):
@@ -126,7 +185,9 @@ def read_function(module: ir.Module) -> KernelGraph:
     for op in block.operations:
         name = op.name
         if name == "arith.constant":
-            constants[op.results[0].get_name()] = float(ir.FloatAttr(op.attributes["value"]).value)
+            if isinstance(op.results[0].type, ir.ShapedType):
+                raise LoweringError(f"tensor constant:\n{op}")
+            constants[op.results[0].get_name()] = constant_value(op.attributes["value"])
         elif name == "memref.alloc":
             r = op.results[0]
             shape, dtype, strides, offset = _memref(r.type)
@@ -145,7 +206,7 @@ def read_function(module: ir.Module) -> KernelGraph:
             a, b, c = (views[o.get_name()] for o in op.operands)
             g.kernels.append(MatmulKernel(a, b, c, str(op)))
         elif name == "linalg.generic":
-            g.kernels.append(_generic(op, views, constants))
+            g.kernels.extend(_generic(op, views, constants, g))
         elif name == "memref.copy":
             src, dst = (views[o.get_name()] for o in op.operands)
             body = ScalarProgram(["%in", "%out"], [], ["%in"], {})
@@ -160,13 +221,25 @@ def read_function(module: ir.Module) -> KernelGraph:
     return g
 
 
-def _generic(op: ir.Operation, views: dict[str, View], constants: dict[str, float]) -> GenericKernel:
+def constant_value(attr: ir.Attribute) -> float:
+    """A scalar constant as the fp32 value of its 32-bit lane pattern (floats: the value itself)."""
+    if isinstance(attr, ir.FloatAttr):
+        return float(attr.value)
+    a = ir.IntegerAttr(attr)
+    width = a.type.width if isinstance(a.type, ir.IntegerType) else 32
+    bits = (0xFFFFFFFF if a.value else 0) if width == 1 else a.value & 0xFFFFFFFF
+    value = float(np.array(bits, dtype=np.uint32).view(np.float32))
+    if int(np.array(value, dtype=np.float32).view(np.uint32)) != bits:
+        raise LoweringError(f"integer constant {a.value} (its bits are a signalling NaN pattern)")
+    return value
+
+
+def _generic(op: ir.Operation, views: dict[str, View], constants: dict[str, float],
+             g: KernelGraph) -> list[Kernel]:
     maps = [ir.AffineMapAttr(m).value for m in op.attributes["indexing_maps"]]
     iters = [str(i) for i in op.attributes["iterator_types"]]
     rank = len(iters)
     reduction = [("reduction" in i) for i in iters]
-    if any(reduction[:-1]):
-        raise LoweringError(f"reduction over a dim other than the innermost:\n{op}")
     operands = []
     sizes = [0] * rank
     for value, amap in zip(op.operands, maps, strict=True):
@@ -183,7 +256,11 @@ def _generic(op: ir.Operation, views: dict[str, View], constants: dict[str, floa
         raise LoweringError("generic with tensor results or a mismatched body")
     body_block = op.regions[0].blocks[0]
     args = [a.get_name() for a in body_block.arguments]
-    ops, yields, consts = [], [], {}
+    ops: list[tuple[str, str, list[str]]] = []
+    yields: list[str] = []
+    consts: dict[str, float] = {}
+    index_dims: dict[str, int] = {}  # linalg.index results -> iteration dim
+    loads: dict[str, tuple[View, list[str]]] = {}  # memref.load results -> (table, index names)
     for inner in body_block.operations:
         names = [o.get_name() for o in inner.operands]
         for n in names:
@@ -192,11 +269,215 @@ def _generic(op: ir.Operation, views: dict[str, View], constants: dict[str, floa
         if inner.name == "linalg.yield":
             yields = names
         elif inner.name == "arith.constant":
-            consts[inner.results[0].get_name()] = float(ir.FloatAttr(inner.attributes["value"]).value)
+            consts[inner.results[0].get_name()] = constant_value(inner.attributes["value"])
+        elif inner.name == "linalg.index":
+            index_dims[inner.results[0].get_name()] = ir.IntegerAttr(inner.attributes["dim"]).value
+        elif inner.name == "memref.load":
+            loads[inner.results[0].get_name()] = (views[names[0]], names[1:])
         else:
-            ops.append((inner.results[0].get_name(), inner.name, names))
+            ops.append((inner.results[0].get_name(), _op_name(inner), names))
     n_out = len(yields)
     if n_out != 1:
         raise LoweringError(f"generic with {n_out} outputs")
-    return GenericKernel(tuple(sizes), reduction[-1] if rank else False, operands[:-1], operands[-1],
-                         ScalarProgram(args, ops, yields, consts), str(op))
+    contraction = _contraction(sizes, iters, operands, args, ops, yields, consts, g, str(op))
+    if contraction is not None:
+        return contraction
+    if any(reduction[:-1]):
+        raise LoweringError(f"reduction over a dim other than the innermost:\n{op}")
+    prelude: list[Kernel] = []
+    inputs, out_arg = list(zip(args[:-1], operands[:-1], strict=True)), args[-1]
+    producer = {res: (name, names) for res, name, names in ops}
+    for res, (table, idx) in loads.items():
+        prelude.append(_split_gather(res, table, idx, producer, index_dims, inputs, sizes, g, str(op)))
+    live = _live(ops, [*yields])
+    ops = [o for o in ops if o[0] in live]
+    inputs = [(a, o) for a, o in inputs if a in live]
+    for res, dim in index_dims.items():
+        if res in live:
+            view = _temp(g, "iota", (sizes[dim],), "i32")
+            prelude.append(IotaKernel(view, f"linalg.index {dim} (iota of {sizes[dim]})"))
+            st = tuple(1 if d == dim else 0 for d in range(rank))
+            inputs.append((res, Operand(view, st)))
+    body = ScalarProgram([a for a, _ in inputs] + [out_arg], ops, yields, consts)
+    return [*prelude, GenericKernel(tuple(sizes), reduction[-1] if rank else False, [o for _, o in inputs],
+                                    operands[-1], body, str(op))]
+
+
+def _op_name(op: ir.Operation) -> str:
+    if op.name in ("arith.cmpf", "arith.cmpi"):
+        names = CMPF if op.name == "arith.cmpf" else CMPI
+        return f"{op.name}.{names[ir.IntegerAttr(op.attributes['predicate']).value]}"
+    if op.name in ("arith.uitofp", "arith.extui") and str(op.operands[0].type) != "i1":
+        raise LoweringError(f"{op.name} from {op.operands[0].type} (only from i1)")
+    return op.name
+
+
+def _live(ops: list[tuple[str, str, list[str]]], roots: list[str]) -> set[str]:
+    live = set(roots)
+    for res, _, names in reversed(ops):
+        if res in live:
+            live.update(names)
+    return live
+
+
+def _temp(g: KernelGraph, hint: str, shape: tuple[int, ...], dtype: str) -> View:
+    name = f"%{hint}{len(g.buffers)}"
+    g.buffers[name] = Buffer(name, shape, dtype, "temp")
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= s
+    return View(name, 0, shape, tuple(reversed(strides)), dtype)
+
+
+def _split_gather(res: str, table: View, idx: list[str], producer: dict[str, tuple[str, list[str]]],
+                  index_dims: dict[str, int], inputs: list[tuple[str, Operand]], sizes: list[int],
+                  g: KernelGraph, text: str) -> GatherKernel:
+    """Replace `res = memref.load table[index_cast(id), linalg.index(last)]` by a read of a gathered
+    temporary (appended to `inputs` under the name `res`)."""
+    rank = len(sizes)
+    row = producer.get(idx[0]) if len(idx) == 2 else None
+    by_arg = dict(inputs)
+    if (row is None or row[0] != "arith.index_cast" or row[1][0] not in by_arg or len(table.shape) != 2
+            or index_dims.get(idx[1]) != rank - 1 or table.shape[1] != sizes[-1]
+            or by_arg[row[1][0]].iter_strides[-1] != 0):
+        raise LoweringError(f"memref.load that is not a row gather (table[id, last index]):\n{text}")
+    out = _temp(g, "gather", tuple(sizes), table.dtype)
+    inputs.append((res, Operand(out, out.strides)))
+    return GatherKernel(table, by_arg[row[1][0]], out, tuple(sizes), f"gather rows of {table.buffer}: {text}")
+
+
+# ---- contractions back to matmuls -----------------------------------------------------------------------
+def _contraction(sizes: list[int], iters: list[str], operands: list[Operand], args: list[str],
+                 ops: list[tuple[str, str, list[str]]], yields: list[str], consts: dict[str, float],
+                 g: KernelGraph, text: str) -> list[Kernel] | None:
+    """A generic `out += f(..) * g(..)` as a MatmulKernel. Reshape propagation in
+    linalg-fuse-elementwise-ops turns a linalg.matmul whose operand was reshaped into such a generic, and
+    elementwise fusion may then move producers (rope, a cast) into it: a factor that is not a plain operand
+    is first computed by its own elementwise kernel into a dense temporary. Iteration dims are batch (both
+    factors and out), M (first factor, out), N (second, out) or K (reductions); each operand's dims of one
+    kind merge into one when their strides allow, else it is copied into a dense [batch, M, K] /
+    [batch, K, N] buffer."""
+    if "reduction" not in " ".join(iters) or len(operands) < 3:
+        return None
+    producer = {res: (name, names) for res, name, names in ops}
+    out_arg = args[-1]
+    y = producer.get(yields[0])
+    if y is None or y[0] != "arith.addf" or out_arg not in y[1]:
+        return None
+    prod = producer.get(y[1][1] if y[1][0] == out_arg else y[1][0])
+    if prod is None or prod[0] != "arith.mulf" or len(_live(ops, [prod[1][0], prod[1][1]]) & {out_arg}):
+        return None
+    by_arg = dict(zip(args[:-1], operands[:-1], strict=True))
+    prelude: list[Kernel] = []
+    factors = []
+    for name in prod[1]:
+        name = _through_ext(name, producer)
+        if name in by_arg:
+            factors.append(by_arg[name])
+            continue
+        factor = _factor_kernel(name, sizes, ops, by_arg, consts, g, prelude)
+        if factor is None:
+            return None
+        factors.append(factor)
+    a, b = factors
+    c = operands[-1]
+    kinds = []
+    for d, it in enumerate(iters):
+        in_a, in_b = a.iter_strides[d] != 0, b.iter_strides[d] != 0
+        kinds.append("k" if "reduction" in it else "m" if in_a and not in_b else "n" if in_b and not in_a
+                     else "batch")
+    if not _zero_filled(g, c.view.buffer):
+        raise LoweringError(f"contraction into a buffer that is not a fresh zero fill:\n{text}")
+
+    def dims(kind: str) -> list[int]:
+        return [d for d, k in enumerate(kinds) if k == kind]
+
+    batch, m, n, k = dims("batch"), dims("m"), dims("n"), dims("k")
+    av = _matrix(a, [batch, m, k], sizes, g, prelude)
+    bv = _matrix(b, [batch, k, n], sizes, g, prelude)
+    cv = _matrix(c, [batch, m, n], sizes, g, None)
+    if av is None or bv is None or cv is None:
+        raise LoweringError(f"contraction whose result is not a dense matrix:\n{text}")
+    if not batch:
+        av, bv, cv = (View(v.buffer, v.offset, v.shape[1:], v.strides[1:], v.dtype) for v in (av, bv, cv))
+    return [*prelude, MatmulKernel(av, bv, cv, text)]
+
+
+def _factor_kernel(name: str, sizes: list[int], ops: list[tuple[str, str, list[str]]], by_arg: dict[str, Operand],
+                   consts: dict[str, float], g: KernelGraph, prelude: list[Kernel]) -> Operand | None:
+    """An elementwise kernel computing body value `name` over the iteration dims its inputs use, into a
+    dense temporary; returns that temporary as an operand of the contraction."""
+    live = _live(ops, [name])
+    produced = {res for res, _, _ in ops}
+    used = [a for a in by_arg if a in live]
+    if any(n not in produced and n not in by_arg and n not in consts for n in live):
+        return None
+    dims = [d for d in range(len(sizes)) if any(by_arg[a].iter_strides[d] != 0 for a in used)]
+    shape = tuple(sizes[d] for d in dims)
+    temp = _temp(g, "factor", shape, "f32")
+    inputs = [Operand(by_arg[a].view, tuple(by_arg[a].iter_strides[d] for d in dims)) for a in used]
+    body = ScalarProgram([*used, "%out"], [o for o in ops if o[0] in live], [name],
+                         {k: v for k, v in consts.items() if k in live})
+    prelude.append(GenericKernel(shape, False, inputs, Operand(temp, temp.strides), body, f"factor {name}"))
+    strides = [0] * len(sizes)
+    for d, st in zip(dims, temp.strides, strict=True):
+        strides[d] = st
+    return Operand(temp, tuple(strides))
+
+
+def _zero_filled(g: KernelGraph, buffer: str) -> bool:
+    """Whether the last kernel writing `buffer` is a zero fill (or a copy of a zero-filled buffer, which
+    bufferization makes when CSE has shared one fill between several matmuls)."""
+    writer = next((k for k in reversed(g.kernels) if _written(k) == buffer), None)
+    if isinstance(writer, FillKernel):
+        return writer.value == 0.0
+    if isinstance(writer, GenericKernel) and not writer.body.ops and len(writer.inputs) == 1 \
+            and writer.body.yields == writer.body.args[:1]:
+        return _zero_filled(g, writer.inputs[0].view.buffer)
+    return False
+
+
+def _written(k: Kernel) -> str:
+    if isinstance(k, GenericKernel):
+        return k.output.view.buffer
+    if isinstance(k, MatmulKernel):
+        return k.c.buffer
+    return k.output.buffer
+
+
+def _through_ext(name: str, producer: dict[str, tuple[str, list[str]]]) -> str:
+    p = producer.get(name)
+    return p[1][0] if p is not None and p[0] == "arith.extf" else name
+
+
+def _merge(sizes: list[int], strides: list[int]) -> tuple[int, int] | None:
+    """(size, stride) of dims merged into one, or None when their strides do not nest."""
+    size, stride = 1, 0
+    for n, st in zip(sizes, strides, strict=True):
+        if n == 1:
+            continue
+        if size != 1 and stride != st * n:
+            return None
+        size, stride = size * n, st
+    return size, (stride if size != 1 else 1)
+
+
+def _matrix(o: Operand, groups: list[list[int]], sizes: list[int], g: KernelGraph,
+            prelude: list[Kernel] | None) -> View | None:
+    """A 3-D view [g0, g1, g2] of the operand (each group of iteration dims merged), copying it into a
+    dense temporary first (when `prelude` is given) if its strides do not allow that."""
+    merged = [_merge([sizes[d] for d in grp], [o.iter_strides[d] for d in grp]) for grp in groups]
+    if all(mg is not None for mg in merged) and merged[2][1] == 1:  # type: ignore[index]
+        return View(o.view.buffer, o.view.offset, tuple(mg[0] for mg in merged),  # type: ignore[index]
+                    tuple(mg[1] for mg in merged), o.view.dtype)  # type: ignore[index]
+    if prelude is None:
+        return None
+    order = [d for grp in groups for d in grp]
+    shape = tuple(sizes[d] for d in order)
+    dense = _temp(g, "dense", shape, o.view.dtype)
+    body = ScalarProgram(["%in", "%out"], [], ["%in"], {})
+    prelude.append(GenericKernel(shape, False, [Operand(o.view, tuple(o.iter_strides[d] for d in order))],
+                                 Operand(dense, dense.strides), body, "dense copy of a matmul operand"))
+    n = [math.prod(sizes[d] for d in grp) for grp in groups]
+    return View(dense.buffer, 0, tuple(n), (n[1] * n[2], n[2], 1), o.view.dtype)

@@ -6,7 +6,10 @@ latency, which operand it writes) comes from `device_sim.isa`; this file only ad
 beyond the table: the vmem rows an instruction touches (`Mem`), so that memory order is kept.
 
 Invariants: a `Block` ends with at most one control instruction (branch/jmp/halt) and it is last; a block
-without one falls through to the next block of the `Function`.
+without one falls through to the next block of the `Function`. A *counted loop* block (`Block.loop` set by
+`Builder.counted_loop`) branches back to itself with `bnz counter` after `addi counter, counter, -1`, and its
+trip count is known at compile time. A block whose `bundles` are set was scheduled by a pass (software
+pipelining): later passes keep its bundles, and results of such blocks may land in the next block.
 """
 
 from __future__ import annotations
@@ -103,10 +106,20 @@ class MInstr:
         return text + (f"  # {self.comment}" if self.comment else "")
 
 
+@dataclass(frozen=True)
+class LoopInfo:
+    """A counted loop: `trip_count` >= 1 runs of a body ending `addi counter, counter, -1 ; bnz counter`."""
+
+    trip_count: int
+    counter: Reg
+
+
 @dataclass
 class Block:
     label: str
     instrs: list[MInstr] = field(default_factory=list)
+    loop: LoopInfo | None = None  # set on a single-block counted loop (the body is this block)
+    bundles: list[list[MInstr]] | None = None  # pre-scheduled (software pipelined) blocks
 
     def successors(self, next_label: str | None) -> list[str]:
         last = self.instrs[-1] if self.instrs else None

@@ -1,10 +1,11 @@
 """Register allocation by linear scan over the scheduled program, with spilling to vmem.
 
 Before: scheduled bundles of virtual registers. After: a map virtual -> physical register such that no two
-values whose live ranges overlap share a register. A live range is measured in bundles of the scheduled
-layout, from a definition's issue to the later of its last read and its landing (issue + latency); a value
-live into or out of a block covers the whole block (so loops are safe). s0 is never allocated; pinned
-launch-argument registers are reserved.
+values whose live ranges overlap share a register. A live range is a list of segments in bundles of the
+scheduled layout (`live_intervals`): from a definition's issue to the later of its last read and its landing
+(issue + latency), from a block's start / to its end when live into / out of it (so loops are safe), with
+holes where the value is dead (a pipelined kernel's values wrap around the back edge). s0 is never
+allocated; pinned launch-argument registers are reserved.
 
 When a class runs out of registers, `allocate` returns the values to spill instead; `insert_spills`
 rewrites the *unscheduled* IR (store after each definition, reload before each use, in a vmem slot of the
@@ -13,6 +14,8 @@ reserved spill area), and the driver schedules and allocates again.
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from codegen.errors import CapacityError
@@ -27,27 +30,27 @@ ALLOCATABLE = {"s": [Reg("s", i, True) for i in range(1, isa.NUM_SREGS)],
 
 @dataclass
 class Interval:
+    """A value's live range: segments [start, end] (inclusive bundle positions), with holes between."""
+
     reg: Reg
-    start: int
-    end: int
+    segments: list[tuple[int, int]]
+
+    @property
+    def start(self) -> int:
+        return self.segments[0][0]
+
+    @property
+    def end(self) -> int:
+        return self.segments[-1][1]
 
 
-def live_intervals(func: Function, bundles: dict[str, list[list[MInstr]]]) -> dict[Reg, Interval]:
-    """Live ranges (in global bundle positions) of every virtual register."""
+def _block_liveness(func: Function, bundles: dict[str, list[list[MInstr]]]
+                    ) -> tuple[dict[str, set[Reg]], dict[str, set[Reg]], dict[str, list[str]]]:
     labels = [b.label for b in func.blocks]
-    start_of, pos = {}, 0
-    for label in labels:
-        start_of[label] = pos
-        pos += len(bundles[label])
     gen: dict[str, set[Reg]] = {}
     kill: dict[str, set[Reg]] = {}
     for blk in func.blocks:
-        g, k = set(), set()
-        for ins in blk.instrs:  # program order decides upward-exposed uses
-            g |= {r for r in ins.uses if not r.phys and r not in k}
-            if ins.dst is not None and not ins.dst.phys:
-                k.add(ins.dst)
-        gen[blk.label], kill[blk.label] = g, k
+        gen[blk.label], kill[blk.label] = _gen_kill(blk.instrs, bundles[blk.label], blk.bundles is not None)
     succ = {blk.label: blk.successors(labels[i + 1] if i + 1 < len(labels) else None)
             for i, blk in enumerate(func.blocks)}
     live_in: dict[str, set[Reg]] = {lb: set() for lb in labels}
@@ -60,63 +63,177 @@ def live_intervals(func: Function, bundles: dict[str, list[list[MInstr]]]) -> di
             inn = gen[label] | (out - kill[label])
             if out != live_out[label] or inn != live_in[label]:
                 live_out[label], live_in[label], changed = out, inn, True
-    iv: dict[Reg, Interval] = {}
+    return live_in, live_out, succ
 
-    def cover(r: Reg, a: int, b: int) -> None:
-        if r.phys:
-            return
-        if r in iv:
-            iv[r].start, iv[r].end = min(iv[r].start, a), max(iv[r].end, b)
-        else:
-            iv[r] = Interval(r, a, b)
 
+def live_intervals(func: Function, bundles: dict[str, list[list[MInstr]]]) -> dict[Reg, Interval]:
+    """Live segments (in global bundle positions) of every virtual register.
+
+    Within a block a value is live from a definition's issue to the later of its landing and its last
+    read before the next definition lands (a read before that landing still sees the old value); a value
+    live into / out of a block is live from the block's start / to its end. A result that lands past the
+    end of a block that branches to itself also occupies its register at the block's start (the landing
+    happens in the next iteration)."""
+    live_in, live_out, succ = _block_liveness(func, bundles)
+    segs: dict[Reg, list[tuple[int, int]]] = {}
+
+    def add(r: Reg, a: int, b: int) -> None:
+        segs.setdefault(r, []).append((a, b))
+
+    pos = 0
     for blk in func.blocks:
-        s0 = start_of[blk.label]
-        end = s0 + max(len(bundles[blk.label]) - 1, 0)
-        for r in live_in[blk.label]:
-            cover(r, s0, s0)
-        for r in live_out[blk.label]:
-            cover(r, end, end)
-        for t, bundle in enumerate(bundles[blk.label]):
+        block = bundles[blk.label]
+        s0, end = pos, pos + max(len(block) - 1, 0)
+        pos += len(block)
+        self_loop = blk.label in succ[blk.label]
+        cur: dict[Reg, list[int]] = {r: [s0, s0] for r in live_in[blk.label] if not r.phys}
+        old: dict[Reg, tuple[list[int], int]] = {}  # value still readable until the new definition lands
+        for t, bundle in enumerate(block):
+            now = s0 + t
             for ins in bundle:
                 for r in ins.uses:
-                    cover(r, s0 + t, s0 + t)
-                if ins.dst is not None:
-                    cover(ins.dst, s0 + t, s0 + t + max(ins.latency, 1))
-        for r in live_in[blk.label] & live_out[blk.label]:
-            cover(r, s0, end)
-    return iv
+                    if r.phys:
+                        continue
+                    if r in old and now < old[r][1]:
+                        old[r][0][1] = max(old[r][0][1], now)
+                    elif r in cur:
+                        cur[r][1] = max(cur[r][1], now)
+                    else:
+                        cur[r] = [now, now]
+            for ins in bundle:
+                r = ins.dst
+                if r is None or r.phys:
+                    continue
+                land = now + max(ins.latency, 1)
+                if r in old:
+                    _close(old.pop(r)[0], cur.get(r), add, r)
+                if r in cur:
+                    old[r] = (cur[r], now + ins.latency)
+                cur[r] = [now, land]
+                if self_loop and land > end:
+                    add(r, s0, min(end, s0 + land - end - 1))
+        for r, (seg, _) in old.items():
+            _close(seg, cur.get(r), add, r)
+        for r, seg in cur.items():
+            if r in live_out[blk.label]:
+                seg[1] = max(seg[1], end)
+            add(r, seg[0], seg[1])
+    out = {}
+    for r, ss in segs.items():
+        ss.sort()
+        merged: list[tuple[int, int]] = []
+        for a, b in ss:
+            if merged and a <= merged[-1][1] + 1:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        out[r] = Interval(r, merged)
+    return out
+
+
+def _close(seg: list[int], new: list[int] | None, add: Callable[[Reg, int, int], None], r: Reg) -> None:
+    """End a value's previous segment; when it overlaps the new definition's, the two become one."""
+    if new is not None and seg[1] >= new[0]:
+        new[0] = min(new[0], seg[0])
+    else:
+        add(r, seg[0], seg[1])
+
+
+def _gen_kill(instrs: list[MInstr], bundles: list[list[MInstr]], timed: bool) -> tuple[set[Reg], set[Reg]]:
+    """Upward-exposed uses and definitions of a block: in program order, or for a pre-scheduled block by
+    time (a read at t sees the results landed by t, so a definition counts from its landing)."""
+    g: set[Reg] = set()
+    k: set[Reg] = set()
+    if not timed:
+        for ins in instrs:
+            g |= {r for r in ins.uses if not r.phys and r not in k}
+            if ins.dst is not None and not ins.dst.phys:
+                k.add(ins.dst)
+        return g, k
+    events = []
+    for t, bundle in enumerate(bundles):
+        for ins in bundle:
+            events += [(t, 1, r) for r in ins.uses if not r.phys]
+            if ins.dst is not None and not ins.dst.phys:
+                events.append((t + ins.latency, 0, ins.dst))
+    for _, kind, r in sorted(events, key=lambda e: (e[0], e[1])):
+        if kind == 1 and r not in k:
+            g.add(r)
+        elif kind == 0:
+            k.add(r)
+    return g, k
+
+
+class _RegisterFile:
+    """Segments assigned to each physical register (disjoint, sorted)."""
+
+    def __init__(self, regs: list[Reg]) -> None:
+        self.regs = regs
+        self.starts: dict[Reg, list[int]] = {r: [] for r in regs}
+        self.items: dict[Reg, list[tuple[int, int, Reg]]] = {r: [] for r in regs}
+
+    def conflicts(self, phys: Reg, iv: Interval) -> set[Reg]:
+        out = set()
+        starts, items = self.starts[phys], self.items[phys]
+        for a, b in iv.segments:
+            i = bisect.bisect_right(starts, b)
+            while i > 0 and items[i - 1][1] >= a:
+                out.add(items[i - 1][2])
+                i -= 1
+        return out
+
+    def last_end_before(self, phys: Reg, pos: int) -> int:
+        """End of the last segment on `phys` that starts before `pos` (-1 when none)."""
+        i = bisect.bisect_left(self.starts[phys], pos)
+        return self.items[phys][i - 1][1] if i else -1
+
+    def assign(self, phys: Reg, iv: Interval) -> None:
+        for a, b in iv.segments:
+            i = bisect.bisect_right(self.starts[phys], a)
+            self.starts[phys].insert(i, a)
+            self.items[phys].insert(i, (a, b, iv.reg))
+
+    def remove(self, phys: Reg, reg: Reg) -> None:
+        keep = [x for x in self.items[phys] if x[2] != reg]
+        self.items[phys] = keep
+        self.starts[phys] = [x[0] for x in keep]
 
 
 def allocate(func: Function, bundles: dict[str, list[list[MInstr]]]) -> tuple[dict[Reg, Reg], list[Reg]]:
-    """Linear scan. Returns (assignment, spills); spills is empty on success."""
-    intervals = sorted(live_intervals(func, bundles).values(), key=lambda i: (i.start, i.end))
-    free = {k: [r for r in regs if r not in func.pinned] for k, regs in ALLOCATABLE.items()}
-    active: list[Interval] = []
+    """Greedy allocation over live segments, in order of start (linear scan that can use the holes of a
+    live range: a loop kernel's values wrap around its back edge). Returns (assignment, spills); spills is
+    empty on success. When no register is free, the value with the longest span among this one and those
+    that alone block a register is spilled."""
+    intervals = live_intervals(func, bundles)
+    order = sorted(intervals.values(), key=lambda i: (i.start, i.end))
+    files = {k: _RegisterFile([r for r in regs if r not in func.pinned]) for k, regs in ALLOCATABLE.items()}
     assignment: dict[Reg, Reg] = {}
     spills: list[Reg] = []
     # lih reads its own destination (it keeps the low half), so a constant built by li + lih stays put
     pinned_values = {i.dst for b in func.blocks for i in b.instrs if i.op == "lih"}
-    for cur in intervals:
-        for old in [a for a in active if a.end < cur.start]:
-            active.remove(old)
-            free[old.reg.kind].append(assignment[old.reg])
-        pool = free[cur.reg.kind]
-        if pool:
-            pool.sort(key=lambda r: r.n)
-            assignment[cur.reg] = pool.pop(0)
-            active.append(cur)
+    for cur in order:
+        rf = files[cur.reg.kind]
+        clash = {p: rf.conflicts(p, cur) for p in rf.regs}
+        free = [p for p in rf.regs if not clash[p]]
+        if free:
+            best = max(free, key=lambda p: rf.last_end_before(p, cur.start))  # pack tightly: fewer holes
+            assignment[cur.reg] = best
+            rf.assign(best, cur)
             continue
-        # spill the value of this class that lives longest
-        same = [a for a in [*active, cur] if a.reg.kind == cur.reg.kind and a.reg not in pinned_values]
-        if not same:
+        single = [(p, next(iter(c))) for p, c in clash.items() if len(c) == 1]
+        single = [(p, v) for p, v in single if v not in pinned_values]
+        if single:
+            p, victim = max(single, key=lambda pv: intervals[pv[1]].end - intervals[pv[1]].start)
+            if intervals[victim].end - intervals[victim].start > cur.end - cur.start or cur.reg in pinned_values:
+                spills.append(victim)
+                rf.remove(p, victim)
+                del assignment[victim]
+                assignment[cur.reg] = p
+                rf.assign(p, cur)
+                continue
+        if cur.reg in pinned_values:
             raise RuntimeError(f"register allocation: no {cur.reg.kind} register can be spilled")
-        victim = max(same, key=lambda i: i.end)
-        spills.append(victim.reg)
-        if victim is not cur:
-            active.remove(victim)
-            assignment[cur.reg] = assignment.pop(victim.reg)
-            active.append(cur)
+        spills.append(cur.reg)
     return assignment, spills
 
 

@@ -27,8 +27,9 @@ A manifest is a TOML file beside its program (`gemm.s` -> `gemm.toml`):
     max_ulp = 0                     # or atol = ..., rtol = ... (|out - ref| <= atol + rtol |ref|)
     why = "one line: why this tolerance"
 
-`run_manifest` sets up HBM, runs the program on the simulator (or on any injected `runner`, e.g. the RTL),
-reads the outputs back and checks each against its references. A program without a manifest just runs.
+`run_manifest` sets up HBM, runs the program on the simulator, on the RTL (`target="rtl"`) or on any
+injected `runner`, reads the outputs back and checks each against its references. A program without a
+manifest just runs.
 """
 
 from __future__ import annotations
@@ -265,16 +266,22 @@ def run_manifest(program_path: str | Path, target: str = "sim", config: str | Ha
                  runner: Runner | None = None, max_cycles: int | None = None) -> ManifestResult:
     """Assemble and run a program with its manifest's inputs; check every output against its references.
 
-    target: "sim" (the default runner) or the name of the target an injected `runner` drives (e.g. "rtl").
+    target: "sim" (the simulator), "rtl" (the Verilator RTL core, device_sim/rtl/runner.py), or the name of
+    the target an injected `runner` drives.
     config: overrides the manifest's configuration. Without a manifest the program just runs (no checks).
     """
     program_path = Path(program_path)
     if program_path.suffix == ".toml":
         program_path = program_path.with_suffix(".s")
     if runner is None:
-        if target != "sim":
-            raise ValueError(f"target {target!r} needs a runner (only 'sim' is built in)")
-        runner = simulator_runner
+        if target == "rtl":
+            from device_sim.rtl.runner import manifest_runner  # Verilator + cocotb, imported only when used
+
+            runner = manifest_runner
+        elif target != "sim":
+            raise ValueError(f"target {target!r} needs a runner (built in: 'sim', 'rtl')")
+        else:
+            runner = simulator_runner
     mpath = manifest_path(program_path)
     manifest = load_manifest(mpath) if mpath.exists() else None
     cfg = get_config(config if config is not None else (manifest.config if manifest else "small"))

@@ -34,6 +34,7 @@ TRAP_CODES: tuple[tuple[str, str], ...] = (
     ("CYCLE_LIMIT", "the cycle limit was exceeded"),
     ("WRITE_CONFLICT", "two results land in the same register in the same cycle"),
     ("LANE_RANGE", "vext names a lane outside the register"),
+    ("STORE_OVERLAP", "a DMA store whose HBM rows overlap (rows > 1 and stride < cols)"),
 )
 
 _UNITS = tuple(isa.Unit)

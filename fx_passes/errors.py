@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 class CtpuFallbackWarning(UserWarning):
-    """Some ops of a compiled graph are not supported on the CTPU and run on the CPU instead."""
+    """Some ops are not supported on the CTPU and run on the CPU instead (compiled graphs and eager ops)."""
 
 
 class CtpuPassError(RuntimeError):

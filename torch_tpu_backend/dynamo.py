@@ -197,6 +197,11 @@ class CtpuKernel(torch.nn.Module):
             warnings.warn(f"ctpu: segment {name} ({ops}) cannot run on the CTPU and falls back to CPU: {e}",
                           _fallback_warning(), stacklevel=2)
             return None
+        except Exception as e:  # a compiler bug must not break the user's model: CPU, loudly
+            log.exception("ctpu: internal compiler error on segment %s", name)
+            warnings.warn(f"ctpu: internal compiler error on segment {name}; it runs on the CPU. Please report: "
+                          f"{type(e).__name__}: {str(e)[:300]}", _fallback_warning(), stacklevel=2)
+            return None
         log.info("ctpu: %s compiled (%d bundles, cache %s)", name, len(compiled.program), "hit" if hit else "miss")
         for stage, text in compiled.stages.items():
             stem, _, ext = stage.rpartition(".")

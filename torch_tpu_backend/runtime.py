@@ -178,7 +178,7 @@ def to_numpy_bits(array: Any) -> np.ndarray:
     import torch
 
     if isinstance(array, torch.Tensor):
-        t = array.detach().contiguous().cpu()
+        t = array.detach().cpu().contiguous()  # copy out first: .contiguous() on a ctpu tensor is an eager op
         return t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
     return np.ascontiguousarray(array)
 

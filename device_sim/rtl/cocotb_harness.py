@@ -26,7 +26,7 @@ _C = ctypes.c_void_p
 def _lib() -> ctypes.CDLL:
     lib = ctypes.CDLL(None)  # the simulator binary itself (linked with -rdynamic)
     for name in ("ctpu_tb_hbm", "ctpu_tb_imem", "ctpu_tb_sregs", "ctpu_tb_vregs", "ctpu_tb_vmem", "ctpu_tb_stats",
-                 "ctpu_tb_trace"):
+                 "ctpu_tb_trace", "ctpu_tb_args"):
         getattr(lib, name).restype = _C
     lib.ctpu_tb_trace_words.restype = ctypes.c_uint64
     lib.ctpu_tb_init.argtypes = [ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32]
@@ -49,6 +49,7 @@ async def run_jobs(dut) -> None:
     lib.ctpu_tb_init(hbm_bytes, imem, vmem_rows, lanes)
     hbm = _array(lib.ctpu_tb_hbm(), hbm_bytes, np.uint8)
     imem_words = _array(lib.ctpu_tb_imem(), imem * 9, np.uint32)
+    args = _array(lib.ctpu_tb_args(), 32, np.uint32)
     results = []
     errors = 0
     for job in spec["jobs"]:
@@ -59,9 +60,12 @@ async def run_jobs(dut) -> None:
         for addr, data in job["hbm"]:
             hbm[addr : addr + len(data)] = np.frombuffer(data, np.uint8)
         initial = hbm.copy()
+        args[:] = 0
+        for reg, value in job.get("args", {}).items():
+            args[reg] = value & 0xFFFFFFFF
         lib.ctpu_tb_set_run(len(bundles), job["max_cycles"], int(job["trace"]))
         dut.rst_n.value = 0
-        await ClockCycles(dut.clk, 2)
+        await ClockCycles(dut.clk, 3)  # the harness samples imem and args, then the core's reset takes them
         await Timer(1, "ps")
         started = time.perf_counter()
         dut.rst_n.value = 1

@@ -6,7 +6,10 @@
 // issues: every slot reads registers and memories combinationally in that cycle and each result lands
 // at issue + latency (no interlocks). After `halt` the core drains: done_o rises once the cycle count
 // reaches max(t + 1, last landing write, last command completion), and cycles_o holds that count.
-// A trap stops the core at once (trap_o, trap_code_o, trap_pc_o, trap_cycle_o).
+// A trap stops the core at once (trap_o, trap_code_o, trap_pc_o, trap_cycle_o). A bundle's traps are
+// checked in the simulator's order (the MXU and DMA commands, then s0, s1, v0, v1, vld, vst), after its
+// stalls, so both report the same kind, pc and cycle. Races with in-flight commands are not checked here:
+// the simulator traps on them, and the RTL is only required to match on race-free programs.
 `default_nettype none
 
 module ctpu_core
@@ -27,6 +30,8 @@ module ctpu_core
   input  wire logic                rst_n,
   input  wire logic [31:0]         prog_len_i,      // bundles in imem
   input  wire logic [63:0]         max_cycles_i,    // a bundle issuing later traps (runaway program)
+  // launch arguments: the sreg file's contents on release (the host sets s1..s31; s0 is forced to 0)
+  input  wire logic [NUM_SREGS-1:0][31:0] sreg_init_i,
   // instruction memory (asynchronous read)
   output logic [31:0]              imem_addr_o,
   input  wire logic [BUNDLE_BITS-1:0] imem_bundle_i,  // slot i in bits [32i +: 32]
@@ -59,9 +64,9 @@ module ctpu_core
   output logic                     mon_issue_o,
   output logic [31:0]              mon_pc_o,
   output logic [63:0]              mon_cycle_o,
-  output logic [1:0]               mon_swe_o,
-  output logic [1:0][4:0]          mon_sidx_o,
-  output logic [1:0][31:0]         mon_sdata_o,
+  output logic [3:0]               mon_swe_o,       // s0, s1 slot results; v0, v1 vext results
+  output logic [3:0][4:0]          mon_sidx_o,
+  output logic [3:0][31:0]         mon_sdata_o,
   output logic [4:0]               mon_vwe_o,
   output logic [4:0][4:0]          mon_vidx_o,
   output logic [4:0][VW-1:0]       mon_vdata_o
@@ -120,11 +125,14 @@ module ctpu_core
   assign over_limit = cycle_q > max_cycles_i;
 
   // ---- unit checks for the bundle (traps it would raise on issue) ----
-  logic dma_trap, mxu_trap, vconflict;
+  logic dma_trap, mxu_trap;
+  logic [2:0] vconflict;  // per slot: v0, v1, vld
   logic [3:0] dma_code, mxu_code;
   logic [63:0] dma_done, mxu_done;
   logic [63:0] vld_row, vst_row;
-  logic vld_bad, vst_bad, sconflict, vext_bad;
+  logic vld_bad, vst_bad;
+  logic [1:0] vext_bad;   // per vector slot
+  logic [2:0] sconflict;  // s0, s1, v1's vext (v0's vext lands first at t + 2)
   // vext (vector slot, LAT_VALU) writes an sreg: value captured at the end of t, written at the end of t+1
   logic [1:0]       vx_v_q;
   logic [1:0][4:0]  vx_d_q;
@@ -140,17 +148,19 @@ module ctpu_core
               || vld_row + ((op[SLOT_VLD] == OP_VLD_ROW) ? 64'd1 : 64'(SUBLANES)) > 64'(VMEM_ROWS));
     vst_bad = used[SLOT_VST] && ($signed(vst_row) < 0 || vst_row + 64'(SUBLANES) > 64'(VMEM_ROWS));
     is_vext = {op[SLOT_V1] == OP_VEXT, op[SLOT_V0] == OP_VEXT};
-    vext_bad = (is_vext[0] && (imm14[SLOT_V0] >= 32'(SUBLANES * LANES)))
-            || (is_vext[1] && (imm14[SLOT_V1] >= 32'(SUBLANES * LANES)));  // unsigned: negative is out too
-    // sreg results landing at t+1: this bundle's scalar ops and vexts issued at t-1; at t+2: this bundle's vexts
-    sconflict = (used[SLOT_S0] && used[SLOT_S1] && fd[SLOT_S0] == fd[SLOT_S1])
-             || (is_vext[0] && is_vext[1] && fd[SLOT_V0] == fd[SLOT_V1]);
+    // unsigned compare: a negative immediate is out of range too
+    vext_bad[0] = is_vext[0] && (imm14[SLOT_V0] >= 32'(SUBLANES * LANES));
+    vext_bad[1] = is_vext[1] && (imm14[SLOT_V1] >= 32'(SUBLANES * LANES));
+    // sreg results landing at t+1: vexts issued at t-1, then this bundle's s0, s1; at t+2: this bundle's
+    // vexts, v0's before v1's (s0 included: a write to s0 is dropped but still collides)
+    sconflict = '0;
     for (int k = 0; k < 2; k++) begin
       for (int j = 0; j < 2; j++) begin
-        if (used[k] && vx_v_q[j] && fd[k] == vx_d_q[j]) sconflict = 1'b1;
+        if (used[k] && vx_v_q[j] && fd[k] == vx_d_q[j]) sconflict[k] = 1'b1;
       end
     end
-    if (vx_v_q[0] && vx_v_q[1] && vx_d_q[0] == vx_d_q[1]) sconflict = 1'b1;
+    if (used[SLOT_S0] && used[SLOT_S1] && fd[SLOT_S0] == fd[SLOT_S1]) sconflict[1] = 1'b1;
+    sconflict[2] = is_vext[0] && is_vext[1] && fd[SLOT_V0] == fd[SLOT_V1];
   end
 
   // trap code for this cycle (0: none), in the simulator's order
@@ -160,13 +170,18 @@ module ctpu_core
     if (considering) begin
       if (pc_bad) trap_now = TRAP_PC_END;
       else if (illegal) trap_now = TRAP_ILLEGAL;
-      else if (over_limit) trap_now = TRAP_CYCLE_LIMIT;
       else if (!stall) begin
-        if (mxu_trap) trap_now = mxu_code;
+        if (over_limit) trap_now = TRAP_CYCLE_LIMIT;
+        else if (mxu_trap) trap_now = mxu_code;
         else if (dma_trap) trap_now = dma_code;
-        else if (vext_bad) trap_now = TRAP_LANE_RANGE;  // v0/v1 execute before vld/vst in the simulator
-        else if (vld_bad || vst_bad) trap_now = TRAP_VMEM_OOB;
-        else if (sconflict || vconflict) trap_now = TRAP_WRITE_CONFLICT;
+        else if (sconflict[0] || sconflict[1]) trap_now = TRAP_WRITE_CONFLICT;
+        else if (vext_bad[0]) trap_now = TRAP_LANE_RANGE;
+        else if (vconflict[0]) trap_now = TRAP_WRITE_CONFLICT;
+        else if (vext_bad[1]) trap_now = TRAP_LANE_RANGE;
+        else if (vconflict[1] || sconflict[2]) trap_now = TRAP_WRITE_CONFLICT;
+        else if (vld_bad) trap_now = TRAP_VMEM_OOB;
+        else if (vconflict[2]) trap_now = TRAP_WRITE_CONFLICT;
+        else if (vst_bad) trap_now = TRAP_VMEM_OOB;
       end
     end
   end
@@ -344,7 +359,8 @@ module ctpu_core
 
   always_ff @(posedge clk or negedge rst_n) begin
     if (!rst_n) begin
-      for (int r = 0; r < NUM_SREGS; r++) sregs_q[r] <= '0;
+      sregs_q[0] <= '0;
+      for (int r = 1; r < NUM_SREGS; r++) sregs_q[r] <= sreg_init_i[r];
       for (int f = 0; f < NUM_FLAGS; f++) flag_done_q[f] <= '0;
       vx_v_q <= '0;
       vx_d_q <= '0;
@@ -419,9 +435,12 @@ module ctpu_core
   always_comb begin
     for (int k = 0; k < 2; k++) begin
       // scalar results land at the end of this cycle; vext results (issued last cycle) too
-      mon_swe_o[k] = (issue && used[k] && fd[k] != 5'd0) || (vx_v_q[k] && vx_d_q[k] != 5'd0);
-      mon_sidx_o[k] = (issue && used[k]) ? fd[k] : vx_d_q[k];
-      mon_sdata_o[k] = (issue && used[k]) ? s_res[k] : vx_q[k];
+      mon_swe_o[k] = issue && used[k] && fd[k] != 5'd0;
+      mon_sidx_o[k] = fd[k];
+      mon_sdata_o[k] = s_res[k];
+      mon_swe_o[2 + k] = vx_v_q[k] && vx_d_q[k] != 5'd0;
+      mon_sidx_o[2 + k] = vx_d_q[k];
+      mon_sdata_o[2 + k] = vx_q[k];
     end
   end
 endmodule

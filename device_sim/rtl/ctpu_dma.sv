@@ -95,6 +95,8 @@ module ctpu_dma
     // same order as the simulator's checks (async_units.Dma.copy)
     if (rows == 16'd0 || cols == 16'd0) trap_code_o = TRAP_ZERO_SHAPE;
     else if ((64'(hbm_i) & (esize - 64'd1)) != 64'd0) trap_code_o = TRAP_MISALIGNED;
+    // a store whose HBM rows overlap would make the result depend on the row order
+    else if (store_i && rows > 16'd1 && stride_i < 32'(cols)) trap_code_o = TRAP_STORE_OVERLAP;
     else if (last > 64'(HBM_BYTES)) trap_code_o = TRAP_HBM_OOB;
     else if (vrow_i[31] || 64'(vrow_i) + 64'(rows) * 64'(pitch) > 64'(VMEM_ROWS)) trap_code_o = TRAP_VMEM_OOB;
     trap_o = check_i && trap_code_o != TRAP_NONE;
@@ -151,6 +153,7 @@ module ctpu_dma
   logic [63:0] row_addr;
   /* verilator lint_on UNUSEDSIGNAL */
   logic        last_row;
+  logic [ROWW-1:0] st_row;  // the vmem row a store sends this cycle
 
   always_comb begin
     cur = pop ? head : act_q;
@@ -168,17 +171,6 @@ module ctpu_dma
     hbm_raddr_o = row_addr[31:0];
     hbm_rbytes_o = row_bytes[15:0];
     vmem_raddr_o = AW'(cur_vrow);
-    hbm_we_o = do_row && cur.store;
-    hbm_waddr_o = row_addr[31:0];
-    hbm_wbytes_o = row_bytes[15:0];
-    hbm_wdata_o = '0;
-    if (do_row && cur.store) begin
-      for (int l = 0; l < LANES; l++) begin
-        if (cur.bf16) hbm_wdata_o[l*16 +: 16] = fp32_to_bf16(vmem_rdata_i[l*32 +: 32]);
-        else hbm_wdata_o[l*32 +: 32] = vmem_rdata_i[l*32 +: 32];
-      end
-    end
-
     // the load row whose HBM data arrived this cycle: widen bf16 exactly, zero-fill past cols
     vmem_we_o = ld_v_q;
     vmem_waddr_o = ld_row_q;
@@ -188,6 +180,20 @@ module ctpu_dma
         if (16'(l) < ld_nv_q) begin
           vmem_wdata_o[l*32 +: 32] = ld_bf16_q ? {hbm_rdata_i[l*16 +: 16], 16'd0} : hbm_rdata_i[l*32 +: 32];
         end
+      end
+    end
+
+    // A store that starts as the previous load's last row is being written reads that row now: forward it
+    // (DMA commands are ordered among themselves, so a store sees every earlier load's data).
+    st_row = (vmem_we_o && vmem_waddr_o == vmem_raddr_o) ? vmem_wdata_o : vmem_rdata_i;
+    hbm_we_o = do_row && cur.store;
+    hbm_waddr_o = row_addr[31:0];
+    hbm_wbytes_o = row_bytes[15:0];
+    hbm_wdata_o = '0;
+    if (do_row && cur.store) begin
+      for (int l = 0; l < LANES; l++) begin
+        if (cur.bf16) hbm_wdata_o[l*16 +: 16] = fp32_to_bf16(st_row[l*32 +: 32]);
+        else hbm_wdata_o[l*32 +: 32] = st_row[l*32 +: 32];
       end
     end
   end

@@ -480,6 +480,7 @@ package ctpu_isa_pkg;
   localparam logic [3:0] TRAP_CYCLE_LIMIT = 4'd8;  // the cycle limit was exceeded
   localparam logic [3:0] TRAP_WRITE_CONFLICT = 4'd9;  // two results land in the same register in the same cycle
   localparam logic [3:0] TRAP_LANE_RANGE = 4'd10;  // vext names a lane outside the register
+  localparam logic [3:0] TRAP_STORE_OVERLAP = 4'd11;  // a DMA store whose HBM rows overlap (rows > 1 and stride < cols)
 
   // ---- hardware configurations, config.py ----
   localparam int CFG_SMALL_LANES = 8;

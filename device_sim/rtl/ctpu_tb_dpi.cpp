@@ -9,12 +9,24 @@
 
 #include "svdpi.h"
 
+#ifdef CTPU_WAVES
+// Waveform builds dump through $dumpfile/$dumpvars in ctpu_tb_top; Verilator needs tracing enabled before
+// the model is built (cocotb's main only does that in VM_TRACE builds), so do it at program start.
+#include "verilated.h"
+namespace {
+struct EnableTracing {
+    EnableTracing() { Verilated::traceEverOn(true); }
+} g_enable_tracing;
+}  // namespace
+#endif
+
 namespace {
 std::vector<uint8_t> g_hbm;
 std::vector<uint32_t> g_imem;  // 9 slot words per bundle
 uint32_t g_prog_len = 0;
 uint64_t g_max_cycles = 100000000ULL;
 int g_trace = 0;
+std::vector<uint32_t> g_args(32);  // launch arguments (sreg values on release)
 std::vector<uint32_t> g_sregs(32);
 std::vector<uint32_t> g_vregs;
 std::vector<uint32_t> g_vmem;
@@ -49,6 +61,7 @@ void ctpu_tb_set_run(uint32_t prog_len, uint64_t max_cycles, int trace) {
     g_trace_buf.clear();
     std::fill(g_stats.begin(), g_stats.end(), 0);
 }
+void* ctpu_tb_args() { return g_args.data(); }
 void* ctpu_tb_trace() { return g_trace_buf.data(); }
 uint64_t ctpu_tb_trace_words() { return g_trace_buf.size(); }
 
@@ -56,6 +69,7 @@ uint64_t ctpu_tb_trace_words() { return g_trace_buf.size(); }
 unsigned int ctpu_prog_len() { return g_prog_len; }
 unsigned long long ctpu_max_cycles() { return g_max_cycles; }
 int ctpu_trace_enabled() { return g_trace; }
+unsigned int ctpu_arg(int idx) { return g_args[idx]; }
 unsigned int ctpu_imem_word(unsigned int pc, int slot) {
     size_t i = static_cast<size_t>(pc) * 9 + slot;
     return i < g_imem.size() ? g_imem[i] : 0;

@@ -26,6 +26,7 @@ module ctpu_tb_top
   import "DPI-C" function int unsigned ctpu_prog_len();
   import "DPI-C" function longint unsigned ctpu_max_cycles();
   import "DPI-C" function int ctpu_trace_enabled();
+  import "DPI-C" function int unsigned ctpu_arg(input int idx);
   import "DPI-C" function int unsigned ctpu_imem_word(input int unsigned pc, input int slot);
   import "DPI-C" function void ctpu_hbm_read(input int unsigned addr, input int nbytes,
                                              output bit [ROWW-1:0] data);
@@ -55,11 +56,22 @@ module ctpu_tb_top
   end
   always #1 clk = ~clk;
 
+`ifdef CTPU_WAVES
+  // waveform builds only (verilator_build.build(waves=True)): +ctpu_fst=<file> names the FST file
+  initial begin
+    string fst;
+    if ($value$plusargs("ctpu_fst=%s", fst) == 0) fst = "ctpu_rtl.fst";
+    $dumpfile(fst);
+    $dumpvars(0, ctpu_tb_top);
+  end
+`endif
+
   // ---- imem: loaded from C++ while in reset ----
   logic [BUNDLE_BITS-1:0] imem [IMEM_BUNDLES];
   logic [31:0] prog_len;
   logic [63:0] max_cycles;
   logic        trace_en;
+  logic [NUM_SREGS-1:0][31:0] args;  // launch arguments: the sreg file on release
   logic [31:0] imem_addr;
   logic [BUNDLE_BITS-1:0] bundle;
 
@@ -68,6 +80,7 @@ module ctpu_tb_top
       prog_len <= ctpu_prog_len();
       max_cycles <= ctpu_max_cycles();
       trace_en <= ctpu_trace_enabled() != 0;
+      for (int r = 0; r < NUM_SREGS; r++) args[r] <= ctpu_arg(r);
       for (int pc = 0; pc < IMEM_BUNDLES; pc++) begin
         if (32'(pc) < ctpu_prog_len()) begin
           for (int s = 0; s < NUM_SLOTS; s++) imem[pc][s*32 +: 32] <= ctpu_imem_word(pc, s);
@@ -104,9 +117,9 @@ module ctpu_tb_top
   logic mon_issue;
   logic [31:0] mon_pc;
   logic [63:0] mon_cycle;
-  logic [1:0] mon_swe;
-  logic [1:0][4:0] mon_sidx;
-  logic [1:0][31:0] mon_sdata;
+  logic [3:0] mon_swe;
+  logic [3:0][4:0] mon_sidx;
+  logic [3:0][31:0] mon_sdata;
   logic [4:0] mon_vwe;
   logic [4:0][4:0] mon_vidx;
   logic [4:0][VW-1:0] mon_vdata;
@@ -119,6 +132,7 @@ module ctpu_tb_top
     .rst_n             (rst_n),
     .prog_len_i        (prog_len),
     .max_cycles_i      (max_cycles),
+    .sreg_init_i       (args),
     .imem_addr_o       (imem_addr),
     .imem_bundle_i     (bundle),
     .hbm_re_o          (hbm_re),
@@ -162,7 +176,7 @@ module ctpu_tb_top
       if (trace_en) begin
         if (mon_issue) ctpu_trace_issue(mon_cycle, mon_pc);
         // writes performed at this edge land (become visible) in the next cycle
-        for (int k = 0; k < 2; k++) if (mon_swe[k]) ctpu_trace_sreg(mon_cycle + 64'd1, 32'(mon_sidx[k]), mon_sdata[k]);
+        for (int k = 0; k < 4; k++) if (mon_swe[k]) ctpu_trace_sreg(mon_cycle + 64'd1, 32'(mon_sidx[k]), mon_sdata[k]);
         for (int k = 0; k < 5; k++) if (mon_vwe[k]) ctpu_trace_vreg(mon_cycle + 64'd1, 32'(mon_vidx[k]), mon_vdata[k]);
       end
       if (core_done) begin

@@ -5,7 +5,7 @@
 // cycle, which happens at its end). Write ports, each landing at issue + latency:
 //   v0, v1 ALU results (LAT_VALU), v0, v1 reductions (LAT_XLANE), vld (LAT_VLOAD).
 // Two results landing in one register in one cycle is a trap; since every latency is known at issue,
-// `conflict_o` flags it for the issuing bundle (the core then traps instead of issuing).
+// `conflict_o` flags it, per slot, for the issuing bundle (the core then traps instead of issuing).
 `default_nettype none
 
 module ctpu_vector_unit
@@ -37,7 +37,7 @@ module ctpu_vector_unit
   output logic [1:0][W-1:0]         alu_va_o,       // vreg[a] of each ALU slot, for vext (vector -> sreg)
   // would the issuing bundle's writes collide with each other or with an in-flight reduction?
   input  wire logic                 check_i,
-  output logic                      conflict_o,
+  output logic [2:0]                conflict_o,     // v0, v1, vld
   // monitor: the writes landing at the end of this cycle (for the per-bundle trace)
   output logic [4:0]                mon_we_o,
   output logic [4:0][4:0]           mon_idx_o,
@@ -80,26 +80,34 @@ module ctpu_vector_unit
   assign vst_data_o = vregs_q[vst_d_i];
   assign alu_va_o = {vregs_q[alu_a_i[1]], vregs_q[alu_a_i[0]]};
 
-  // ---- write-conflict check for the issuing bundle ----
+  // ---- write-conflict check for the issuing bundle, per slot ----
+  // The simulator executes v0, v1, then vld and the slot whose result would land second traps, so each
+  // slot is checked against what lands before it in that order: reductions issued at t - 2 (land2),
+  // then the earlier slots of this bundle.
   function automatic logic is_red(input logic [7:0] op);
     return op == OP_VRED_SUM_L || op == OP_VRED_MAX_L || op == OP_VRED_SUM_S || op == OP_VRED_MAX_S;
   endfunction
 
+  logic [1:0] lands2;  // ALU slot results landing at t + 2 (not reductions, not vext: that writes an sreg)
   always_comb begin
-    logic [4:0] d2 [5];
-    logic [4:0] v2;
-    conflict_o = 1'b0;
-    // results landing at t + 2: ALU ops of this bundle, its vld, reductions issued at t - 2
-    v2 = {alu_used_i[0] && !is_red(alu_op_i[0]) && alu_op_i[0] != OP_VEXT,
-          alu_used_i[1] && !is_red(alu_op_i[1]) && alu_op_i[1] != OP_VEXT, vld_used_i,
-          land2[0], land2[1]};
-    d2 = '{alu_d_i[0], alu_d_i[1], vld_d_i, land2_idx[0], land2_idx[1]};
-    for (int i = 0; i < 5; i++)
-      for (int j = i + 1; j < 5; j++)
-        if (v2[4 - i] && v2[4 - j] && d2[i] == d2[j]) conflict_o = check_i;
-    // results landing at t + 4: the two reductions of this bundle
-    if (alu_used_i[0] && alu_used_i[1] && is_red(alu_op_i[0]) && is_red(alu_op_i[1])
-        && alu_d_i[0] == alu_d_i[1]) conflict_o = check_i;
+    for (int k = 0; k < 2; k++)
+      lands2[k] = alu_used_i[k] && !is_red(alu_op_i[k]) && alu_op_i[k] != OP_VEXT;
+  end
+
+  function automatic logic hits_land2(input logic [4:0] d);
+    return (land2[0] && land2_idx[0] == d) || (land2[1] && land2_idx[1] == d);
+  endfunction
+
+  always_comb begin
+    conflict_o = '0;
+    if (check_i) begin
+      conflict_o[0] = lands2[0] && hits_land2(alu_d_i[0]);
+      conflict_o[1] = (lands2[1] && (hits_land2(alu_d_i[1]) || (lands2[0] && alu_d_i[0] == alu_d_i[1])))
+                   || (alu_used_i[0] && alu_used_i[1] && is_red(alu_op_i[0]) && is_red(alu_op_i[1])
+                       && alu_d_i[0] == alu_d_i[1]);  // two reductions landing at t + 4
+      conflict_o[2] = vld_used_i && (hits_land2(vld_d_i) || (lands2[0] && alu_d_i[0] == vld_d_i)
+                                     || (lands2[1] && alu_d_i[1] == vld_d_i));
+    end
   end
 
   // ---- vld pipeline: read at t, result register at the end of t, vreg written at the end of t+1 ----

@@ -1,11 +1,15 @@
 """Run CTPU programs on the RTL core (Verilator + cocotb), with the simulator's result types.
 
     from device_sim.rtl.runner import run_on_rtl
-    result = run_on_rtl(program, {0x0: x.tobytes()}, config="small")
+    result = run_on_rtl(program, {0x0: x.tobytes()}, config="small", args={1: 0x0})
     result.stats.cycles, result.hbm, result.vmem, result.sregs, result.vregs, result.trap
 
 `run_batch_on_rtl` runs many programs in one simulator process (the Verilator model is built once and
 cached under build/rtl/; starting the process costs ~1 s, a program then runs at Verilator speed).
+Before a program is released the host-side loader checks it (device_sim/rtl/traps.py, as
+`Simulator.load` does): a program it rejects is not run and its result carries the loader's trap.
+`args` preset s1..s31 (the launch ABI). A trap does not raise: `result.trap` names it (code, pc, cycle);
+`result.raise_if_trapped()` turns it into the simulator's `CtpuTrap`.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from device_sim import isa
 from device_sim.config import HardwareConfig, get_config
 from device_sim.program import Program
 from device_sim.rtl import verilator_build as vb
-from device_sim.simulator import DEFAULT_MAX_CYCLES, RunStats
+from device_sim.rtl.traps import loader_trap
+from device_sim.simulator import DEFAULT_MAX_CYCLES, CtpuTrap, RunStats
 from device_sim.sv_package import TRAP_CODES
 
 TOP = "ctpu_tb_top"
@@ -53,6 +58,10 @@ class RtlResult:
     wall_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def raise_if_trapped(self) -> None:
+        if self.trap is not None:
+            raise CtpuTrap(f"RTL trap {self.trap.code}", self.trap.pc, self.trap.cycle)
+
 
 @dataclass
 class RtlJob:
@@ -60,6 +69,8 @@ class RtlJob:
     hbm: HbmImage
     max_cycles: int = DEFAULT_MAX_CYCLES
     trace: bool = False
+    args: dict[int, int] = field(default_factory=dict)  # launch arguments: sreg number (1..31) -> value
+    loader: bool = True  # False: release the core without the loader's check (tests of fetch-time traps)
 
 
 def _hbm_regions(hbm: HbmImage) -> list[tuple[int, bytes]]:
@@ -124,13 +135,43 @@ def _result(cfg: HardwareConfig, job: RtlJob, raw: dict[str, Any]) -> RtlResult:
                      trace=_decode_trace(raw["trace"]) if job.trace else None, wall_seconds=raw["wall_seconds"])
 
 
-def run_batch_on_rtl(jobs: list[RtlJob], config: str | HardwareConfig = "small", waves: bool = False
-                     ) -> list[RtlResult]:
-    """Run every job in one Verilator process; results in job order."""
+def _rejected(cfg: HardwareConfig, job: RtlJob, trap: RtlTrap) -> RtlResult:
+    """The loader refused the program: nothing ran, the state is the launch state."""
+    sregs = np.zeros(isa.NUM_SREGS, np.uint32)
+    for reg, value in job.args.items():
+        sregs[reg] = value & 0xFFFFFFFF
+    hbm = np.zeros(cfg.hbm_bytes, np.uint8)
+    for addr, data in _hbm_regions(job.hbm):
+        hbm[addr : addr + len(data)] = np.frombuffer(data, np.uint8)
+    return RtlResult(stats=RunStats(cfg.name), sregs=sregs,
+                     vregs=np.zeros((isa.NUM_VREGS, cfg.sublanes, cfg.lanes), np.uint32),
+                     vmem=np.zeros((cfg.vmem_rows, cfg.lanes), np.uint32), hbm=hbm, trap=trap,
+                     trace=[] if job.trace else None)
+
+
+def run_batch_on_rtl(jobs: list[RtlJob], config: str | HardwareConfig = "small", waves: bool = False,
+                     wave_file: str | os.PathLike[str] | None = None) -> list[RtlResult]:
+    """Run every job in one Verilator process; results in job order. `waves=True` builds the FST-tracing
+    variant and writes `wave_file` (default build/rtl/ctpu_rtl.fst)."""
     cfg = get_config(config)
     for job in jobs:
         if len(job.program) > cfg.imem_bundles:
             raise ValueError(f"program has {len(job.program)} bundles; imem holds {cfg.imem_bundles}")
+        for reg in job.args:
+            if not 1 <= reg < isa.NUM_SREGS:
+                raise ValueError(f"launch argument register s{reg}: must be s1..s{isa.NUM_SREGS - 1}")
+    rejected: dict[int, RtlResult] = {}
+    for i, job in enumerate(jobs):
+        bad = loader_trap(job.program) if job.loader else None
+        if bad is not None:
+            rejected[i] = _rejected(cfg, job, RtlTrap(bad.code, bad.pc, bad.cycle))
+    to_run = [j for i, j in enumerate(jobs) if i not in rejected]
+    ran = iter(_run_jobs(cfg, to_run, waves, wave_file) if to_run else [])
+    return [rejected[i] if i in rejected else next(ran) for i in range(len(jobs))]
+
+
+def _run_jobs(cfg: HardwareConfig, jobs: list[RtlJob], waves: bool, wave_file: str | os.PathLike[str] | None
+              ) -> list[RtlResult]:
     runner = build(cfg, waves=waves)
     with tempfile.TemporaryDirectory(prefix="ctpu_rtl_") as tmp:
         job_path, out_path = os.path.join(tmp, "job.pkl"), os.path.join(tmp, "out.pkl")
@@ -138,13 +179,15 @@ def run_batch_on_rtl(jobs: list[RtlJob], config: str | HardwareConfig = "small",
             "config": {"lanes": cfg.lanes, "vmem_rows": cfg.vmem_rows, "hbm_bytes": cfg.hbm_bytes,
                        "imem_bundles": cfg.imem_bundles},
             "jobs": [{"bundles": np.array(j.program.bundles, dtype=np.uint32).reshape(-1, isa.NUM_SLOTS),
-                      "hbm": _hbm_regions(j.hbm), "max_cycles": int(j.max_cycles), "trace": j.trace}
+                      "hbm": _hbm_regions(j.hbm), "max_cycles": int(j.max_cycles), "trace": j.trace,
+                      "args": {int(k): int(v) & 0xFFFFFFFF for k, v in j.args.items()}}
                      for j in jobs],
             "out": out_path,
         }
         with open(job_path, "wb") as f:
             pickle.dump(spec, f)
-        test_args = ["--trace", "--trace-file", os.path.join(str(vb.BUILD_ROOT), "ctpu_rtl.fst")] if waves else []
+        fst = str(wave_file) if wave_file is not None else os.path.join(str(vb.BUILD_ROOT), "ctpu_rtl.fst")
+        test_args = [f"+ctpu_fst={os.path.abspath(fst)}"] if waves else []
         vb.run_test(runner, TOP, "device_sim.rtl.cocotb_harness", extra_env={"CTPU_RTL_JOB": job_path},
                     test_args=test_args)
         if not os.path.exists(out_path):
@@ -155,7 +198,26 @@ def run_batch_on_rtl(jobs: list[RtlJob], config: str | HardwareConfig = "small",
 
 
 def run_on_rtl(program: Program, hbm_image: HbmImage | None = None, config: str | HardwareConfig = "small",
-               max_cycles: int = DEFAULT_MAX_CYCLES, trace: bool = False, waves: bool = False) -> RtlResult:
-    """Run one program on the RTL core. `waves=True` writes build/rtl/ctpu_rtl.fst."""
-    return run_batch_on_rtl([RtlJob(program, hbm_image if hbm_image is not None else {}, max_cycles, trace)],
-                            config, waves=waves)[0]
+               max_cycles: int = DEFAULT_MAX_CYCLES, trace: bool = False, waves: bool = False,
+               args: dict[int, int] | None = None, wave_file: str | os.PathLike[str] | None = None) -> RtlResult:
+    """Run one program on the RTL core; `args` preset s1..s31 (the launch ABI). `result.hbm` is the final
+    HBM. `waves=True` writes an FST waveform (build/rtl/ctpu_rtl.fst unless `wave_file` says)."""
+    job = RtlJob(program, hbm_image if hbm_image is not None else {}, max_cycles, trace, dict(args or {}))
+    return run_batch_on_rtl([job], config, waves=waves, wave_file=wave_file)[0]
+
+
+def manifest_runner(program: Program, config: HardwareConfig, writes: list[tuple[int, np.ndarray]],
+                    reads: list[tuple[int, tuple[int, ...], Any]], max_cycles: int
+                    ) -> tuple[dict[str, Any], list[np.ndarray]]:
+    """`device_sim.manifest.Runner` on the RTL: the same HBM set-up, statistics and read-back as the
+    simulator's runner (`run_manifest(path, target="rtl")`). A trap raises `CtpuTrap`, as in the simulator."""
+    image = {addr: np.ascontiguousarray(arr).view(np.uint8).tobytes() for addr, arr in writes}
+    result = run_on_rtl(program, image, config=config, max_cycles=max_cycles)
+    result.raise_if_trapped()
+    stats = result.stats.as_dict()
+    stats["rtl_cycles_per_second"] = result.stats.cycles / result.wall_seconds if result.wall_seconds else 0.0
+    outs = []
+    for addr, shape, dtype in reads:
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        outs.append(result.hbm[addr : addr + nbytes].view(dtype).reshape(shape).copy())
+    return stats, outs

@@ -118,7 +118,8 @@ def build(name: str, top: str, sources: Sequence[str | Path], parameters: Mappin
         *extra_args,
     ]
     if waves:
-        args += ["--trace-fst", "--trace-structs"]
+        # the harness dumps through $dumpfile/$dumpvars (cocotb's Verilator main only traces with VM_TRACE)
+        args += ["--trace-fst", "--trace-structs", "-DCTPU_WAVES", "-CFLAGS", "-DCTPU_WAVES"]
     # Only the top module's own signals are VPI-visible (cocotb needs its root handle and ports).
     build_dir.mkdir(parents=True, exist_ok=True)
     vlt = build_dir / "ctpu_public.vlt"

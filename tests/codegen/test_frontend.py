@@ -6,7 +6,7 @@ import torch
 from codegen_helpers import trace
 
 from codegen.fx_to_mlir import emit_module
-from codegen.kernels import GenericKernel, MatmulKernel, read_function
+from codegen.kernels import GatherKernel, GenericKernel, IotaKernel, MatmulKernel, read_function
 from codegen.mlir_pipeline import run_pipeline
 
 
@@ -51,3 +51,61 @@ def test_bufferization_gives_kernels_over_hbm_views() -> None:
     mm = next(k for k in g.kernels if isinstance(k, MatmulKernel))
     assert mm.a.shape == (5, 12) and mm.b.strides == (7, 1)
     assert any(isinstance(k, GenericKernel) for k in g.kernels)
+
+
+def _kernels(fn, *xs):
+    _, res = _stages(fn, *xs)
+    with res.context:
+        return res, read_function(res.module)
+
+
+def test_every_fused_op_has_a_lowering() -> None:
+    from codegen.fx_ops import CTPU_TABLE
+    from fx_passes.ops import OP_NAMES
+
+    assert set(OP_NAMES) <= set(CTPU_TABLE)
+
+
+def test_reshaped_matmul_becomes_a_contraction_generic_and_back_a_matmul_kernel() -> None:
+    import fx_passes.ops  # noqa: F401  (registers torch.ops.ctpu)
+
+    def f(x, w):  # the attention output [B, H, L, D] -> [B, L, H*D] @ w: an o_proj
+        return torch.ops.ctpu.linear(x.permute(0, 2, 1, 3).reshape(1, 8, 64), w, None, "none", None)
+
+    res, g = _kernels(f, torch.randn(1, 4, 8, 16), torch.randn(64, 32))
+    fused = dict(res.stages)["linalg-fuse-elementwise-ops"]
+    assert "linalg.matmul" not in fused and '"reduction", "reduction"' in fused  # reshape propagation did it
+    kinds = [type(k).__name__ for k in g.kernels]
+    assert kinds.count("MatmulKernel") == 1
+    assert not any(isinstance(k, GenericKernel) and k.reduction for k in g.kernels)
+
+
+def test_embedding_is_a_gather_kernel_feeding_its_consumer() -> None:
+    res, g = _kernels(lambda w, ids: torch.nn.functional.embedding(ids, w) * 2.0, torch.randn(10, 12),
+                      torch.tensor([[3, 1, 7]]))
+    final = res.stages[-1][1]
+    assert "memref.load" in final and "arith.index_cast" in final  # the lookup was fused into the multiply
+    gathers = [k for k in g.kernels if isinstance(k, GatherKernel)]
+    assert len(gathers) == 1 and gathers[0].output.shape == (1, 3, 12) and gathers[0].ids.view.dtype == "i32"
+    consumer = g.kernels[-1]
+    assert isinstance(consumer, GenericKernel)
+    assert [o.view.buffer for o in consumer.inputs] == [gathers[0].output.buffer]
+
+
+def test_linalg_index_becomes_an_iota_operand() -> None:
+    res, g = _kernels(lambda x: torch.where(torch.ones(4, 8, dtype=torch.bool).tril(), x, 0.0), torch.randn(4, 8))
+    assert "linalg.index" in res.stages[-1][1]
+    iotas = [k for k in g.kernels if isinstance(k, IotaKernel)]
+    assert sorted(k.output.shape for k in iotas) == [(4,), (8,)]
+    generic = g.kernels[-1]
+    assert isinstance(generic, GenericKernel)
+    assert "arith.cmpi.sle" in [op for _, op, _ in generic.body.ops]
+    strides = sorted(o.iter_strides for o in generic.inputs if o.view.dtype == "i32")
+    assert strides == [(0, 1), (1, 0)]
+
+
+def test_cat_is_insert_slice_then_copies_into_subviews() -> None:
+    text, res = _stages(lambda x: torch.cat([x, x * 2.0], -1), torch.randn(4, 8))
+    assert text.count("tensor.insert_slice") == 2
+    final = res.stages[-1][1]
+    assert "memref.subview" in final and "memref.copy" in final

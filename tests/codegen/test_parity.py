@@ -116,3 +116,86 @@ def test_dump_dir(tmp_path) -> None:
     assert "program.bin" in names and "summary.json" in names
     assert any("linalg-fuse-elementwise-ops" in n for n in names)
     assert any(n.endswith("program.s") for n in names) and any(n.endswith("scheduled.txt") for n in names)
+
+
+# ---- ops beyond the first slice: sequences, masks, integers, gathers, the ctpu fused ops ----------------
+def _ctpu():
+    import fx_passes.ops  # noqa: F401  (registers torch.ops.ctpu; codegen itself never imports fx_passes)
+
+    return torch.ops.ctpu
+
+
+def test_sin_cos_log() -> None:
+    x = torch.randn(6, 16) * 4
+    check(lambda x: (torch.sin(x), torch.cos(x), torch.log(x.abs() + 1e-3)), x, rtol=1e-5, atol=1e-6)
+
+
+def test_erf_and_exact_gelu() -> None:
+    x = torch.randn(5, 12) * 2  # erf is accurate to ~1e-7 absolute (see isel_scalar_ops)
+    check(lambda x: torch.erf(x), x, rtol=1e-5, atol=3e-7)
+    check(lambda x: F.gelu(x), x, rtol=1e-5, atol=3e-7)
+
+
+def test_compares_where_and_bool_outputs() -> None:
+    x, y = torch.randn(4, 10), torch.randn(4, 10)
+    check(lambda x, y: (torch.where((x > y) | (x < -1.0), x, y * 2), x >= 0.5, ~(x == y)), x, y)
+
+
+def test_arange_and_integer_to_float() -> None:
+    x = torch.randn(3, 10)
+    check(lambda x: x * torch.arange(10).float() + torch.arange(2.0, 7.0, 0.5), x)
+
+
+def test_embedding_gather() -> None:
+    table, ids = torch.randn(50, 20), torch.tensor([[49, 0, 7], [7, 3, 12]])
+    check(lambda t, i: F.embedding(i, t) + 1.0, table, ids)
+
+
+def test_cat_select_split_var() -> None:
+    x = torch.randn(4, 6)
+    check(lambda x: (torch.cat([x[:, :2] * 2, x, -x[:, 4:]], -1), torch.cat([x, x], 0), x[:, 1] + 1.0,
+                     torch.var(x, -1, keepdim=True), *torch.split(x, 4, dim=-1)), x, atol=2e-6)
+
+
+@pytest.mark.parametrize(("act", "bias", "residual"), [("none", False, True), ("relu", True, False),
+                                                        ("silu", True, True), ("gelu", False, False)])
+def test_ctpu_linear(act: str, bias: bool, residual: bool) -> None:
+    x, w, b, r = torch.randn(2, 5, 24), torch.randn(12, 24), torch.randn(12), torch.randn(2, 5, 12)
+    op = _ctpu().linear
+
+    def f(x, w, b, r):  # the weight as the graph has it: a transposed view of a [N, K] parameter
+        return op(x, w.t(), b if bias else None, act, r if residual else None)
+
+    check(f, x, w, b, r, rtol=1e-5, atol=1e-5)
+
+
+def test_ctpu_swiglu_and_rope() -> None:
+    ops = _ctpu()
+    g, u = torch.randn(6, 20), torch.randn(6, 20)
+    check(lambda g, u: ops.swiglu(g, u, "silu"), g, u, rtol=1e-5, atol=1e-6)
+    x, cos, sin = torch.randn(1, 4, 8, 16), torch.randn(1, 1, 8, 16), torch.randn(1, 1, 8, 16)
+    check(lambda x, c, s: ops.rope(x, c, s), x, cos, sin, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+def test_ctpu_attention_causal_gqa(mask: str | None) -> None:
+    op = _ctpu().attention
+    q, k, v = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    m = {None: torch.zeros(8, 8), "bool": torch.rand(8, 8) > 0.3, "float": torch.randn(8, 8)}[mask]
+    m[:, 0] = True if mask == "bool" else m[:, 0]  # a row keeps at least its first key
+
+    def f(q, k, v, m):
+        return op(q, k, v, None if mask is None else m, mask is None, 0.25)
+
+    check(f, q, k, v, m, rtol=1e-5, atol=2e-5)
+
+
+def test_rotary_tables_from_positions() -> None:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+
+    def f(inv_freq):  # what a Llama computes for RoPE: positions * inv_freq, cat, cos / sin
+        t = torch.arange(8)[None, :, None].float() * inv_freq
+        e = torch.cat([t, t], -1)
+        return e.cos(), e.sin()
+
+    check(f, inv_freq, rtol=1e-5, atol=1e-6)

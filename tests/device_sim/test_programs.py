@@ -137,8 +137,8 @@ why = "a copy"
         assert not r.passed and r.checks[0].mismatches == 7  # 7 == 7 at index 7 only
     finally:
         del references.identity_for_test  # type: ignore[attr-defined]
-    with pytest.raises(ValueError, match="needs a runner"):
-        mf.run_manifest(tmp_path / "copy.s", target="rtl")
+    with pytest.raises(ValueError, match="needs a runner"):  # "rtl" is built in now (device_sim/rtl)
+        mf.run_manifest(tmp_path / "copy.s", target="ptx")
 
 
 def test_program_without_manifest_just_runs(tmp_path: Path) -> None:

@@ -56,6 +56,9 @@ def register() -> None:
         aten.impl("convolution_overrideable", convolution, "PrivateUse1")
         aten.impl("convolution_backward_overrideable", convolution_backward, "PrivateUse1")
         _fallback_library = (library, aten)
+        from torch_tpu_backend.device import eager, eager_compiler
+
+        eager.set_eager_compiler(eager_compiler.compile_single_op)  # eager ops run as compiled CTPU kernels
         _registered = True
 
 

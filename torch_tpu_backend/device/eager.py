@@ -34,6 +34,10 @@ def set_eager_compiler(compiler: EagerCompiler | None) -> None:
         _cache.clear()
 
 
+def get_eager_compiler() -> EagerCompiler | None:
+    return _compiler
+
+
 def kernel_key(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
     """What a compiled kernel may depend on: tensors by layout and dtype, everything else by value."""
 

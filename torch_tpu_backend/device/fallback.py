@@ -21,14 +21,10 @@ import torch
 from torch._ops import OpOverload
 from torch.utils._pytree import tree_map
 
+from fx_passes import CtpuFallbackWarning  # one warning class for every CPU fallback, eager or compiled
 from torch_tpu_backend import stats
 from torch_tpu_backend.device import eager
 from torch_tpu_backend.device.random import default_generator
-
-
-class CtpuFallbackWarning(UserWarning):
-    """An aten op ran on the CPU because the CTPU has no kernel for it (shown once per op name)."""
-
 
 _warned: set[str] = set()
 _global_rng_lock = threading.Lock()

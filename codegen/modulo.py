@@ -1,0 +1,379 @@
+"""Software pipelining of single-block counted loops by modulo scheduling.
+
+`pipeline_loops(func, next_id)`. Before: counted-loop blocks (`Block.loop`: a body, then `addi counter, -1 ;
+bnz counter`, trip count n known) in a function of unscheduled blocks. After: each loop that qualifies (no
+asynchronous, wait or control instruction in its body; at least S - 1 + u iterations) is replaced by
+
+    [peel]      r = (n - S + 1) % u plain iterations (list-scheduled later), so the kernel count is whole;
+    prologue    the first S - 1 stages of the flat schedule (pre-scheduled bundles);
+    kernel      u * II bundles: u consecutive iterations' worth of every stage, `addi counter ; bnz` in its
+                last bundle (the counter starts at K - 1: the branch reads it before the decrement lands);
+    epilogue    the last stages, padded until every result has landed (so the exit block is independent);
+
+where the flat schedule gives every body instruction an issue time t (iteration i issues it at t + i * II).
+II starts at the resource bound max_unit ceil(ops / slots) (the counter's addi and the branch included) and
+grows until every dependence fits: intra-iteration t_b >= t_a + d, loop-carried t_b + II >= t_a + d (from
+`schedule.build_deps` on two copies of the body). Modulo variable expansion: a value whose lifetime exceeds
+II gets u names (u = the largest number of overlapping lifetimes), used by iteration i as name i % u.
+Induction registers (`addi r, r, step` and otherwise only vmem base operands) are not ordered against their
+memory uses: the use's immediate is corrected by step times the number of increments it sees early or late.
+
+`verify_pipelined` re-checks the generated code against the body's sequential semantics on a trace of the
+whole pipelined loop: every read sees the producer of the sequential order, addresses match, vmem accesses
+keep their order, every value lands before the loop's exit, and bundles respect slot counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from codegen.mir import ZERO, Block, Function, MInstr, Reg
+from codegen.schedule import SLOT_COUNT, build_deps
+from device_sim import isa
+
+MAX_II_SLACK = 48  # give up pipelining a loop whose II would exceed the resource bound by this much
+MEMORY_BASE_OPS = ("vld", "vld.row", "vst")
+# registers a pipelined kernel may keep live (the rest: values live around the loop, the allocator's slack)
+REGISTER_BUDGET = {"v": 28, "s": 20}
+
+
+@dataclass
+class ModuloSchedule:
+    ii: int
+    times: list[int]  # issue time of body instruction k in iteration 0
+    stages: int
+    unroll: int
+    copies: dict[Reg, int]  # renameable value -> how many names it needs (a divisor of unroll)
+    ivs: dict[Reg, tuple[int, int]]  # induction register -> (index of its addi, step)
+
+
+@dataclass
+class Instance:
+    ins: MInstr  # as emitted: renamed registers, corrected immediate
+    time: int  # cycle from the start of the pipelined code
+    op: int  # index of the body instruction
+    iteration: int
+
+
+def _ivs(body: list[MInstr]) -> dict[Reg, tuple[int, int]]:
+    """Induction registers: defined once, by `addi r, r, step`, read otherwise only as vmem bases."""
+    out = {}
+    defs = Counter(i.dst for i in body if i.dst is not None)
+    for k, ins in enumerate(body):
+        r = ins.dst
+        if ins.op != "addi" or r is None or r.phys or ins.uses != (r,) or defs[r] != 1:
+            continue
+        ok = all(u != r or (i is ins) or (i.op in MEMORY_BASE_OPS and i.uses[-1] == r and r not in i.uses[:-1])
+                 for i in body for u in i.uses)
+        if ok:
+            out[r] = (k, int(ins.imm or 0))
+    return out
+
+
+def _renameable(body: list[MInstr], used_elsewhere: set[Reg], ivs: dict[Reg, tuple[int, int]]) -> set[Reg]:
+    """Values defined once per iteration and read only later in the same iteration."""
+    defs = Counter(i.dst for i in body if i.dst is not None)
+    seen: set[Reg] = set()
+    exposed: set[Reg] = set()
+    for ins in body:
+        exposed |= {r for r in ins.uses if r not in seen}
+        if ins.dst is not None:
+            seen.add(ins.dst)
+    return {r for r, n in defs.items() if n == 1 and not r.phys and r not in exposed and r not in used_elsewhere
+            and r not in ivs}
+
+
+def _dependences(body: list[MInstr], ivs: dict[Reg, tuple[int, int]], renamed: set[Reg]
+                 ) -> list[tuple[int, int, int, int]]:
+    """(pred, succ, distance, iterations apart) over the body: two copies through `build_deps`, with
+    induction bases hidden (their immediates are corrected instead) and renamed values private to a copy."""
+    fresh = {r: Reg(r.kind, -1 - k) for k, r in enumerate(sorted(renamed, key=lambda r: r.n))}
+
+    def copy(ins: MInstr, rename: bool) -> MInstr:
+        uses = list(ins.uses)
+        if ins.op in MEMORY_BASE_OPS and uses[-1] in ivs:
+            uses[-1] = ZERO
+        m = (lambda r: fresh.get(r, r)) if rename else (lambda r: r)
+        return dataclasses.replace(ins, dst=m(ins.dst) if ins.dst else None, uses=tuple(m(r) for r in uses))
+
+    n = len(body)
+    both = [copy(i, False) for i in body] + [copy(i, True) for i in body]
+    out = []
+    for d in build_deps(both):
+        if d.pred < n:
+            out.append((d.pred, d.succ % n, d.distance, 0 if d.succ < n else 1))
+    return out
+
+
+def modulo_schedule(body: list[MInstr], used_elsewhere: set[Reg], budget: dict[str, int] | None = None
+                    ) -> ModuloSchedule | None:
+    """Iterative modulo scheduling in program order (a topological order of the intra-iteration deps): the
+    smallest II from the resource bound up whose schedule fits the slots, the dependences and the register
+    budget (a larger II overlaps fewer iterations, so fewer values are live at once)."""
+    ivs = _ivs(body)
+    renameable = _renameable(body, used_elsewhere, ivs)
+    deps = _dependences(body, ivs, renameable)
+    preds: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+    succs: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+    for p, s, d, it in deps:
+        preds[s].append((p, d, it))
+        succs[p].append((s, d, it))
+    units = Counter(i.unit for i in body)
+    units[isa.Unit.SCALAR] += 1  # the kernel's counter decrement
+    units[isa.Unit.CTRL] += 1  # its branch
+    mii = max(-(-c // SLOT_COUNT[u]) for u, c in units.items())
+    sched = None
+    for ii in range(mii, mii + MAX_II_SLACK):
+        sched = _try_ii(body, ii, preds, succs, ivs, renameable)
+        if sched is None:
+            continue
+        if all(max_live(body, sched, kind) <= limit for kind, limit in (budget or REGISTER_BUDGET).items()):
+            return sched
+        if sched.stages == 1:
+            break  # a larger II overlaps nothing more
+    return sched
+
+
+def _try_ii(body: list[MInstr], ii: int, preds: dict[int, list[tuple[int, int, int]]],
+            succs: dict[int, list[tuple[int, int, int]]], ivs: dict[Reg, tuple[int, int]],
+            renameable: set[Reg]) -> ModuloSchedule | None:
+    placed = _place(body, ii, preds, succs)
+    if placed is None:
+        return None
+    times, mrt = placed
+    _sink_loads(body, times, mrt, ii, preds, succs, ivs)
+    length = max(t + 1 for t in times)
+    stages = -(-length // ii)
+    need: dict[Reg, int] = {}
+    for k, ins in enumerate(body):
+        if ins.dst in renameable:
+            need[ins.dst] = max(1, (_last_use(body, times, ins.dst, times[k]) - times[k] - ins.latency) // ii + 1)
+    unroll = max(need.values(), default=1)
+    copies = {r: next(d for d in range(q, unroll + 1) if unroll % d == 0) for r, q in need.items()}
+    return ModuloSchedule(ii, times, stages, unroll, copies, ivs)
+
+
+def _last_use(body: list[MInstr], times: list[int], r: Reg, default: int) -> int:
+    return max([times[k] for k, ins in enumerate(body) if r in ins.uses] + [default])
+
+
+def _sink_loads(body: list[MInstr], times: list[int], mrt: Counter[tuple[isa.Unit, int]], ii: int,
+                preds: dict[int, list[tuple[int, int, int]]], succs: dict[int, list[tuple[int, int, int]]],
+                ivs: dict[Reg, tuple[int, int]]) -> None:
+    """Move instructions that read nothing computed in the body (loads through induction bases, constants)
+    as late as their consumers allow: program-order placement issues them early, and every cycle a value
+    waits costs a register across the pipelined iterations."""
+    defined = {i.dst for i in body if i.dst is not None}
+    for k in reversed(range(len(body))):
+        ins = body[k]
+        if ins.dst is None or any(r in defined and r not in ivs for r in ins.uses) or ins.dst in ivs:
+            continue
+        late = min((times[s] - d + ii * it for s, d, it in succs[k] if s != k), default=None)
+        if late is None or late <= times[k]:
+            continue
+        early = max([times[p] + d - ii * it for p, d, it in preds[k] if p != k] + [times[k]])
+        mrt[(ins.unit, times[k] % ii)] -= 1
+        for t in range(late, early - 1, -1):
+            if mrt[(ins.unit, t % ii)] < SLOT_COUNT[ins.unit]:
+                times[k] = t
+                break
+        mrt[(ins.unit, times[k] % ii)] += 1
+
+
+def max_live(body: list[MInstr], sched: ModuloSchedule, kind: str) -> int:
+    """Registers of one class the pipelined kernel needs at once: the names of values defined in the body
+    (each live from issue to the later of landing and last read) plus values read but defined outside."""
+    ii = sched.ii
+    cover = [0] * ii
+    defined = {i.dst for i in body if i.dst is not None}
+    for k, ins in enumerate(body):
+        r = ins.dst
+        if r is None or r.kind != kind or r.phys:
+            continue
+        if r not in sched.copies:  # loop-carried: one register for the whole loop
+            cover = [c + 1 for c in cover]
+            continue
+        end = max(_last_use(body, sched.times, r, 0), sched.times[k] + ins.latency)
+        for t in range(sched.times[k], end + 1):
+            cover[t % ii] += 1
+    outside = {r for i in body for r in i.uses if r.kind == kind and not r.phys and r not in defined}
+    return max(cover) + len(outside)
+
+
+def _place(body: list[MInstr], ii: int, preds: dict[int, list[tuple[int, int, int]]],
+           succs: dict[int, list[tuple[int, int, int]]]) -> tuple[list[int], Counter[tuple[isa.Unit, int]]] | None:
+    mrt: Counter[tuple[isa.Unit, int]] = Counter()
+    mrt[(isa.Unit.SCALAR, ii - 1)] += 1  # counter decrement and branch sit in the kernel's last bundle
+    mrt[(isa.Unit.CTRL, ii - 1)] += 1
+    times: list[int | None] = [None] * len(body)
+    for k, ins in enumerate(body):
+        early, late = 0, 1 << 30
+        for p, d, it in preds[k]:
+            tp = times[p]
+            if tp is not None:
+                early = max(early, tp + d - ii * it)
+        for s, d, it in succs[k]:
+            ts = times[s]
+            if ts is not None and s != k:
+                late = min(late, ts - d + ii * it)
+        for p, d, it in preds[k]:
+            if p == k and d > ii * it:
+                return None  # a recurrence on itself longer than II
+        for t in range(early, min(late, early + ii - 1) + 1):
+            if mrt[(ins.unit, t % ii)] < SLOT_COUNT[ins.unit]:
+                mrt[(ins.unit, t % ii)] += 1
+                times[k] = t
+                break
+        else:
+            return None
+    return [t if t is not None else 0 for t in times], mrt
+
+
+def _corrected(ins: MInstr, k: int, sched: ModuloSchedule, iteration: int, iterations: int) -> MInstr:
+    """Body instruction k of `iteration`, its vmem base immediate corrected for the increments of its
+    induction register that have landed when it issues (the pipelined order) instead of the sequential
+    count. In the epilogue fewer have landed: there are no increments past the last iteration."""
+    if ins.op not in MEMORY_BASE_OPS or ins.uses[-1] not in sched.ivs:
+        return ins
+    a_index, step = sched.ivs[ins.uses[-1]]
+    ahead = (sched.times[k] - sched.times[a_index] - 1) // sched.ii + 1
+    assert ahead >= 0, "an induction base read before its first increment could land"
+    seen = min(iterations, iteration + ahead)
+    intended = iteration + (1 if a_index < k else 0)
+    return dataclasses.replace(ins, imm=int(ins.imm or 0) + step * (intended - seen))
+
+
+@dataclass
+class PipelinedLoop:
+    """What `verify_pipelined` needs: the body, its schedule, and the generated instances."""
+
+    label: str
+    body: list[MInstr]
+    sched: ModuloSchedule
+    prologue: list[Instance]
+    kernel: list[Instance]
+    epilogue: list[Instance]
+    kernel_runs: int
+    epilogue_len: int
+    blocks: tuple[str, ...] = ()  # labels of the generated blocks
+
+
+def expand(body: list[MInstr], sched: ModuloSchedule, iterations: int, kernel_runs: int,
+           fresh: Callable[[str], Reg]) -> tuple[list[Instance], list[Instance], list[Instance], int]:
+    """Instances of the prologue, one kernel run and the epilogue (times relative to each block), and the
+    epilogue's length (until every result has landed). `iterations` = S - 1 + u * kernel_runs."""
+    ii, u, S = sched.ii, sched.unroll, sched.stages
+    names = {r: [r, *[fresh(r.kind) for _ in range(1, q)]] for r, q in sched.copies.items() if q > 1}
+
+    def inst(k: int, i: int, base: int) -> Instance:
+        ins = _corrected(body[k], k, sched, i, iterations)
+
+        def m(r: Reg) -> Reg:
+            return names[r][i % len(names[r])] if r in names else r
+        ins = dataclasses.replace(ins, dst=m(ins.dst) if ins.dst else None, uses=tuple(m(r) for r in ins.uses))
+        return Instance(ins, sched.times[k] + i * ii - base, k, i)
+
+    pro_end, ker_end = (S - 1) * ii, (S - 1 + u) * ii
+    epi_start = (S - 1 + u * kernel_runs) * ii
+    pro, ker, epi = [], [], []
+    for i in range(iterations):
+        for k in range(len(body)):
+            t = sched.times[k] + i * ii
+            if t < pro_end:
+                pro.append(inst(k, i, 0))
+            elif t < ker_end:
+                ker.append(inst(k, i, pro_end))
+            elif t >= epi_start:
+                epi.append(inst(k, i, epi_start))
+    epi_len = max([x.time + max(x.ins.latency, 1) for x in epi]
+                  + [x.time + max(x.ins.latency, 1) - u * ii for x in ker] + [0])
+    return pro, ker, epi, epi_len
+
+
+def _bundles(instances: list[Instance], length: int) -> list[list[MInstr]]:
+    out: list[list[MInstr]] = [[] for _ in range(length)]
+    for x in instances:
+        out[x.time].append(x.ins)
+    return out
+
+
+def pipeline_loop(func: Function, index: int, log: list[str], fresh: Callable[[str], Reg],
+                  budget: dict[str, int] | None = None) -> PipelinedLoop | None:
+    """Replace the counted loop at `func.blocks[index]` by peel / prologue / kernel / epilogue blocks."""
+    loop = func.blocks[index]
+    assert loop.loop is not None
+    n, counter = loop.loop.trip_count, loop.loop.counter
+    body = loop.instrs[:-2]
+    if any(i.is_async or i.is_control or i.op == "wait" or counter in i.regs() for i in body):
+        log.append(f"{loop.label}: not pipelined (asynchronous, wait or control instruction in the body)")
+        return None
+    pre = func.blocks[index - 1]
+    init = [i for i in pre.instrs if i.op == "li" and i.dst == counter]
+    if len(init) != 1:
+        log.append(f"{loop.label}: not pipelined (no counter initialization in the preheader)")
+        return None
+    used_elsewhere = {r for b in func.blocks if b is not loop for i in b.instrs for r in i.uses}
+    budget = budget or REGISTER_BUDGET
+    sched = modulo_schedule(body, used_elsewhere, budget)
+    if sched is None:
+        log.append(f"{loop.label}: not pipelined (no II within the slack)")
+        return None
+    S, u, ii = sched.stages, sched.unroll, sched.ii
+    live = {kind: max_live(body, sched, kind) for kind in budget}
+    if any(n_live > budget[kind] for kind, n_live in live.items()):
+        log.append(f"{loop.label}: not pipelined (II={ii}: {live} registers live > budget {budget})")
+        return None
+    if n < S - 1 + u:
+        log.append(f"{loop.label}: not pipelined ({n} iterations < {S - 1 + u} stages + copies)")
+        return None
+    peel = (n - S + 1) % u
+    runs = (n - peel - S + 1) // u
+    pro, ker, epi, epi_len = expand(body, sched, S - 1 + u * runs, runs, fresh)
+    init[0].imm = runs - 1
+    blocks: list[Block] = []
+    if peel:
+        blocks.append(Block(f"{loop.label}_peel", [dataclasses.replace(i) for _ in range(peel) for i in body]))
+    kernel = Block(f"{loop.label}_kernel")
+    kernel_bundles = _bundles(ker, u * ii)
+    kernel_bundles[-1] += [MInstr("addi", counter, (counter,), imm=-1),
+                           MInstr("bnz", None, (counter,), target=kernel.label)]
+    for blk, bundles in ((Block(f"{loop.label}_prologue"), _bundles(pro, (S - 1) * ii)), (kernel, kernel_bundles),
+                         (Block(f"{loop.label}_epilogue"), _bundles(epi, epi_len))):
+        blk.bundles = bundles
+        blk.instrs = [i for b in bundles for i in b]
+        blocks.append(blk)
+    blocks[0].label = loop.label
+    func.blocks[index:index + 1] = blocks
+    log.append(f"{loop.label}: pipelined, II={ii} stages={S} copies={u} peel={peel} kernel runs={runs} "
+               f"(body {len(body)} instructions)")
+    return PipelinedLoop(loop.label, body, sched, pro, ker, epi, runs, epi_len, tuple(b.label for b in blocks))
+
+
+def pipeline_loops(func: Function, next_id: int, cuts: dict[str, int] | None = None
+                   ) -> tuple[list[PipelinedLoop], list[str], int]:
+    """Software-pipeline every qualifying counted loop of `func`. Returns the pipelined loops, why each
+    loop was or was not pipelined, and the next free register id. `cuts[label]` lowers a loop's vector
+    register budget (the driver's answer to a pipelined loop that still spilled)."""
+    cuts = cuts or {}
+    log: list[str] = []
+    done: list[PipelinedLoop] = []
+    ids = itertools.count(next_id + 1)
+
+    def fresh(kind: str) -> Reg:
+        return Reg(kind, next(ids))
+
+    index = 0
+    while index < len(func.blocks):
+        blk = func.blocks[index]
+        if blk.loop is not None and blk.bundles is None and index > 0:
+            cut = cuts.get(blk.label, 0)
+            budget = {"v": REGISTER_BUDGET["v"] - cut, "s": REGISTER_BUDGET["s"] - cut // 2}
+            p = pipeline_loop(func, index, log, fresh, budget) if budget["v"] > 8 else None
+            if p is not None:
+                done.append(p)
+        index += 1
+    return done, log, next(ids)

@@ -1,0 +1,118 @@
+"""Runtime loops in machine IR: hoisting, modulo scheduling, and the verifiers across the back edge."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from codegen.backend import compile_function
+from codegen.builder import Builder
+from codegen.loops import hoist_invariants
+from codegen.mir import ZERO, Function, Mem, MInstr, Reg
+from codegen.modulo import pipeline_loops
+from codegen.verify import ScheduleError, verify_loop_block, verify_pipelined
+
+IN, OUT = "in", "out"
+
+
+def chunk_loop(count: int) -> tuple[Function, Builder]:
+    """out[off] = (in[off] * 2 + 1) for off = 0, 8, ..: a counted loop with an induction base register."""
+    f = Function()
+    b = Builder(f)
+    off = b.sreg()
+    b.emit("li", off, imm=0)
+
+    def body() -> None:
+        x = b.vreg()
+        b.emit("vld", x, (off,), imm=256, mem=(Mem(IN, 0, 1024),))
+        y = b.vop("vadd.f", b.vop("vmul.f", x, b.vconst(2.0)), b.vconst(1.0))
+        b.emit("vst", None, (y, off), imm=1280, mem=(Mem(OUT, 0, 1024, True),))
+        b.emit("addi", off, (off,), imm=8)
+
+    b.counted_loop(count, body, "chunk")
+    b.emit("halt")
+    return f, b
+
+
+def test_counted_loop_is_marked() -> None:
+    f, _ = chunk_loop(10)
+    loops = [blk for blk in f.blocks if blk.loop is not None]
+    assert len(loops) == 1 and loops[0].loop is not None and loops[0].loop.trip_count == 10
+
+
+def test_hoist_moves_constants_to_the_preheader() -> None:
+    f, _ = chunk_loop(10)
+    moved = hoist_invariants(f)
+    loop = next(blk for blk in f.blocks if blk.loop is not None)
+    assert moved >= 4  # two li + two vbcast
+    assert not any(i.op in ("li", "vbcast") for i in loop.instrs)
+
+
+@pytest.mark.parametrize("count", [7, 40])
+def test_pipelined_loop_verifies_and_overlaps_iterations(count: int) -> None:
+    f, _ = chunk_loop(count)
+    mc = compile_function(f, next_id=1000, pipeline=True, verify=True)
+    assert mc.pipelined, mc.log
+    loop = mc.pipelined[0]
+    assert loop.sched.ii == 1  # one vld, two vector ops, one vst, two scalar ops per iteration
+    assert loop.sched.stages > 1
+    kernel = next(blk for blk in mc.func.blocks if blk.label.endswith("_kernel"))
+    assert len(mc.bundles[kernel.label]) == loop.sched.unroll * loop.sched.ii
+
+
+def test_pipelined_trace_catches_a_wrong_address() -> None:
+    f, _ = chunk_loop(40)
+    mc = compile_function(f, next_id=1000, pipeline=True)
+    loop = mc.pipelined[0]
+    bad = [dataclasses.replace(x, ins=dataclasses.replace(x.ins, imm=(x.ins.imm or 0) + 8))
+           if x.ins.op == "vst" else x for x in loop.kernel]
+    with pytest.raises(ScheduleError, match="addresses row"):
+        verify_pipelined(dataclasses.replace(loop, kernel=bad))
+
+
+def test_pipelined_trace_catches_a_read_before_landing() -> None:
+    f, _ = chunk_loop(40)
+    mc = compile_function(f, next_id=1000, pipeline=True)
+    loop = mc.pipelined[0]
+    early = [dataclasses.replace(x, time=x.time - 1) if x.ins.op == "vadd.f" and x.time > 0 else x
+             for x in loop.prologue]
+    with pytest.raises(ScheduleError):
+        verify_pipelined(dataclasses.replace(loop, prologue=early))
+
+
+def test_short_loop_is_not_pipelined() -> None:
+    f, _ = chunk_loop(3)
+    mc = compile_function(f, next_id=1000, pipeline=True, verify=True)
+    assert not mc.pipelined and any("not pipelined" in line for line in mc.log)
+
+
+def test_loop_block_wraparound_is_checked() -> None:
+    """A value produced in the last bundle (vred: 4 cycles) and read in the first bundle of the next
+    iteration: legal inside one iteration's order, wrong across the back edge."""
+    acc, s = Reg("v", 1), Reg("s", 2)
+    red = MInstr("vred.sum.l", acc, (acc,))
+    use = MInstr("vadd.f", Reg("v", 3), (acc, acc))
+    dec = MInstr("addi", s, (s,), imm=-1)
+    br = MInstr("bnz", None, (s,), target="L")
+    instrs = [use, red, dec, br]
+    with pytest.raises(ScheduleError):
+        verify_loop_block("L", instrs, [[use], [red, dec, br]])
+    verify_loop_block("L", instrs, [[use], [red], [], [], [dec, br]])
+
+
+def test_unpipelined_fallback_still_verifies() -> None:
+    f, _ = chunk_loop(12)
+    mc = compile_function(f, next_id=1000, pipeline=False, verify=True)
+    assert not mc.pipelined
+
+
+def test_pipeline_log_explains_rejections() -> None:
+    f = Function()
+    b = Builder(f)
+    b.counted_loop(4, lambda: b.emit("wait", flag=0), "w")
+    b.emit("halt")
+    hoist_invariants(f)
+    _, log, _ = pipeline_loops(f, 100)
+    assert any("not pipelined" in line for line in log)
+    assert ZERO.phys
