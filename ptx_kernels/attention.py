@@ -38,6 +38,7 @@ from ptx_kernels.core import (
     fresh_label,
     global_ptr,
     kernel_name,
+    lane_and_group,
     load_chunks,
     load_f32,
     setp,
@@ -96,9 +97,7 @@ def attention(
 
     def body() -> None:
         tid = tid_x()
-        lane, slot = reg.scalar(u32), reg.scalar(u32)
-        ptx.inst.and_.b32(lane, tid, width - 1)
-        ptx.inst.shr.u32(slot, tid, width.bit_length() - 1)
+        lane, slot = lane_and_group(tid, width)
         row = reg.scalar(u32)
         ptx.inst.mad.lo.u32(row, ctaid("x"), rows_per_cta, slot)
         h, b = ctaid("y"), ctaid("z")

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 import torch
 from pyptx import kernel as pyptx_kernel
 from pyptx import ptx, reg
+from pyptx.ir.nodes import AddressOperand
 from pyptx.reg import Reg
-from pyptx.types import b16, b32, f32, pred, s32, s64, u32, u64
+from pyptx.types import PtxType, b16, b32, f32, pred, s32, s64, u32, u64
 
 Shape = tuple[int, ...]
 
@@ -184,6 +185,15 @@ def global_ptr(param: str) -> Reg:
     return r
 
 
+def lane_and_group(tid: Reg, width: int = 32) -> tuple[Reg, Reg]:
+    """(tid % width, tid / width) for a power-of-two `width`: a thread's lane in its warp (or half-warp)
+    and which warp (half-warp) it is in."""
+    lane, group = reg.scalar(u32), reg.scalar(u32)
+    ptx.inst.and_.b32(lane, tid, width - 1)
+    ptx.inst.shr.u32(group, tid, width.bit_length() - 1)
+    return lane, group
+
+
 def smem_base() -> Reg:
     r = reg.scalar(u32)
     ptx.inst.mov.u32(r, "smem")
@@ -212,15 +222,9 @@ def load_f32(addr: Reg, dtype: torch.dtype, guard: Reg | None = None, offset: in
     if dtype == torch.float32:
         ptx.inst.ld.global_.f32(out, where, pred=guard)
     elif dtype == torch.bfloat16:
-        raw = reg.scalar(b16)
-        ptx.inst.mov.b16(raw, 0)
-        ptx.inst.ld.global_.b16(raw, where, pred=guard)
-        ptx.inst.cvt.f32.bf16(out, raw)
+        ptx.inst.cvt.f32.bf16(out, _load_or_zero(where, b16, "b16", guard))
     elif dtype == torch.bool:
-        byte = reg.scalar(u32)
-        ptx.inst.mov.u32(byte, 0)
-        ptx.inst.ld.global_.u8(byte, where, pred=guard)
-        ptx.inst.cvt.rn.f32.u32(out, byte)
+        ptx.inst.cvt.rn.f32.u32(out, _load_or_zero(where, u32, "u8", guard))
     elif dtype in INT_DTYPES:
         ptx.inst.cvt.rn.f32.s64(out, load_s64(addr, dtype, guard, offset))
     else:
@@ -236,12 +240,17 @@ def load_s64(addr: Reg, dtype: torch.dtype, guard: Reg | None = None, offset: in
     if dtype == torch.int64:
         ptx.inst.ld.global_.s64(out, where, pred=guard)
     elif dtype == torch.int32:
-        narrow = reg.scalar(s32)
-        ptx.inst.mov.s32(narrow, 0)
-        ptx.inst.ld.global_.s32(narrow, where, pred=guard)
-        ptx.inst.cvt.s64.s32(out, narrow)
+        ptx.inst.cvt.s64.s32(out, _load_or_zero(where, s32, "s32", guard))
     else:
         raise NotImplementedError(f"ptx kernels: integer load of {dtype}")
+    return out
+
+
+def _load_or_zero(where: AddressOperand, kind: PtxType, ld_type: str, guard: Reg | None) -> Reg:
+    """A fresh `kind` register set to 0, then `ld.global.<ld_type>` from `where` into it where `guard` holds."""
+    out = reg.scalar(kind)
+    getattr(ptx.inst.mov, kind.name)(out, 0)
+    getattr(ptx.inst.ld.global_, ld_type)(out, where, pred=guard)
     return out
 
 

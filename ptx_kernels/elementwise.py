@@ -7,6 +7,8 @@ decomposing the flat output index with constant div/rem (ptxas turns those into 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 from pyptx import ptx, reg
 from pyptx.reg import Reg
@@ -82,13 +84,39 @@ def broadcast_index(flat: Reg, out_shape: Shape, in_shape: Shape) -> Reg:
     return index
 
 
-def flat_index(vec: int) -> Reg:
-    """ctaid.x * THREADS * vec + tid * vec: the first element this thread handles."""
+def flat_index(vec: int, total: int) -> tuple[Reg, Reg | None]:
+    """(ctaid.x * THREADS * vec + tid * vec, its guard): the first of the `vec` elements (of `total`) this
+    thread handles, and `first < total`, or None when the grid of `trace_flat` has no idle threads."""
     tid, cta = tid_x(), ctaid("x")
     base = reg.scalar(u32)
     ptx.inst.mul.lo.u32(base, tid, vec)
     ptx.inst.mad.lo.u32(base, cta, THREADS * vec, base)
-    return base
+    return base, setp("lt", base, total) if ceil_div(total, vec) % THREADS else None
+
+
+def trace_flat(
+    name: str,
+    body: Callable[[], None],
+    params: Sequence[KernelParam],
+    items: int,
+    *,
+    inputs: Sequence[TensorArg],
+    outputs: Sequence[TensorArg],
+    notes: dict[str, object] | None = None,
+) -> PtxKernel:
+    """`trace` with the launch of `flat_index`: one thread per item (element or vector) of `items`,
+    THREADS threads per CTA, no shared memory."""
+    return trace(
+        name,
+        body,
+        params,
+        grid=(ceil_div(items, THREADS), 1, 1),
+        block=(THREADS, 1, 1),
+        smem_bytes=0,
+        inputs=inputs,
+        outputs=outputs,
+        notes=notes,
+    )
 
 
 def swiglu(shape: Shape, gate_dtype: torch.dtype, up_dtype: torch.dtype, act: str) -> PtxKernel:
@@ -100,25 +128,18 @@ def swiglu(shape: Shape, gate_dtype: torch.dtype, up_dtype: torch.dtype, act: st
 
     def body() -> None:
         gate_p, up_p, out_p = global_ptr("gate"), global_ptr("up"), global_ptr("out")
-        first = flat_index(vec)
-        guard = setp("lt", first, total) if vectors % THREADS else None
+        first, guard = flat_index(vec, total)
         gates = load_vec(elem_addr(gate_p, first, DTYPE_BYTES[gate_dtype]), gate_dtype, vec, guard)
         ups = load_vec(elem_addr(up_p, first, DTYPE_BYTES[up_dtype]), up_dtype, vec, guard)
         outs = [m.binary("mul", m.activation(act, g), u) for g, u in zip(gates, ups, strict=True)]
         store_vec(elem_addr(out_p, first, DTYPE_BYTES[gate_dtype]), outs, gate_dtype, guard)
         ptx.ret()
 
-    return trace(
+    return trace_flat(
         name,
         body,
-        [
-            KernelParam("gate", "ptr", "gate"),
-            KernelParam("up", "ptr", "up"),
-            KernelParam("out", "ptr", "out"),
-        ],
-        grid=(ceil_div(vectors, THREADS), 1, 1),
-        block=(THREADS, 1, 1),
-        smem_bytes=0,
+        [KernelParam(n, "ptr", n) for n in ("gate", "up", "out")],
+        vectors,
         inputs=[TensorArg("gate", shape, gate_dtype), TensorArg("up", shape, up_dtype)],
         outputs=[TensorArg("out", shape, gate_dtype)],
         notes={"vec": vec},
@@ -139,8 +160,7 @@ def rope(
 
     def body() -> None:
         x_p, cos_p, sin_p, out_p = (global_ptr(n) for n in ("x", "cos", "sin", "out"))
-        idx = flat_index(1)
-        guard = setp("lt", idx, total) if total % THREADS else None
+        idx, guard = flat_index(1, total)
         col = reg.scalar(u32)
         ptx.inst.rem.u32(col, idx, d)
         first_half = setp("lt", col, half)
@@ -160,13 +180,11 @@ def rope(
         ptx.ret()
 
     params = [KernelParam(n, "ptr", n) for n in ("x", "cos", "sin", "out")]
-    return trace(
+    return trace_flat(
         name,
         body,
         params,
-        grid=(ceil_div(total, THREADS), 1, 1),
-        block=(THREADS, 1, 1),
-        smem_bytes=0,
+        total,
         inputs=[
             TensorArg("x", x_shape, x_dtype),
             TensorArg("cos", cos_shape, cs_dtype),

@@ -32,9 +32,7 @@ from pyptx.ir.nodes import AddressOperand
 from pyptx.reg import Reg
 from pyptx.types import b32, b64, f32, pred, u32, u64
 
-from ptx_kernels import mathops as m
 from ptx_kernels.core import (
-    DTYPE_BYTES,
     DTYPE_NAMES,
     KernelParam,
     PtxKernel,
@@ -43,15 +41,13 @@ from ptx_kernels.core import (
     ceil_div,
     ctaid,
     fresh_label,
-    global_ptr,
     kernel_name,
-    load_f32,
     setp,
     smem_base,
-    store_f32,
     tid_x,
     trace,
 )
+from ptx_kernels.epilogue import Epilogue, add_epilogue_args, check_options, name_tags
 
 BM, BK, STAGES = 128, 64, 4
 THREADS = 384
@@ -82,16 +78,13 @@ def gemm(
     residual_dtype: torch.dtype | None = None,
 ) -> PtxKernel:
     """Kernel for a [batch, M, K] x [batch, K, N] bf16 product with the fused epilogue."""
-    if w_layout not in ("nk", "kn"):
-        raise ValueError(f"w_layout must be 'nk' or 'kn', got {w_layout!r}")
+    check_options(w_layout, act)
     if k_ % 8 or (w_layout == "kn" and n_ % 8):
         raise NotImplementedError(
             f"ptx gemm: TMA needs 16-byte row strides (K % 8 == 0, and N % 8 == 0 for a contiguous "
             f"[K, N] w); "
             f"got M={m_} N={n_} K={k_} w_layout={w_layout}"
         )
-    if act not in m.ACTIVATIONS:
-        raise NotImplementedError(f"ptx gemm: unknown activation {act!r}")
     bn = pick_bn(n_, bias_dtype is not None or residual_dtype is not None)
     a_bytes, b_bytes = BM * BK * 2, bn * BK * 2
     stage_bytes = a_bytes + b_bytes
@@ -108,8 +101,7 @@ def gemm(
         w_layout,
         DTYPE_NAMES[out_dtype],
         act,
-        "b" if bias_dtype else "",
-        "r" if residual_dtype else "",
+        *name_tags(bias_dtype, residual_dtype),
     )
 
     a_map = TmaSpec("a", torch.bfloat16, (k_, m_, batch), (k_ * 2, m_ * k_ * 2), (BK, BM, 1), 128)
@@ -182,13 +174,7 @@ def gemm(
         TensorArg("a", (batch, m_, k_), torch.bfloat16),
         TensorArg("w", (batch, k_, n_), torch.bfloat16, (k_ * n_, 1, k_) if w_layout == "nk" else None),
     ]
-    if bias_dtype is not None:
-        params.append(KernelParam("bias", "ptr", "bias"))
-        inputs.append(TensorArg("bias", (n_,), bias_dtype))
-    if residual_dtype is not None:
-        params.append(KernelParam("residual", "ptr", "residual"))
-        inputs.append(TensorArg("residual", (batch, m_, n_), residual_dtype))
-    params.append(KernelParam("out", "ptr", "out"))
+    add_epilogue_args(params, inputs, batch, m_, n_, bias_dtype, residual_dtype)
     return trace(
         name,
         body,
@@ -342,50 +328,12 @@ def _epilogue(acc, tid, row0, m0, n0, bz, m_, n_, bn, out_dtype, bias_dtype, act
     col = reg.scalar(u32)
     ptx.inst.and_.b32(col, lane, 3)
     ptx.inst.mad.lo.u32(col, col, 2, n0)
-    out_p = global_ptr("out")
-    bias_p = global_ptr("bias") if bias_dtype is not None else None
-    res_p = global_ptr("residual") if residual_dtype is not None else None
+    epilogue = Epilogue(m_, n_, out_dtype, bias_dtype, act, residual_dtype)
     for half in range(2):
-        r = _add(row, 8 * half)
-        row_ok = setp("lt", r, m_)
-        flat_row = _mad(bz, m_, r)  # row index in the [batch * M, N] output
-        row_elem = reg.scalar(u64)
-        ptx.inst.mul.wide.u32(row_elem, flat_row, n_)
+        out_row = epilogue.row(bz, _add(row, 8 * half))
         for chunk in range(bn // 8):
             for j in range(2):
-                c = _add(col, 8 * chunk + j)
-                ok = reg.scalar(pred)
-                ptx.inst.setp.lt.and_.u32(ok, c, n_, row_ok)
-                value = acc[4 * chunk + 2 * half + j]
-                value = _epilogue_value(
-                    value, c, row_elem, ok, bias_p, bias_dtype, act, res_p, residual_dtype
-                )
-                index = reg.scalar(u64)
-                ptx.inst.cvt.u64.u32(index, c)
-                ptx.inst.add.u64(index, index, row_elem)
-                store_f32(_addr64(out_p, index, DTYPE_BYTES[out_dtype]), value, out_dtype, ok)
-
-
-def _addr64(base: Reg, index: Reg, esize: int) -> Reg:
-    out = reg.scalar(u64)
-    ptx.inst.mad.lo.u64(out, index, esize, base)
-    return out
-
-
-def _epilogue_value(value, c, row_elem, ok, bias_p, bias_dtype, act, res_p, residual_dtype) -> Reg:
-    v = value
-    if bias_p is not None:
-        off = reg.scalar(u64)
-        ptx.inst.cvt.u64.u32(off, c)
-        v = m.binary("add", v, load_f32(_addr64(bias_p, off, DTYPE_BYTES[bias_dtype]), bias_dtype, ok))
-    if act != "none":
-        v = m.activation(act, v)
-    if res_p is not None:
-        idx = reg.scalar(u64)
-        ptx.inst.cvt.u64.u32(idx, c)
-        ptx.inst.add.u64(idx, idx, row_elem)
-        v = m.binary("add", v, load_f32(_addr64(res_p, idx, DTYPE_BYTES[residual_dtype]), residual_dtype, ok))
-    return v
+                epilogue.store(acc[4 * chunk + 2 * half + j], out_row, _add(col, 8 * chunk + j))
 
 
 __all__ = ["gemm", "pick_bn"]

@@ -22,8 +22,6 @@ from pyptx import ptx, reg
 from pyptx.reg import Reg
 from pyptx.types import f32, pred, u32, u64
 
-from ptx_kernels import gemm
-from ptx_kernels import mathops as m
 from ptx_kernels.core import (
     DTYPE_BYTES,
     DTYPE_NAMES,
@@ -39,10 +37,10 @@ from ptx_kernels.core import (
     load_f32,
     setp,
     smem_base,
-    store_f32,
     tid_x,
     trace,
 )
+from ptx_kernels.epilogue import Epilogue, add_epilogue_args, check_options, name_tags
 
 TILE, BK, THREADS, PER = 64, 16, 256, 4
 PAD = TILE + 1  # floats per shared-memory k-row
@@ -63,14 +61,11 @@ def gemm_simt(
     residual_dtype: torch.dtype | None = None,
 ) -> PtxKernel:
     """[batch, M, K] x [batch, K, N] with fp32 accumulation; w_layout as in `gemm.gemm`."""
-    if w_layout not in ("nk", "kn"):
-        raise ValueError(f"w_layout must be 'nk' or 'kn', got {w_layout!r}")
-    if act not in m.ACTIVATIONS:
-        raise NotImplementedError(f"ptx gemm: unknown activation {act!r}")
+    check_options(w_layout, act)
     k_tiles = ceil_div(k_, BK)
     name = kernel_name(
         "ctpu_gemm_simt", batch, m_, n_, k_, w_layout, DTYPE_NAMES[a_dtype], DTYPE_NAMES[w_dtype],
-        DTYPE_NAMES[out_dtype], act, "b" if bias_dtype else "", "r" if residual_dtype else "",
+        DTYPE_NAMES[out_dtype], act, *name_tags(bias_dtype, residual_dtype),
     )
 
     def body() -> None:
@@ -128,31 +123,17 @@ def gemm_simt(
         ptx.bra(top)
         ptx.label(done)
 
-        out_p = global_ptr("out")
-        bias_p = global_ptr("bias") if bias_dtype is not None else None
-        res_p = global_ptr("residual") if residual_dtype is not None else None
+        epilogue = Epilogue(m_, n_, out_dtype, bias_dtype, act, residual_dtype)
         for i in range(PER):
             row = reg.scalar(u32)
             ptx.inst.add.u32(row, m0, ty)
             ptx.inst.add.u32(row, row, 16 * i)
-            row_ok = setp("lt", row, m_)
-            flat_row = reg.scalar(u32)
-            ptx.inst.mad.lo.u32(flat_row, bz, m_, row)
-            row_elem = reg.scalar(u64)
-            ptx.inst.mul.wide.u32(row_elem, flat_row, n_)
+            out_row = epilogue.row(bz, row)
             for j in range(PER):
                 c = reg.scalar(u32)
                 ptx.inst.add.u32(c, n0, tx)
                 ptx.inst.add.u32(c, c, 16 * j)
-                ok = reg.scalar(pred)
-                ptx.inst.setp.lt.and_.u32(ok, c, n_, row_ok)
-                v = gemm._epilogue_value(
-                    acc[i][j], c, row_elem, ok, bias_p, bias_dtype, act, res_p, residual_dtype
-                )
-                index = reg.scalar(u64)
-                ptx.inst.cvt.u64.u32(index, c)
-                ptx.inst.add.u64(index, index, row_elem)
-                store_f32(gemm._addr64(out_p, index, DTYPE_BYTES[out_dtype]), v, out_dtype, ok)
+                epilogue.store(acc[i][j], out_row, c)
         ptx.ret()
 
     params = [KernelParam("a", "ptr", "a"), KernelParam("w", "ptr", "w")]
@@ -160,13 +141,7 @@ def gemm_simt(
         TensorArg("a", (batch, m_, k_), a_dtype),
         TensorArg("w", (batch, k_, n_), w_dtype, (k_ * n_, 1, k_) if w_layout == "nk" else None),
     ]
-    if bias_dtype is not None:
-        params.append(KernelParam("bias", "ptr", "bias"))
-        inputs.append(TensorArg("bias", (n_,), bias_dtype))
-    if residual_dtype is not None:
-        params.append(KernelParam("residual", "ptr", "residual"))
-        inputs.append(TensorArg("residual", (batch, m_, n_), residual_dtype))
-    params.append(KernelParam("out", "ptr", "out"))
+    add_epilogue_args(params, inputs, batch, m_, n_, bias_dtype, residual_dtype)
     return trace(
         name,
         body,

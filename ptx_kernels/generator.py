@@ -33,13 +33,13 @@ from ptx_kernels.core import (
     Shape,
     TensorArg,
     block_allreduce,
-    ceil_div,
     ctaid,
     elem_addr,
     fconst,
     fresh_label,
     global_ptr,
     kernel_name,
+    lane_and_group,
     load_f32,
     load_value,
     numel,
@@ -50,7 +50,7 @@ from ptx_kernels.core import (
     tid_x,
     trace,
 )
-from ptx_kernels.elementwise import THREADS, broadcast_index, flat_index
+from ptx_kernels.elementwise import broadcast_index, flat_index, trace_flat
 
 ROW_THREADS_MAX = 256
 
@@ -180,8 +180,7 @@ def _elementwise_kernel(graph: _Graph) -> PtxKernel:
     def body() -> None:
         in_ptrs = {n: global_ptr(f"in{i}") for i, n in enumerate(graph.inputs)}
         out_ptrs = [global_ptr(f"out{i}") for i in range(len(graph.outputs))]
-        idx = flat_index(1)
-        guard = setp("lt", idx, total) if total % THREADS else None
+        idx, guard = flat_index(1, total)
         ev = _Indexed(in_ptrs, guard)
         coords = delinearize(idx, domain)
         for ptr, node in zip(out_ptrs, graph.outputs, strict=True):
@@ -189,17 +188,7 @@ def _elementwise_kernel(graph: _Graph) -> PtxKernel:
             store_value(elem_addr(ptr, idx, DTYPE_BYTES[dt]), ev.value(node, coords), dt, guard)
         ptx.ret()
 
-    return trace(
-        name,
-        body,
-        params,
-        grid=(ceil_div(total, THREADS), 1, 1),
-        block=(THREADS, 1, 1),
-        smem_bytes=0,
-        inputs=inputs,
-        outputs=outputs,
-        notes={"kind": "elementwise"},
-    )
+    return trace_flat(name, body, params, total, inputs=inputs, outputs=outputs, notes={"kind": "elementwise"})
 
 
 Coord = list  # per dim: a u32 register or a Python int (a known coordinate)
@@ -465,9 +454,7 @@ def _reduction_kernel(graph: _Graph) -> PtxKernel:
 
     def body() -> None:
         tid, row = tid_x(), ctaid("x")
-        lane, warp = reg.scalar(u32), reg.scalar(u32)
-        ptx.inst.and_.b32(lane, tid, 31)
-        ptx.inst.shr.u32(warp, tid, 5)
+        lane, warp = lane_and_group(tid)
         smem = smem_base()
         in_ptrs = {n: global_ptr(f"in{i}") for i, n in enumerate(graph.inputs)}
         row_start = reg.scalar(u32)

@@ -31,6 +31,7 @@ from ptx_kernels.core import (
     fresh_label,
     global_ptr,
     kernel_name,
+    lane_and_group,
     load_vec,
     numel,
     row_base,
@@ -105,17 +106,19 @@ def _build_rowwise(
     loop = RowLoop(n, dtype)
     num_warps = loop.threads // 32
     esize = DTYPE_BYTES[dtype]
-    name = kernel_name(f"ctpu_{op}", DTYPE_NAMES[dtype], rows, n, tag)
+    # the extra operands' dtypes are part of the name: an fp32 weight and a bf16 one give different kernels
+    name = kernel_name(f"ctpu_{op}", DTYPE_NAMES[dtype], rows, n, tag, *(DTYPE_NAMES[a.dtype] for a in extra))
 
     def body() -> None:
         tid = tid_x()
         row = ctaid("x")
         x_row = row_base("x", row, n * esize)
         out_row = row_base("out", row, n * esize)
+        lane, warp = lane_and_group(tid)
         state: dict = {
             "tid": tid,
-            "lane": _and(tid, 31),
-            "warp": _shr(tid, 5),
+            "lane": lane,
+            "warp": warp,
             "smem": smem_base(),
             "num_warps": num_warps,
             "ptrs": {a.name: global_ptr(a.name) for a in extra},
@@ -152,18 +155,6 @@ def _build_rowwise(
         outputs=[TensorArg("out", shape, dtype)],
         notes={"threads": loop.threads, "vec": loop.vec, "cached_row": loop.cached},
     )
-
-
-def _and(a: Reg, mask: int) -> Reg:
-    out = reg.scalar(u32)
-    ptx.inst.and_.b32(out, a, mask)
-    return out
-
-
-def _shr(a: Reg, bits: int) -> Reg:
-    out = reg.scalar(u32)
-    ptx.inst.shr.u32(out, a, bits)
-    return out
 
 
 def _reduce(state: dict, value: Reg, op: str, slot: int) -> None:
