@@ -91,12 +91,12 @@ GRAPHS = {
 }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="ctpu bench")
     p.add_argument("--size", type=int, default=512)
     p.add_argument("--config", default="small")
     p.add_argument("--skip-gemm", action="store_true")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.manual_seed(0)
     result: dict[str, Any] = {}
     if not args.skip_gemm:

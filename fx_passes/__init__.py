@@ -8,7 +8,7 @@ torch only; nothing of codegen, device_sim or torch_tpu_backend. See docs/fx_pas
 
 from . import ops
 from .errors import CtpuDynamicShapeError, CtpuFallbackWarning, CtpuPassError
-from .fuse import FusedKernel, fuse_elementwise
+from .fuse import FusedKernel, fuse_elementwise, inline_fused_kernels
 from .groups import FusionGroup, fusion_groups
 from .normalize import normalize
 from .partition import Partition, Segment, is_supported, partition
@@ -27,6 +27,7 @@ __all__ = [
     "Segment",
     "fuse_elementwise",
     "fusion_groups",
+    "inline_fused_kernels",
     "is_supported",
     "normalize",
     "ops",

@@ -165,3 +165,33 @@ def fuse_elementwise(gm: GraphModule) -> Counter[str]:
         gm.graph.lint()
         gm.recompile()
     return counts
+
+
+def inline_fused_kernels(gm: GraphModule) -> GraphModule:
+    """The inverse of fuse_elementwise: every FusedKernel call_module becomes its core-ATen nodes again.
+
+    For back ends that fuse by themselves (the CTPU's MLIR pipeline). Node meta (fake values) is kept, and
+    constants the subgraphs read (get_attr) move to gm under fresh names. gm is changed in place.
+    """
+    graph = gm.graph
+    changed = False
+    for node in list(graph.nodes):
+        if node.op != "call_module" or not isinstance(kernel := gm.get_submodule(node.target), FusedKernel):
+            continue
+        inner = kernel.subgraph
+        env: dict[Node, object] = dict(zip(kernel.inputs, node.args, strict=True))
+        with graph.inserting_before(node):
+            for attr in inner.graph.find_nodes(op="get_attr"):
+                name = f"{node.name}_{attr.target}".replace(".", "_")
+                setattr(gm, name, getattr(inner, attr.target))
+                env[attr] = graph.get_attr(name)
+                env[attr].meta = dict(attr.meta)
+            result = graph.graph_copy(inner.graph, env)  # type: ignore[arg-type]
+        node.replace_all_uses_with(result)
+        graph.erase_node(node)
+        gm.delete_submodule(node.target)
+        changed = True
+    if changed:
+        graph.lint()
+        gm.recompile()
+    return gm

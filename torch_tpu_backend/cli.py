@@ -6,6 +6,9 @@
                                          run a .s or binary; a manifest beside it (PROGRAM.toml) supplies
                                          inputs and checks outputs against their numpy references
     ctpu demo                            the main job: the shipped GEMM, checked, with its MXU utilization
+    ctpu llama [--target sim] [--dtype float32|bfloat16]
+                                         the tiny Llama compiled with backend="ctpu", logits checked vs eager
+    ctpu bench                           compiler benchmarks (JSON): GEMM utilization, per-graph bundles/cycles
     ctpu isa                             the instruction table, as markdown
 """
 
@@ -58,6 +61,24 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return _cmd_run(args)
 
 
+def _cmd_llama(args: argparse.Namespace) -> int:
+    import torch
+
+    from torch_tpu_backend import llama_demo
+
+    result = llama_demo.run(target=args.target, config=args.config, dtype=getattr(torch, args.dtype),
+                            tokens=args.tokens, precision=args.precision)
+    print(json.dumps(result, indent=2) if args.json else llama_demo.summary(result))
+    return 0 if result["passed"] else 1
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from codegen import bench
+
+    bench.main(args.rest)
+    return 0
+
+
 def _cmd_isa(args: argparse.Namespace) -> int:
     from device_sim import isa
 
@@ -95,6 +116,19 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--target", choices=["sim", "rtl"], default="sim")
     m.add_argument("--json", action="store_true")
     m.set_defaults(fn=_cmd_demo)
+
+    ll = sub.add_parser("llama", help="compile and run the tiny Llama with backend='ctpu', checked against eager")
+    ll.add_argument("--target", choices=["sim", "rtl", "ptx"], default="sim")
+    ll.add_argument("--config", choices=["small", "large"], default="small")
+    ll.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ll.add_argument("--tokens", type=int, default=8)
+    ll.add_argument("--precision", choices=["highest", "high", "medium"], default="highest")
+    ll.add_argument("--json", action="store_true")
+    ll.set_defaults(fn=_cmd_llama)
+
+    b = sub.add_parser("bench", help="compiler benchmarks, printed as JSON (arguments go to codegen.bench)")
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(fn=_cmd_bench)
 
     i = sub.add_parser("isa", help="print the instruction table as markdown")
     i.set_defaults(fn=_cmd_isa)

@@ -179,13 +179,15 @@ class CtpuKernel(torch.nn.Module):
     def build(cls, sub: torch.fx.GraphModule, opts: CompileOptions, dump: GraphDump, name: str) -> CtpuKernel | None:
         """Compile a segment (through the cache); None if codegen cannot lower it (the caller falls back)."""
         import codegen
+        import fx_passes
 
         examples = _example_inputs(sub)
         output = next(iter(sub.graph.find_nodes(op="output")))
         results = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
         out_dtypes = [r.meta["val"].dtype for r in results]
         returns_tuple = isinstance(output.args[0], (tuple, list))
-        sub = _inline_fused_kernels(sub)
+        # the CTPU fuses through MLIR (linalg elementwise fusion): FusedKernel groups go back to ATen nodes
+        sub = fx_passes.inline_fused_kernels(sub)
         precision = opts.matmul_precision or torch.get_float32_matmul_precision()
         key = cache.make_key(str(sub.graph), _signature(examples), opts.config, precision, _constants(sub))
         directory = cache.cache_dir() if opts.cache else None
@@ -214,14 +216,6 @@ class CtpuKernel(torch.nn.Module):
         outs = runtime.run_compiled(self.compiled, args, target=self.opts.target, config=self.opts.config,
                                     name=self.name, out_dtypes=self.out_dtypes)
         return tuple(outs) if self.returns_tuple else outs[0]
-
-
-def _inline_fused_kernels(sub: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """The CTPU back end fuses through MLIR (linalg elementwise fusion), so FusedKernel groups are
-    inlined back into core-ATen nodes before codegen; retracing does it (they are not leaf modules)."""
-    if not any(n.op == "call_module" for n in sub.graph.nodes):
-        return sub
-    return torch.fx.symbolic_trace(sub)
 
 
 def _constants(sub: torch.fx.GraphModule) -> bytes:

@@ -150,6 +150,7 @@ class CtpuDevice:
                 from device_sim.rtl.runner import run_on_rtl
 
                 result = run_on_rtl(program, self.sim.hbm, config=self.config, args=args)
+                result.raise_if_trapped()
                 self.sim.hbm[:] = result.hbm
                 stats = result.stats
             else:
