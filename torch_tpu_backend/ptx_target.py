@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from torch_tpu_backend import stats as exec_stats
+from torch_tpu_backend import runtime
 from torch_tpu_backend.dump import GraphDump
 
 
@@ -176,10 +176,7 @@ class PtxGraph(torch.nn.Module):
         self.gm, self.kernels, self.ptxas_figures = gm, kernels, figures
 
     def forward(self, *args: Any) -> Any:
-        import ptx_kernels
-
-        if not torch.cuda.is_available():
-            raise ptx_kernels.PtxLaunchError(ptx_kernels.NO_GPU)
+        runtime.require_gpu()
         home = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
         env: dict[torch.fx.Node, Any] = {}
         copies: dict[torch.fx.Node, torch.Tensor] = {}
@@ -204,13 +201,10 @@ class PtxGraph(torch.nn.Module):
         raise AssertionError("graph without output")
 
     def _launch(self, k: PtxGroupKernel, env: dict[torch.fx.Node, Any]) -> Any:
-        import ptx_kernels
-
         # Inputs are contiguous (or have the strides the kernel declares) by construction: strided views
         # were given copy kernels at compile time; graph inputs are made contiguous on their way to CUDA.
         ins = [self._copies.get(n, env[n]) for n in k.inputs]
-        outs = ptx_kernels.run(k.kernel, *ins)
-        exec_stats.record_kernel_launch()
+        outs = runtime.launch_ptx(k.kernel, ins)
         if len(outs) == 1:
             return _as_node_shape(outs[0], k.node)
         return tuple(outs)

@@ -161,6 +161,27 @@ class CtpuDevice:
         return stats
 
 
+def require_gpu() -> None:
+    """The `ptx` target launches on a CUDA GPU; say clearly when there is none."""
+    import torch
+
+    import ptx_kernels
+
+    if not torch.cuda.is_available():
+        raise ptx_kernels.PtxLaunchError(ptx_kernels.NO_GPU)
+
+
+def launch_ptx(kernel: Any, inputs: Sequence[Any]) -> list[Any]:
+    """Launch one PTX kernel on CUDA tensors (the `ptx` target's launch), counted in the statistics."""
+    import ptx_kernels
+    from torch_tpu_backend import stats as exec_stats
+
+    require_gpu()
+    outs = ptx_kernels.run(kernel, *inputs)
+    exec_stats.record_kernel_launch()
+    return outs
+
+
 _DEVICES: dict[str, CtpuDevice] = {}
 _DEVICES_LOCK = threading.Lock()
 
