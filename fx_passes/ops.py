@@ -126,7 +126,7 @@ def attention_ref(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: 
 
 def linear_ref(x: Tensor, w: Tensor, bias: Tensor | None, act: str, residual: Tensor | None) -> Tensor:
     """act(x @ w + bias) + residual for x [..., K] and w [K, N]."""
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # not reshape(-1, K): K may be 0
     if bias is not None and bias.dtype == x2.dtype:
         # One rounding of the bias-accumulated product, as the matrix unit's fp32 accumulator gives.
         y = torch.addmm(bias, x2, w)

@@ -1,10 +1,11 @@
-"""OpInfo sweep: op_db float32 samples on ctpu against the CPU, through instantiate_device_type_tests.
+"""OpInfo sweep: op_db float32 samples against the CPU, eager on ctpu tensors and through torch.compile.
 
-Each sample is made on the CPU and copied to ctpu, the op runs on both (same seed for random ops) and the
-results must agree: a ctpu error where the CPU has none is a crash, any difference a mismatch. CI runs a
-representative part (CI_OPS); the whole op_db is marked slow. The report (JSON, counts by outcome and why):
+Eager: each sample is made on the CPU and copied to ctpu, the op runs on both (same seed for random ops).
+Compiled: the op runs under torch.compile(backend="ctpu") on the CPU sample. The results must agree: an
+error where the CPU has none is a crash, any difference a mismatch. CI runs a representative part of each
+(CI_OPS, COMPILE_CI_OPS); the whole op_db is marked slow. The report (JSON, counts by outcome and why):
 
-    .venv/bin/python tests/device/test_opinfo.py --report opinfo_report.json
+    .venv/bin/python tests/device/test_opinfo.py --report opinfo_report.json [--mode compile]
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import argparse
 import json
 import sys
 import time
-import types
-import unittest
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -25,15 +24,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 import torch_tpu_backend.device as ctpu_device
+from fx_passes import CtpuFallbackWarning
 from torch_tpu_backend import stats
-from torch_tpu_backend.device.fallback import CtpuFallbackWarning
-
-# torch.testing._internal imports `expecttest`, which the pinned dev environment does not ship; nothing of
-# it is used here beyond its TestCase base class.
-try:
-    import expecttest  # noqa: F401
-except ImportError:
-    sys.modules["expecttest"] = types.SimpleNamespace(TestCase=unittest.TestCase, ACCEPT=False)  # type: ignore
 
 ctpu_device.register()  # a no-op when `import torch` already loaded it
 
@@ -67,6 +59,16 @@ CI_OPS = {
     "nn.functional.cross_entropy", "tril", "full_like", "zeros_like", "ones_like", "rand_like", "randn_like",
     "clone", "contiguous", "item", "tolist", "to", "copysign", "nan_to_num", "fmod", "remainder", "floor_divide",
 }
+# The compiled sweep in CI: a smaller part (each sample is a separate compile), the first samples of each.
+COMPILE_CI_OPS = {
+    "add", "sub", "mul", "div", "exp", "tanh", "sigmoid", "abs", "neg", "maximum", "where", "sum", "mean",
+    "amax", "matmul", "mm", "bmm", "addmm", "linear", "transpose", "permute", "reshape", "cat", "cumsum",
+    "nn.functional.softmax", "nn.functional.layer_norm", "nn.functional.silu", "nn.functional.gelu",
+}
+COMPILE_CI_SAMPLES = 2
+# Random ops draw from torch.compile's own generator stream: not comparable sample by sample.
+COMPILE_SKIP_PREFIX = ("rand", "normal", "bernoulli", "multinomial", "nn.functional.dropout", "uniform",
+                       "exponential", "geometric", "cauchy", "log_normal", "randn", "randint")
 STATUS_ORDER = ("native", "ctpu", "fallback", "skipped", "mismatch", "crash")
 
 
@@ -88,26 +90,43 @@ def _to_device(sample: Any, device: str) -> Any:
     return moved
 
 
-def check_op(op: Any, device: str, assert_equal: Callable[[Any, Any, bool], None]) -> dict[str, Any]:
-    """Run every float32 sample of `op` on the CPU and on `device`; the outcome and why."""
-    result: dict[str, Any] = {"op": op.name, "variant": op.variant_test_name, "samples": 0, "fallback_ops": []}
+def _compiled(op: Any) -> Callable[..., Any]:
+    torch._dynamo.reset()  # every sample compiles afresh (no recompile limit, no stale guards)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return op(*args, **kwargs)
+
+    return torch.compile(call, backend="ctpu", dynamic=False)
+
+
+def check_op(op: Any, device: str, assert_equal: Callable[[Any, Any, bool], None], mode: str = "eager",
+             max_samples: int | None = None) -> dict[str, Any]:
+    """Run the float32 samples of `op` on the CPU and on `device` (eager) or compiled with backend="ctpu";
+    the outcome and why."""
+    result: dict[str, Any] = {"op": op.name, "variant": op.variant_test_name, "samples": 0, "fallback_ops": [],
+                              "mode": mode}
     reason = SKIP.get(op.name) or next((r for p, r in SKIP_PREFIX.items() if op.name.startswith(p)), None)
+    if mode == "compile" and op.name.startswith(COMPILE_SKIP_PREFIX):
+        reason = "random op: torch.compile draws from its own generator stream"
     if reason:
         return {**result, "status": "skipped", "reason": reason}
     try:
-        samples = list(op.sample_inputs("cpu", torch.float32))
+        samples = list(op.sample_inputs("cpu", torch.float32))[:max_samples]
     except Exception as err:
         return {**result, "status": "skipped", "reason": f"sample inputs fail on the CPU: {err!r}"[:200]}
     status, reason, fallbacks = "native", "", Counter[str]()
     for sample in samples:
         cpu_sample = sample.transform(lambda t: t.clone() if isinstance(t, torch.Tensor) else t)
         try:
-            dev_sample = _to_device(sample, device)
+            if mode == "compile":
+                dev_sample = sample.transform(lambda t: t.clone() if isinstance(t, torch.Tensor) else t)
+            else:
+                dev_sample = _to_device(sample, device)
         except torch.OutOfMemoryError as err:
             return {**result, "status": "skipped", "reason": f"sample does not fit in HBM: {err}"[:200]}
         expected, cpu_err = _run(op, cpu_sample)
         stats.reset()
-        actual, dev_err = _run(op, dev_sample)
+        actual, dev_err = _run(_compiled(op) if mode == "compile" else op, dev_sample)
         run = stats.last()
         fallbacks.update(run.fallback_ops)
         result["samples"] += 1
@@ -119,9 +138,10 @@ def check_op(op: Any, device: str, assert_equal: Callable[[Any, Any, bool], None
                 return {**result, "status": kind, "reason": f"cpu: {cpu_err!r} ctpu: {dev_err!r}"[:300]}
             continue  # both raise: the sample is invalid on the CPU as well
         leaves, _ = tree_flatten(actual)
-        off_device = [t.device for t in leaves if isinstance(t, torch.Tensor) and t.device.type != "ctpu"]
+        home = "cpu" if mode == "compile" else "ctpu"
+        off_device = [t.device for t in leaves if isinstance(t, torch.Tensor) and t.device.type != home]
         if off_device:
-            return {**result, "status": "mismatch", "reason": f"result on {off_device[0]}, not ctpu"}
+            return {**result, "status": "mismatch", "reason": f"result on {off_device[0]}, not {home}"}
         try:
             assert_equal(tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, actual), expected,
                          op.name in LOOSE)
@@ -139,10 +159,10 @@ def _assert_equal(case: TestCase, actual: Any, expected: Any, loose: bool) -> No
 
 
 class _OpInfoCheck(TestCase):
-    def _check(self, device: str, op: Any) -> None:
+    def _check(self, device: str, op: Any, mode: str = "eager", max_samples: int | None = None) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CtpuFallbackWarning)
-            outcome = check_op(op, device, lambda a, e, loose: _assert_equal(self, a, e, loose))
+            outcome = check_op(op, device, lambda a, e, loose: _assert_equal(self, a, e, loose), mode, max_samples)
         if outcome["status"] == "skipped":
             self.skipTest(outcome["reason"])
         self.assertNotIn(outcome["status"], ("crash", "mismatch"), outcome["reason"])
@@ -161,25 +181,42 @@ class TestOpInfoFull(_OpInfoCheck):
         self._check(device, op)
 
 
-instantiate_device_type_tests(TestOpInfoCI, globals(), only_for="privateuse1")
-instantiate_device_type_tests(TestOpInfoFull, globals(), only_for="privateuse1")
+class TestOpInfoCompileCI(_OpInfoCheck):
+    @ops([op for op in op_db if op.name in COMPILE_CI_OPS], allowed_dtypes=(torch.float32,))
+    def test_compiled_matches_cpu(self, device: str, dtype: torch.dtype, op: Any) -> None:
+        self._check(device, op, "compile", COMPILE_CI_SAMPLES)
+
+
+@pytest.mark.slow
+class TestOpInfoCompileFull(_OpInfoCheck):
+    @ops(op_db, allowed_dtypes=(torch.float32,))
+    def test_compiled_matches_cpu(self, device: str, dtype: torch.dtype, op: Any) -> None:
+        self._check(device, op, "compile")
+
+
+for _case in (TestOpInfoCI, TestOpInfoFull, TestOpInfoCompileCI, TestOpInfoCompileFull):
+    instantiate_device_type_tests(_case, globals(), only_for="privateuse1")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report", default="opinfo_report.json", help="where the JSON report goes")
     parser.add_argument("--ci-only", action="store_true", help="only the CI part")
+    parser.add_argument("--mode", choices=["eager", "compile"], default="eager",
+                        help="eager ops on ctpu tensors, or each op under torch.compile(backend='ctpu')")
     args = parser.parse_args()
+    ci_ops = COMPILE_CI_OPS if args.mode == "compile" else CI_OPS
     checker = TestCase()
     warnings.simplefilter("ignore", CtpuFallbackWarning)
     start, outcomes = time.time(), []
     for op in op_db:
-        if torch.float32 in op.supported_dtypes("cpu") and (not args.ci_only or op.name in CI_OPS):
+        if torch.float32 in op.supported_dtypes("cpu") and (not args.ci_only or op.name in ci_ops):
             print(op.name, op.variant_test_name, file=sys.stderr, flush=True)
-            outcomes.append(check_op(op, "ctpu", lambda a, e, loose: _assert_equal(checker, a, e, loose)))
+            outcomes.append(check_op(op, "ctpu", lambda a, e, loose: _assert_equal(checker, a, e, loose),
+                                     args.mode))
     counts = Counter(o["status"] for o in outcomes)
     fallback_ops = Counter(name for o in outcomes for name in o["fallback_ops"])
-    report = {"torch": torch.__version__, "opinfos": len(outcomes), "counts": dict(counts),
+    report = {"torch": torch.__version__, "mode": args.mode, "opinfos": len(outcomes), "counts": dict(counts),
               "seconds": round(time.time() - start, 1),
               "skipped": {f"{o['op']}.{o['variant']}".rstrip("."): o["reason"] for o in outcomes
                           if o["status"] == "skipped"},

@@ -151,3 +151,9 @@ def test_registration_is_idempotent() -> None:
     assert str(ctpu_op("rms_norm")._schema) == schema
     x = torch.randn(2, 8)
     torch.testing.assert_close(ctpu.rms_norm(x, None, 1e-6), fx_passes.ops.rms_norm_ref(x, None, 1e-6))
+
+
+def test_linear_reference_with_empty_dims() -> None:
+    x, w, bias = torch.randn(3, 0), torch.randn(0, 4), torch.randn(4)
+    torch.testing.assert_close(torch.ops.ctpu.linear(x, w, bias, "none", None), bias.expand(3, 4))
+    assert torch.ops.ctpu.linear(torch.randn(0, 5), torch.randn(5, 4), None, "relu", None).shape == (0, 4)
