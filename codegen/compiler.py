@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -197,14 +198,26 @@ def _views(k: Kernel) -> list[View]:
 
 
 def _drop_matmul_fills(kernels: list[Kernel]) -> list[Kernel]:
-    """A zero fill right before the matmul that accumulates into it is implied by `mxu.mms`."""
+    """A zero fill of a buffer whose next reader or writer is a matmul writing all of it is implied by
+    `mxu.mms` (the first pass overwrites C)."""
     out: list[Kernel] = []
     for i, k in enumerate(kernels):
-        nxt = kernels[i + 1] if i + 1 < len(kernels) else None
-        if isinstance(k, FillKernel) and k.value == 0.0 and isinstance(nxt, MatmulKernel) and nxt.c == k.output:
-            continue
+        if isinstance(k, FillKernel) and k.value == 0.0:
+            nxt = next((n for n in kernels[i + 1:] if any(v.buffer == k.output.buffer for v in _views(n))), None)
+            if isinstance(nxt, MatmulKernel) and nxt.c.buffer == k.output.buffer and nxt.c.offset == k.output.offset \
+                    and math.prod(nxt.c.shape) == math.prod(k.output.shape) and _dense(nxt.c) and _dense(k.output):
+                continue
         out.append(k)
     return out
+
+
+def _dense(v: View) -> bool:
+    expected = 1
+    for size, stride in reversed(list(zip(v.shape, v.strides, strict=True))):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor], config: str = "small",

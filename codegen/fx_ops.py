@@ -48,12 +48,28 @@ def _norm_dim(d: int, rank: int) -> int:
 
 
 # ---- elementwise ------------------------------------------------------------------------------------
+def _promote(*operands: Any) -> str:
+    """torch's result dtype for arithmetic on these operands (int64 is i32 here)."""
+    dtypes = {o.dtype for o in operands if isinstance(o, TValue)}
+    if "f32" in dtypes:
+        return "f32"
+    if "bf16" in dtypes:
+        return "bf16"
+    if any(isinstance(o, float) for o in operands):
+        return "f32"
+    return "i32" if "i32" in dtypes or any(isinstance(o, int) and not isinstance(o, bool) for o in operands) \
+        else "i1"
+
+
 def _binary(opname: str) -> Lowering:
     def lower(e: MlirEmitter, a: Any, b: Any, alpha: float = 1.0) -> TValue:
+        dtype = _promote(a, b)
         if alpha != 1.0:
             b = e.elementwise([b, alpha], lambda v, w: w.op("arith.mulf", v[0], v[1])) if isinstance(b, TValue) \
                 else b * alpha
-        return e.elementwise([a, b], lambda v, w: w.op(opname, v[0], v[1]))
+        if opname == "arith.divf" and dtype in ("i32", "i1"):
+            dtype = "f32"  # true division
+        return e.elementwise([a, b], lambda v, w: w.op(opname, v[0], v[1]), dtype=dtype)
     return lower
 
 
@@ -136,7 +152,8 @@ for _name, _pred in [("eq", "oeq"), ("ne", "une"), ("lt", "olt"), ("le", "ole"),
 def _logical(opname: str) -> Lowering:
     def lower(e: MlirEmitter, a: TValue, b: TValue) -> TValue:
         a, b = (_as_bool(e, t) for t in (a, b))
-        return e.elementwise([a, b], lambda v, w: w.op(opname, v[0], v[1], dtype="i1"), dtype="i1", result="i1")
+        return e.elementwise([a, b], lambda v, w: w.op(opname, v[0], v[1], dtype="i1"), dtype="i1", result="i1",
+                             keep_bool=True)
     return lower
 
 
@@ -154,14 +171,15 @@ _reg(aten.logical_xor.default, aten.bitwise_xor.Tensor)(_logical("arith.xori"))
 def _logical_not(e: MlirEmitter, x: TValue) -> TValue:
     x = _as_bool(e, x)
     return e.elementwise([x], lambda v, w: w.op("arith.xori", v[0], w.const_int(1, "i1"), dtype="i1"),
-                         dtype="i1", result="i1")
+                         dtype="i1", result="i1", keep_bool=True)
 
 
 @_reg(aten.where.self)
 def _where(e: MlirEmitter, cond: TValue, a: Any, b: Any) -> TValue:
     dtypes = [t.dtype for t in (a, b) if isinstance(t, TValue)]
     dtype = "bf16" if dtypes and all(d == "bf16" for d in dtypes) else "f32"
-    return e.elementwise([_as_bool(e, cond), a, b], lambda v, w: w.select(v[0], v[1], v[2]), dtype=dtype)
+    return e.elementwise([_as_bool(e, cond), a, b], lambda v, w: w.select(v[0], v[1], v[2]), dtype=dtype,
+                         keep_bool=True)
 
 
 # ---- creation: arange, full --------------------------------------------------------------------------
@@ -262,9 +280,7 @@ def _copy(e: MlirEmitter, x: TValue, dtype: torch.dtype | None = None, **_: Any)
         return x
     if dtype not in DTYPES:
         raise UnsupportedOp(f"conversion to {dtype}")
-    if x.dtype == "i1":  # bool -> number: 0 / 1
-        return e.elementwise([x], lambda v, w: w.cast(v[0], "i1", "f32"), dtype=DTYPES[dtype])
-    return e.elementwise([x], lambda v, w: v[0], dtype=DTYPES[dtype])
+    return e.elementwise([x], lambda v, w: v[0], dtype=DTYPES[dtype])  # bool arrives as 0.0 / 1.0
 
 
 # ---- reductions -------------------------------------------------------------------------------------
@@ -537,7 +553,7 @@ def _attention(e: MlirEmitter, q: TValue, k: TValue, v: TValue, mask: TValue | N
             y = w.select(rest[0], y, w.const(neg_inf))
         return y
 
-    probs = _softmax(e, e.elementwise(operands, masked, dtype="f32"), -1)
+    probs = _softmax(e, e.elementwise(operands, masked, dtype="f32", keep_bool=True), -1)
     out = e.matmul(e.reshape(probs, (b * hq, length, keys)), _heads(e, v, rep, False), "f32")
     out = e.reshape(out, (b, hq, length, v.shape[-1]))
     return e.elementwise([out], lambda a, w: a[0], dtype=q.dtype) if q.dtype != "f32" else out

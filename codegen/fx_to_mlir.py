@@ -190,12 +190,14 @@ class MlirEmitter:
         return out
 
     def elementwise(self, operands: Sequence[Operand], fn: Callable[[list[str], BodyWriter], str],
-                    dtype: str | None = None, shape: tuple[int, ...] | None = None, result: str = "f32") -> TValue:
+                    dtype: str | None = None, shape: tuple[int, ...] | None = None, result: str = "f32",
+                    keep_bool: bool = False) -> TValue:
         """Broadcasting elementwise op; float operands become constants in the body.
 
         The body computes in f32: float and integer operands arrive converted to f32 (integers exactly up to
-        2^24), bool (i1) operands as i1; `fn` returns a value of type `result` (f32, or i1 for compares),
-        converted to the output dtype (default: the first tensor operand's)."""
+        2^24), bool (i1) operands as 0.0 / 1.0, or as i1 with `keep_bool` (selects, logical ops); `fn`
+        returns a value of type `result` (f32, or i1 for compares), converted to the output dtype (default:
+        the first tensor operand's)."""
         tensors = [o for o in operands if isinstance(o, TValue)]
         out_shape = shape if shape is not None else tuple(torch.broadcast_shapes(*(t.shape for t in tensors)))
         out_dtype = dtype or (tensors[0].dtype if tensors else "f32")
@@ -213,7 +215,8 @@ class MlirEmitter:
             vals = []
             for o in operands:
                 if isinstance(o, TValue):
-                    vals.append(next(it) if o.dtype == "i1" else w.cast(next(it), o.dtype, "f32"))
+                    keep = o.dtype == "i1" and keep_bool
+                    vals.append(next(it) if keep else w.cast(next(it), o.dtype, "f32"))
                 else:
                     vals.append(w.const(float(o), "f32"))
             w.dtype = "f32"

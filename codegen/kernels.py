@@ -209,6 +209,10 @@ def read_function(module: ir.Module) -> KernelGraph:
             g.kernels.extend(_generic(op, views, constants, g))
         elif name == "memref.copy":
             src, dst = (views[o.get_name()] for o in op.operands)
+            value = _fill_value(g, src.buffer)
+            if value is not None and _whole(g, src):
+                g.kernels.append(FillKernel(dst, value, str(op)))  # CSE shared one fill (matmul / reduction inits)
+                continue
             body = ScalarProgram(["%in", "%out"], [], ["%in"], {})
             g.kernels.append(GenericKernel(dst.shape, False, [Operand(src, src.strides)], Operand(dst, dst.strides),
                                            body, str(op)))
@@ -427,15 +431,24 @@ def _factor_kernel(name: str, sizes: list[int], ops: list[tuple[str, str, list[s
 
 
 def _zero_filled(g: KernelGraph, buffer: str) -> bool:
-    """Whether the last kernel writing `buffer` is a zero fill (or a copy of a zero-filled buffer, which
-    bufferization makes when CSE has shared one fill between several matmuls)."""
+    return _fill_value(g, buffer) == 0.0
+
+
+def _whole(g: KernelGraph, v: View) -> bool:
+    """Whether `v` covers all of its buffer."""
+    return v.offset == 0 and math.prod(v.shape) == math.prod(g.buffers[v.buffer].shape)
+
+
+def _fill_value(g: KernelGraph, buffer: str) -> float | None:
+    """The value the last kernel writing `buffer` filled it with (following identity copies, which
+    bufferization makes when CSE has shared one fill between several users), or None."""
     writer = next((k for k in reversed(g.kernels) if _written(k) == buffer), None)
-    if isinstance(writer, FillKernel):
-        return writer.value == 0.0
+    if isinstance(writer, FillKernel) and _whole(g, writer.output):
+        return writer.value
     if isinstance(writer, GenericKernel) and not writer.body.ops and len(writer.inputs) == 1 \
             and writer.body.yields == writer.body.args[:1]:
-        return _zero_filled(g, writer.inputs[0].view.buffer)
-    return False
+        return _fill_value(g, writer.inputs[0].view.buffer)
+    return None
 
 
 def _written(k: Kernel) -> str:

@@ -1,8 +1,9 @@
-"""Whole models through fx_passes and codegen (no dynamo): one program each, parity on the simulator.
+"""Whole models through fx_passes and codegen without the ctpu backend: one program each, parity.
 
 The graphs are what the backend compiles: a core-ATen trace with the parameters as inputs, `fx_passes`
 (norms, rope, attention, swiglu and linear fused into ctpu:: ops), FusedKernel groups inlined back into
-core-ATen nodes, then `compile_graph`. Tolerances: see test_parity.py and tests/torch_tpu_backend/test_compile.py.
+core-ATen nodes (`fx_passes.inline_fused_kernels`), then `compile_graph`.
+Tolerances: see test_parity.py and tests/torch_tpu_backend/test_compile.py.
 """
 
 from __future__ import annotations
@@ -13,25 +14,22 @@ import torch
 
 from codegen import compile_graph
 from codegen.errors import CapacityError
+from codegen.fx_to_mlir import emit_module
+from codegen.kernels import (
+    FillKernel,
+    GatherKernel,
+    GenericKernel,
+    IotaKernel,
+    KernelGraph,
+    MatmulKernel,
+    View,
+    read_function,
+)
+from codegen.mlir_pipeline import run_pipeline
 
 BLOCKED_SPILLS = ("register allocation: spill slots are never reused across the megakernel (32 in all); the "
                   "fp32 'highest' K = 64 matmuls and the ~120 kernels of a model exhaust them. Flips when the "
                   "scheduling / register allocation rework lands.")
-
-
-def inline_fused_kernels(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Copy each FusedKernel's sub-graph in place of its call_module node (graph level: nothing re-runs)."""
-    g = gm.graph
-    for node in list(g.nodes):
-        if node.op != "call_module":
-            continue
-        inner = getattr(gm, node.target).subgraph.graph
-        placeholders = [n for n in inner.nodes if n.op == "placeholder"]
-        with g.inserting_before(node):
-            out = g.graph_copy(inner, dict(zip(placeholders, node.args, strict=True)))
-        node.replace_all_uses_with(out)
-        g.erase_node(node)
-    return torch.fx.GraphModule(gm, g)
 
 
 def capture(fn, *inputs: torch.Tensor) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
@@ -62,11 +60,115 @@ def compile_model(fn, *inputs: torch.Tensor, **options) -> tuple[list[np.ndarray
 
     gm, args = capture(fn, *inputs)
     gm, _ = fx_passes.run_passes(gm, args)
-    cg = compile_graph(inline_fused_kernels(gm), args, options=options)
+    cg = compile_graph(fx_passes.inline_fused_kernels(gm), args, options=options)
     outs, _ = cg.run_on_simulator([(a.float() if a.is_floating_point() else a).detach().numpy() for a in args])
     with torch.no_grad():
         ref = fn(*inputs)
     return outs, ref.float().numpy()
+
+
+# ---- the kernel graph, executed in float64 by torch: checks everything before instruction selection -----
+def _bits_to_int(x: torch.Tensor | float) -> torch.Tensor:
+    """Integer / bool constants are kept as the fp32 value with the lane's bit pattern (kernels.py)."""
+    if isinstance(x, torch.Tensor):
+        return x.long()
+    return torch.tensor(np.array(x, dtype=np.float32).view(np.int32).item(), dtype=torch.int64)
+
+
+def _mask(c: torch.Tensor) -> torch.Tensor:
+    return torch.where(c, -1, 0)
+
+
+_FLOAT_OPS = {
+    "arith.addf": torch.add, "arith.subf": torch.sub, "arith.mulf": torch.mul, "arith.divf": torch.div,
+    "arith.maximumf": torch.maximum, "arith.minimumf": torch.minimum, "arith.negf": torch.neg,
+    "math.absf": torch.abs, "math.exp": torch.exp, "math.tanh": torch.tanh, "math.rsqrt": torch.rsqrt,
+    "math.sqrt": torch.sqrt, "math.sin": torch.sin, "math.cos": torch.cos, "math.log": torch.log,
+    "math.erf": torch.erf, "arith.extf": lambda x: x, "arith.truncf": lambda x: x.to(torch.bfloat16).double(),
+    "arith.sitofp": lambda x: x.double(), "arith.uitofp": lambda x: (x & 1).double(),
+    "arith.fptosi": lambda x: x.trunc().long(),
+}
+_INT_OPS = {
+    "arith.addi": torch.add, "arith.subi": torch.sub, "arith.muli": torch.mul, "arith.andi": torch.bitwise_and,
+    "arith.ori": torch.bitwise_or, "arith.xori": torch.bitwise_xor, "arith.index_cast": lambda x: x,
+    "arith.extui": lambda x: x & 1, "arith.extsi": lambda x: x,
+}
+_CMP = {"eq": torch.eq, "ne": torch.ne, "slt": torch.lt, "sle": torch.le, "sgt": torch.gt, "sge": torch.ge,
+        "oeq": torch.eq, "une": torch.ne, "olt": torch.lt, "ole": torch.le, "ogt": torch.gt, "oge": torch.ge}
+
+
+def _scalar_op(name: str, vals: list) -> torch.Tensor:
+    if name == "arith.select":
+        return torch.where(_bits_to_int(vals[0]) != 0, torch.as_tensor(vals[1]), torch.as_tensor(vals[2]))
+    if name.startswith("arith.cmpi."):
+        return _mask(_CMP[name.split(".")[-1]](*(_bits_to_int(v) for v in vals)))
+    if name.startswith("arith.cmpf."):
+        return _mask(_CMP[name.split(".")[-1]](*(torch.as_tensor(v, dtype=torch.float64) for v in vals)))
+    if name in _INT_OPS:
+        return _INT_OPS[name](*(_bits_to_int(v) for v in vals))
+    return _FLOAT_OPS[name](*(torch.as_tensor(v, dtype=torch.float64) for v in vals))
+
+
+def interpret(g: KernelGraph, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Run a KernelGraph: float buffers in float64, integer and bool buffers in int64 (bools as 0 / -1)."""
+    mem: dict[str, torch.Tensor] = {}
+    for name, b in g.buffers.items():
+        dtype = torch.int64 if b.dtype in ("i32", "i1") else torch.float64
+        mem[name] = torch.zeros(int(np.prod(b.shape)) or 1, dtype=dtype)
+    for name, x in zip(g.arguments, inputs, strict=True):
+        x = x.detach().reshape(-1)
+        mem[name] = x.double() if x.is_floating_point() else torch.where(x != 0, -1, 0) if x.dtype == torch.bool \
+            else x.long()
+
+    def view(v: View, sizes: tuple[int, ...] | None = None, strides: tuple[int, ...] | None = None) -> torch.Tensor:
+        return torch.as_strided(mem[v.buffer], sizes or v.shape, strides or v.strides, v.offset)
+
+    for k in g.kernels:
+        if isinstance(k, FillKernel):
+            out = view(k.output)
+            out.fill_(_bits_to_int(k.value).item() if not out.is_floating_point() else k.value)
+        elif isinstance(k, IotaKernel):
+            view(k.output).copy_(torch.arange(k.output.shape[0]))
+        elif isinstance(k, MatmulKernel):
+            view(k.c).copy_(view(k.a) @ view(k.b))
+        elif isinstance(k, GatherKernel):
+            ids = view(k.ids.view, k.sizes[:-1], k.ids.iter_strides[:-1])
+            view(k.output).copy_(view(k.table)[ids])
+        else:
+            _generic(k, view)
+    return [view(v).clone() for v in g.results]
+
+
+def _generic(k: GenericKernel, view) -> None:
+    env: dict[str, object] = {a: view(o.view, k.sizes, o.iter_strides) for a, o in zip(k.body.args, k.inputs,
+                                                                                     strict=False)}
+    env.update(k.body.constants)
+    out = view(k.output.view, k.sizes, k.output.iter_strides)
+    result = k.body.yields[0]
+    if k.reduction:  # yield = combine(value, out): reduce the value over the last dim first
+        producer = {r: (n, a) for r, n, a in k.body.ops}
+        combine, operands = producer[result]
+        result = operands[1] if operands[0] == k.body.args[-1] else operands[0]
+    for r, name, operands in k.body.ops:
+        if r != k.body.yields[0] or not k.reduction:
+            env[r] = _scalar_op(name, [env[o] for o in operands])
+    value = torch.as_tensor(env[result]).expand(k.sizes)
+    if k.reduction:
+        red = value.sum(-1) if combine == "arith.addf" else value.amax(-1)
+        out[..., 0].copy_(_scalar_op(combine, [red, out[..., 0]]))
+    else:
+        out.copy_(value)
+
+
+def kernel_graph(fn, *inputs: torch.Tensor) -> tuple[KernelGraph, list[torch.Tensor]]:
+    import fx_passes
+
+    gm, args = capture(fn, *inputs)
+    gm, _ = fx_passes.run_passes(gm, args)
+    text, _, _ = emit_module(fx_passes.inline_fused_kernels(gm), args)
+    res = run_pipeline(text)
+    with res.context:
+        return read_function(res.module), args
 
 
 class MiniAttention(torch.nn.Module):
@@ -113,3 +215,18 @@ def test_tiny_llama_logits(dtype: torch.dtype, tol: float) -> None:
     model = tiny_llama(dtype)
     outs, ref = compile_model(lambda ids: model(ids).logits, ids, matmul_precision="highest")
     np.testing.assert_allclose(outs[0], ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_tiny_llama_kernel_graph_matches_eager(dtype: torch.dtype, tol: float) -> None:
+    """The whole Llama as ONE kernel graph (the program codegen would emit), executed in float64: the
+    FX -> MLIR lowering of every ctpu:: op, embedding, rope tables, masks, fusion and the kernel reader."""
+    model = tiny_llama(dtype)
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+    g, args = kernel_graph(lambda ids: model(ids).logits, ids)
+    kinds = {type(k).__name__ for k in g.kernels}
+    assert {"GatherKernel", "IotaKernel", "MatmulKernel", "GenericKernel"} <= kinds
+    (logits,) = interpret(g, args)
+    with torch.no_grad():
+        ref = model(ids).logits.double()
+    torch.testing.assert_close(logits.reshape(ref.shape), ref, rtol=tol, atol=tol)

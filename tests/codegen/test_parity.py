@@ -199,3 +199,8 @@ def test_rotary_tables_from_positions() -> None:
         return e.cos(), e.sin()
 
     check(f, inv_freq, rtol=1e-5, atol=1e-6)
+
+
+def test_bool_tensors_in_arithmetic() -> None:
+    x = torch.randn(4, 9)
+    check(lambda x: ((x > 0) * x + (x < 0).float() * 2.0, (x > 0).to(torch.int32) + 1), x)
