@@ -39,7 +39,12 @@ def register() -> None:
         # Importing these loads the extension _C, whose static registrations install the allocator, the
         # guard, the hooks and the kernels.
         from torch_tpu_backend.device import ctpu, memory
-        from torch_tpu_backend.device.fallback import convolution, convolution_backward, ctpu_fallback
+        from torch_tpu_backend.device.fallback import (
+            convolution,
+            convolution_backward,
+            ctpu_fallback,
+            native_layer_norm,
+        )
 
         memory.install()
         if name != "ctpu":
@@ -55,6 +60,7 @@ def register() -> None:
         aten = torch.library.Library("aten", "IMPL")
         aten.impl("convolution_overrideable", convolution, "PrivateUse1")
         aten.impl("convolution_backward_overrideable", convolution_backward, "PrivateUse1")
+        aten.impl("native_layer_norm", native_layer_norm, "PrivateUse1")
         _fallback_library = (library, aten)
         from torch_tpu_backend.device import eager, eager_compiler
 

@@ -203,6 +203,12 @@ def _with_ctpu_rng(op: OpOverload, call: Callable[[], Any]) -> Any:
             cpu_gen.set_state(saved)
 
 
+def native_layer_norm(*args: Any) -> Any:
+    """aten::native_layer_norm: without a PrivateUse1 kernel PyTorch decomposes layer norm into batch norm,
+    whose numerics differ from the CPU's layer norm; a kernel here keeps it one op (compiled, or the CPU's)."""
+    return ctpu_fallback(torch.ops.aten.native_layer_norm.default, *args)
+
+
 def convolution(*args: Any) -> torch.Tensor:
     """aten::convolution_overrideable: where PyTorch sends convolutions on devices other than CPU/CUDA."""
     return _fallback_as(torch.ops.aten.convolution_overrideable.default, torch.ops.aten.convolution.default, args)
