@@ -1,5 +1,8 @@
 """Machine IR -> loop passes -> scheduled bundles -> physical registers -> assembly text -> `Program`.
 
+A compiled graph is a sequence of kernels that share no virtual register: `compile_functions` runs the
+passes below on each kernel alone and assembles them into one program.
+
 Passes, in order: `loops.hoist_invariants` (loop-invariant constants to the preheader), `modulo.pipeline_loops`
 (software pipelining of counted loops: pre-scheduled prologue / kernel / epilogue blocks), list scheduling
 of the other blocks, linear-scan allocation. The driver loops schedule + allocate until allocation succeeds
@@ -14,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from codegen.errors import CapacityError
@@ -41,6 +45,7 @@ class MachineCode:
     spilled: int
     pipelined: list[PipelinedLoop] = field(default_factory=list)
     log: list[str] = field(default_factory=list)  # why loops were or were not pipelined, fallbacks
+    function_bundles: list[int] = field(default_factory=list)  # program bundles of each compiled function
 
     def scheduled_text(self) -> str:
         lines = []
@@ -77,31 +82,78 @@ def compile_function(func: Function, next_id: int, source_name: str = "<ctpu>", 
                      verify: bool | None = None) -> MachineCode:
     """Compile `func` (modified in place) to a `MachineCode`. `pipeline` and `verify` default to the
     environment: CTPU_PIPELINE=0 turns software pipelining off, CTPU_VERIFY=1 turns the verifiers on."""
+    return compile_functions([func], next_id, source_name, pipeline, verify)
+
+
+def compile_functions(funcs: list[Function], next_id: int, source_name: str = "<ctpu>",
+                      pipeline: bool | None = None, verify: bool | None = None,
+                      progress: Callable[[int, int], None] | None = None) -> MachineCode:
+    """Compile functions that run one after another into ONE program: the kernels of a megakernel. No
+    virtual register may live from one function into the next (each kernel starts from its launch registers
+    and ends with its commands waited for), so each is scheduled and allocated on its own: a kernel that
+    spills or retries costs only itself. Virtual registers must be unique across `funcs` (one `Builder`);
+    `next_id` must exceed every one of them. `progress(done, total)` is called after each function."""
     if pipeline is None:
         pipeline = os.environ.get("CTPU_PIPELINE", "1") != "0"
     if verify is None:
         verify = os.environ.get("CTPU_VERIFY", "0") == "1"
+    parts: list[_Allocated] = []
+    for k, func in enumerate(funcs):
+        try:
+            part = _compile_retrying(func, next_id, pipeline, verify)
+        except CapacityError as e:
+            raise CapacityError(f"{func.name}: {e}" if func.name else str(e)) from e
+        next_id = max(next_id, part.func.max_reg_id()) + 1
+        parts.append(part)
+        if progress is not None:
+            progress(k + 1, len(funcs))
+    merged = Function(pinned=funcs[0].pinned if funcs else ())
+    bundles: dict[str, list[list[MInstr]]] = {}
+    assignment: dict[Reg, Reg] = {}
+    for part in parts:
+        merged.blocks += part.func.blocks
+        bundles |= part.bundles
+        assignment |= part.assignment
+    text = emit_assembly(merged, bundles, assignment)
+    program = assemble(text, source_name)
+    return MachineCode(merged, bundles, assignment, text, program, sum(p.spilled for p in parts),
+                       [loop for p in parts for loop in p.pipelined], [line for p in parts for line in p.log],
+                       [sum(len(part.bundles[b.label]) for b in part.func.blocks) for part in parts])
+
+
+@dataclass
+class _Allocated:
+    func: Function  # after spill insertion
+    bundles: dict[str, list[list[MInstr]]]
+    assignment: dict[Reg, Reg]
+    spilled: int
+    pipelined: list[PipelinedLoop]
+    log: list[str]
+
+
+def _compile_retrying(func: Function, next_id: int, pipeline: bool, verify: bool) -> _Allocated:
+    """Schedule and allocate `func`; pipelined loops that would spill get a lower register budget and, in
+    the end, no pipelining."""
     if not pipeline:
-        return _compile(func, next_id, source_name, False, verify, {})
+        return _compile(func, next_id, False, verify, {})
     original = copy.deepcopy(func)
     cuts: dict[str, int] = {}
     notes: list[str] = []
     for _ in range(PIPELINE_RETRIES):
         try:
-            mc = _compile(copy.deepcopy(original), next_id, source_name, True, verify, cuts)
-            mc.log += notes
-            return mc
+            part = _compile(copy.deepcopy(original), next_id, True, verify, cuts)
+            part.log += notes
+            return part
         except _PipelineSpill as e:
             notes.append(f"retry: {e}; their register budget is lowered")
             for label in e.loops:
                 cuts[label] = cuts.get(label, 0) + PIPELINE_BUDGET_STEP
-    mc = _compile(original, next_id, source_name, False, verify, {})
-    mc.log += [*notes, "pipelining undone"]
-    return mc
+    part = _compile(original, next_id, False, verify, {})
+    part.log += [*notes, "pipelining undone"]
+    return part
 
 
-def _compile(func: Function, next_id: int, source_name: str, pipeline: bool, verify: bool,
-             cuts: dict[str, int]) -> MachineCode:
+def _compile(func: Function, next_id: int, pipeline: bool, verify: bool, cuts: dict[str, int]) -> _Allocated:
     hoist_invariants(func)
     pipelined: list[PipelinedLoop] = []
     log: list[str] = []
@@ -124,9 +176,7 @@ def _compile(func: Function, next_id: int, source_name: str, pipeline: bool, ver
         raise CapacityError("register allocation did not converge")
     if verify:
         verify_function(func, bundles, assignment, pipelined)
-    text = emit_assembly(func, bundles, assignment)
-    program = assemble(text, source_name)
-    return MachineCode(func, bundles, assignment, text, program, spilled, pipelined, log)
+    return _Allocated(func, bundles, assignment, spilled, pipelined, log)
 
 
 def verify_function(func: Function, bundles: dict[str, list[list[MInstr]]], assignment: dict[Reg, Reg],

@@ -91,12 +91,16 @@ GRAPHS = {
 }
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="ctpu bench")
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ctpu bench", description="compiler benchmarks, printed as JSON")
     p.add_argument("--size", type=int, default=512)
     p.add_argument("--config", default="small")
     p.add_argument("--skip-gemm", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def collect(args: argparse.Namespace) -> dict[str, Any]:
+    """The GEMM, the small graphs and the pipelining comparison, as one dict."""
     torch.manual_seed(0)
     result: dict[str, Any] = {}
     if not args.skip_gemm:
@@ -109,7 +113,11 @@ def main(argv: list[str] | None = None) -> None:
         scale[name] = {"before_pipelining": before, "after_pipelining": after,
                        "speedup": round(before["cycles"] / after["cycles"], 3)}
     result["pipelining"] = scale
-    print(json.dumps(result, indent=2))
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    print(json.dumps(collect(parser().parse_args(argv)), indent=2))
 
 
 if __name__ == "__main__":

@@ -26,12 +26,15 @@ class Builder:
     """Appends instructions to the current block of a `Function`."""
 
     def __init__(self, func: Function) -> None:
-        self.func = func
         self._ids = itertools.count(1)
         self._labels = itertools.count()
-        self.block = self.new_block("entry")
-        self._sconst: dict[int, Reg] = {}
-        self._vconst: dict[int, Reg] = {}
+        self.start_function(func)
+
+    def start_function(self, func: Function, hint: str = "entry") -> None:
+        """Append to `func` from now on (a fresh block). Register numbers and labels continue, so functions
+        built by one builder never share a virtual register or a label."""
+        self.func = func
+        self.block = self.new_block(hint)
 
     # ---- registers and blocks ---------------------------------------------------------------------
     def sreg(self) -> Reg:

@@ -5,8 +5,10 @@ bufferization (mlir_pipeline) -> kernels over HBM views (kernels) -> HBM memory 
 instruction selection into machine IR (isel_vector, isel_matmul) -> list scheduling, register allocation,
 assembly, binary (backend).
 
-Launch ABI: s1..sI hold the HBM byte addresses of the I graph inputs (in placeholder order), s(I+1) the
-base of the *arena* that holds every intermediate and every output (outputs at `output_layout` offsets).
+Launch ABI: s1 holds the HBM byte address of the *arena*, which holds every intermediate and every output
+(at their placements' offsets) and starts with the *argument table*: I + 1 int32 words, the HBM byte
+addresses of the I graph inputs (in placeholder order) and of the arena itself. `CompiledGraph.launch`
+writes the table; the program's entry copies it to vmem, and each kernel loads the addresses it uses.
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ import torch
 import torch.fx
 
 from codegen import isel_scalar_ops  # noqa: F401  (registers the extra body-op lowerings)
-from codegen.backend import MachineCode, compile_function
+from codegen.backend import MachineCode, compile_functions
 from codegen.builder import Builder
 from codegen.errors import CapacityError
 from codegen.fx_to_mlir import emit_module
-from codegen.isel_common import KernelContext
+from codegen.isel_common import SPILL_ROWS, KernelContext, Region, table_rows
 from codegen.isel_gather import lower_gather, lower_iota
 from codegen.isel_matmul import lower_matmul
 from codegen.isel_vector import lower_fill, lower_generic
@@ -54,13 +56,14 @@ from device_sim.program import Program
 from device_sim.simulator import RunStats, Simulator
 
 ALIGN = 64
+ARENA_REG = Reg("s", 1, True)  # the one launch register
 
 
 @dataclass
 class BufferPlacement:
     name: str
     kind: str  # "input" | "arena"
-    offset: int  # byte offset in the arena (arena buffers) or 0 (inputs: own argument register)
+    offset: int  # byte offset in the arena (arena buffers) or 0 (inputs: their own address in the table)
     nbytes: int
     shape: tuple[int, ...]
     dtype: str
@@ -79,14 +82,14 @@ class CompiledGraph:
     stages: dict[str, str] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def num_launch_args(self) -> int:
-        return len(self.inputs) + 1
-
-    def launch_args(self, input_addrs: Sequence[int], arena_addr: int) -> dict[int, int]:
-        args = {i + 1: a for i, a in enumerate(input_addrs)}
-        args[len(input_addrs) + 1] = arena_addr
-        return args
+    def launch(self, hbm: np.ndarray, input_addrs: Sequence[int], arena_addr: int) -> dict[int, int]:
+        """Write the argument table at the start of the arena (in `hbm`, the device's bytes) and return the
+        launch registers: {1: arena address}."""
+        table = np.array([*input_addrs, arena_addr], dtype=np.uint32)
+        if len(table) != len(self.inputs) + 1:
+            raise ValueError(f"the graph has {len(self.inputs)} inputs, {len(input_addrs)} addresses were given")
+        hbm[arena_addr : arena_addr + table.nbytes] = table.view(np.uint8)
+        return {ARENA_REG.n: arena_addr}
 
     @staticmethod
     def input_bits(placement: BufferPlacement, x: np.ndarray) -> np.ndarray:
@@ -117,7 +120,7 @@ class CompiledGraph:
         if arena + self.arena_bytes > self.config.hbm_bytes:
             raise CapacityError(f"graph needs {arena + self.arena_bytes} bytes of HBM; {self.config.name} has "
                                 f"{self.config.hbm_bytes}")
-        stats = sim.run(self.launch_args(addrs, arena))
+        stats = sim.run(self.launch(sim.hbm, addrs, arena))
         return self.read_outputs(sim.hbm, addrs, arena), stats
 
     def dump(self, directory: str | os.PathLike[str]) -> None:
@@ -155,7 +158,8 @@ def _read_view(hbm: np.ndarray, base: int, p: BufferPlacement, v: View) -> np.nd
 
 
 def plan_memory(g: KernelGraph) -> tuple[dict[str, BufferPlacement], int]:
-    """Arena offsets for temporaries by liveness (first-fit reuse); outputs live to the end."""
+    """Arena offsets for temporaries by liveness (first-fit reuse); outputs live to the end. The arena
+    starts with the argument table."""
     last = len(g.kernels)
     live: dict[str, list[int]] = {}
     for i, k in enumerate(g.kernels):
@@ -165,8 +169,9 @@ def plan_memory(g: KernelGraph) -> tuple[dict[str, BufferPlacement], int]:
     for v in g.results:
         live.setdefault(v.buffer, [last, last])[1] = last
     placements: dict[str, BufferPlacement] = {}
-    active: list[tuple[int, int, int]] = []  # (offset, nbytes, end)
-    arena = 0
+    table = -(-4 * (len(g.arguments) + 1) // ALIGN) * ALIGN
+    active: list[tuple[int, int, int]] = [(0, table, last + 1)]  # (offset, nbytes, end)
+    arena = table
     for name, buf in g.buffers.items():
         if buf.kind == "input":
             placements[name] = BufferPlacement(name, "input", 0, buf.nbytes, buf.shape, buf.dtype)
@@ -243,22 +248,24 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tenso
     stages["kernels.txt"] = describe(graph)
     placements, arena_bytes = plan_memory(graph)
     clock.lap("kernels_and_memory_plan")
-    func, per_kernel, scratch = _select(graph, placements, arena_bytes, cfg, precision)
+    funcs, per_kernel, scratch = _select(graph, placements, arena_bytes, cfg, precision)
     arena_bytes += scratch
-    machine_ir = func.dump()
+    machine_ir = "".join(f"# {f.name}\n{f.dump()}" for f in funcs)
     clock.lap("instruction_selection")
-    mc: MachineCode = compile_function(func, next_id=_max_id(func), source_name="<compiled graph>")
+    mc: MachineCode = compile_functions(funcs, next_id=max(f.max_reg_id() for f in funcs) + 1,
+                                        source_name="<compiled graph>", progress=options.get("progress"))
     clock.lap("schedule_regalloc_assemble")
+    for info, n in zip(per_kernel, mc.function_bundles[1:-1], strict=True):  # without the entry and the exit
+        info["bundles"] = n
     if len(mc.program) > cfg.imem_bundles:
         raise CapacityError(f"program of {len(mc.program)} bundles does not fit imem ({cfg.imem_bundles} bundles)")
     stages["machine_ir.txt"] = machine_ir
     stages["scheduled.txt"] = mc.scheduled_text()
     stages["program.s"] = mc.assembly
     inputs = [placements[n] for n in graph.arguments]
-    n_in = len(graph.arguments)
     summary = {"config": cfg.name, "kernels": per_kernel, "bundles": len(mc.program), "spilled": mc.spilled,
                "matmul_precision": precision, "arena_bytes": arena_bytes,
-               "launch_args": {f"s{i + 1}": n for i, n in enumerate(graph.arguments)} | {f"s{n_in + 1}": "arena"},
+               "launch": {"s1": "arena", "argument_table": [*graph.arguments, "arena"]},
                "buffers": {n: dataclasses.asdict(p) for n, p in placements.items()},
                "outputs": [dataclasses.asdict(v) for v in graph.results], "compile_seconds": clock.laps}
     compiled = CompiledGraph(cfg, mc.program, inputs, graph.results, placements, arena_bytes, stages, summary)
@@ -280,24 +287,27 @@ class _Clock:
 
 
 def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_bytes: int, cfg: HardwareConfig,
-            precision: str) -> tuple[Function, list[dict[str, Any]], int]:
-    """Instruction selection of every kernel, in order, into one machine-IR function (+ the HBM scratch
-    bytes the kernels need beyond the arena)."""
+            precision: str) -> tuple[list[Function], list[dict[str, Any]], int]:
+    """Instruction selection into one machine-IR function per kernel, in order: the entry copies the
+    argument table to vmem, then the kernels, then the exit halts (+ the HBM scratch bytes the kernels need
+    beyond the arena)."""
     n_in = len(graph.arguments)
-    func = Function(pinned=tuple(Reg("s", i, True) for i in range(1, n_in + 2)))
-    b = Builder(func)
-    arena_reg = Reg("s", n_in + 1, True)
-    hbm_base: dict[str, tuple[Reg, int]] = {}
-    for i, name in enumerate(graph.arguments):
-        hbm_base[name] = (Reg("s", i + 1, True), 0)
-    for name, p in placements.items():
-        if p.kind == "arena":
-            hbm_base[name] = (arena_reg, p.offset)
-    ctx = KernelContext(b, cfg, hbm_base, (arena_reg, arena_bytes), precision)
+    arena = n_in  # the arena's entry in the argument table
+    buffers = {name: (i, 0) for i, name in enumerate(graph.arguments)}
+    buffers |= {name: (arena, p.offset) for name, p in placements.items() if p.kind == "arena"}
+    table = Region("args", SPILL_ROWS, table_rows(n_in + 1, cfg.lanes))
+    entry = Function(pinned=(ARENA_REG,), name="entry")
+    b = Builder(entry)
+    ctx = KernelContext(b, cfg, buffers, (arena, arena_bytes), table.row, precision)
+    ctx.begin(entry.name)
+    ctx.dma(True, "i32", ARENA_REG, table, 0, 1, n_in + 1, n_in + 1, 0)
+    ctx.end()
+    funcs = [entry]
     per_kernel = []
     for i, k in enumerate(graph.kernels):
-        before = sum(len(blk.instrs) for blk in func.blocks)
-        ctx.begin(f"kernel {i} ({type(k).__name__})")
+        func = Function(name=f"kernel {i} ({type(k).__name__})")
+        b.start_function(func, f"k{i}")
+        ctx.begin(func.name)
         if isinstance(k, GenericKernel):
             lower_generic(ctx, k)
         elif isinstance(k, FillKernel):
@@ -309,10 +319,13 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
         else:
             lower_matmul(ctx, k)
         ctx.end()
-        per_kernel.append({"index": i, "kind": _kind(k), "instructions": sum(len(blk.instrs) for blk in func.blocks)
-                           - before, "mlir": k.text.splitlines()[0] if k.text else ""})
+        funcs.append(func)
+        per_kernel.append({"index": i, "kind": _kind(k), "instructions": sum(len(blk.instrs) for blk in func.blocks),
+                           "mlir": k.text.splitlines()[0] if k.text else ""})
+    funcs.append(Function(name="exit"))
+    b.start_function(funcs[-1], "exit")
     b.emit("halt")
-    return func, per_kernel, ctx.scratch_peak
+    return funcs, per_kernel, ctx.scratch_peak
 
 
 def _kind(k: Kernel) -> str:
@@ -326,6 +339,3 @@ def _kind(k: Kernel) -> str:
         return "iota"
     return "reduction" if k.reduction else "elementwise"
 
-
-def _max_id(func: Function) -> int:
-    return max((r.n for blk in func.blocks for i in blk.instrs for r in i.regs() if not r.phys), default=0)

@@ -1,8 +1,14 @@
 """What every kernel's instruction selection shares: vmem regions, flags, HBM addresses, DMA commands.
 
 A kernel runs with vmem to itself: `KernelContext.begin` resets the region allocator (above the spill
-area), and `end` waits on every flag the kernel used, so no command of a kernel is in flight when the next
-one starts. HBM order between kernels needs nothing: DMA commands execute in order on one channel.
+area and the argument table), and `end` waits on every flag the kernel used, so no command of a kernel is
+in flight when the next one starts. HBM order between kernels needs nothing: DMA commands execute in order
+on one channel.
+
+HBM addresses: the program's entry copies the launch's argument table (the HBM addresses of the graph's
+inputs and of its arena) into vmem rows `args_row`..; a kernel loads the entries it uses (`vld` + `vext`)
+at its start, into ordinary virtual registers. So no register lives from one kernel into the next, and a
+graph may have any number of inputs.
 """
 
 from __future__ import annotations
@@ -12,11 +18,12 @@ from dataclasses import dataclass, field
 from codegen.builder import Builder
 from codegen.errors import CapacityError
 from codegen.kernels import ESIZE, View
-from codegen.mir import Mem, Reg
+from codegen.mir import ZERO, Mem, MInstr, Reg
 from codegen.regalloc import SPILL_SLOTS
 from device_sim.config import HardwareConfig
 
 SPILL_ROWS = SPILL_SLOTS * 8
+MAX_SPILL_ROW = 1 << 13  # spill loads / stores address vmem through s0 + imm14 (signed)
 
 
 @dataclass
@@ -29,32 +36,51 @@ class Region:
         return Mem(self.name, lo, self.rows if hi is None else hi, write)
 
 
+def table_rows(entries: int, lanes: int) -> int:
+    """vmem rows the argument table takes: whole groups of 8, so a `vld` of its rows reads nothing else."""
+    return -(-entries // (8 * lanes)) * 8
+
+
 @dataclass
 class KernelContext:
     b: Builder
     config: HardwareConfig
-    hbm_base: dict[str, tuple[Reg, int]]  # buffer -> (base register, byte offset)
-    scratch: tuple[Reg, int]  # HBM scratch area for materialized operands (register, byte offset)
+    buffers: dict[str, tuple[int, int]]  # buffer -> (argument table entry, byte offset)
+    scratch: tuple[int, int]  # HBM scratch area for materialized operands (table entry, byte offset)
+    args_row: int  # first vmem row of the argument table
     matmul_precision: str = "highest"
+    hbm_base: dict[str, tuple[Reg, int]] = field(default_factory=dict)  # this kernel's scratch views
+    _base_row: int = SPILL_ROWS
     _next_row: int = SPILL_ROWS
     _regions: int = 0
     _flags_used: set[int] = field(default_factory=set)
+    _args: dict[int, Reg] = field(default_factory=dict)
     _scratch_used: int = 0
     scratch_peak: int = 0
+
+    def __post_init__(self) -> None:
+        entries = 1 + max([j for j, _ in self.buffers.values()] + [self.scratch[0]])
+        self._base_row = self.args_row + table_rows(entries, self.config.lanes)
 
     @property
     def lanes(self) -> int:
         return self.config.lanes
 
     def begin(self, kernel: str) -> None:
-        self._next_row = SPILL_ROWS
+        self._next_row = self._base_row
         self._flags_used = set()
         self._scratch_used = 0
+        self._args = {}
+        self.hbm_base = {}
         self.kernel = kernel
 
     def end(self) -> None:
         for f in sorted(self._flags_used):
             self.b.emit("wait", flag=f)
+        # the kernel's spill slots: the reserved area at the bottom of vmem, then the rows above its regions
+        top = min(self.config.vmem_rows, MAX_SPILL_ROW) // 8 * 8
+        self.b.func.spill_rows = (tuple(range(0, SPILL_ROWS, 8))
+                                  + tuple(range(top - 8, -(-self._next_row // 8) * 8 - 1, -8)))
 
     def region(self, rows: int, hint: str) -> Region:
         rows = max(8, -(-rows // 8) * 8)
@@ -77,12 +103,30 @@ class KernelContext:
         off = self.scratch[1] + self._scratch_used
         self._scratch_used += -(-nbytes // 64) * 64
         self.scratch_peak = max(self.scratch_peak, self._scratch_used)
-        return self.scratch[0], off
+        return self.argument(self.scratch[0]), off
 
     # ---- addresses and DMA --------------------------------------------------------------------------
+    def argument(self, entry: int) -> Reg:
+        """A register holding argument table entry `entry` (an HBM address), loaded at the kernel's start."""
+        if entry not in self._args:
+            row, lane = divmod(entry, self.lanes)
+            group = row // 8 * 8
+            v, s = self.b.vreg(), self.b.sreg()
+            load = [MInstr("vld", v, (ZERO,), imm=self.args_row + group, mem=(Mem("args", group, group + 8),),
+                           comment=f"argument {entry}"),
+                    MInstr("vext", s, (v,), imm=(row - group) * self.lanes + lane)]
+            entry_block = self.b.func.blocks[0]
+            entry_block.instrs[2 * len(self._args):2 * len(self._args)] = load
+            self._args[entry] = s
+        return self._args[entry]
+
     def hbm_addr(self, view: View, element_offset: int) -> Reg:
         """A register holding the byte address of element `element_offset` of `view`'s buffer."""
-        base, off = self.hbm_base[view.buffer]
+        if view.buffer in self.hbm_base:
+            base, off = self.hbm_base[view.buffer]
+        else:
+            entry, off = self.buffers[view.buffer]
+            base = self.argument(entry)
         return self.b.offset_reg(base, off + element_offset * ESIZE[view.dtype])
 
     def dma(self, load: bool, dtype: str, hbm: Reg, region: Region, row: int, rows: int, cols: int,

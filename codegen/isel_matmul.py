@@ -26,7 +26,8 @@ PASSES = {  # (part of A, part of B), accumulated in this order (small terms fir
     "medium": [(0, 0)],
 }
 F_B, F_ST, F_A, F_MXU = 0, 2, 4, 8
-UNROLL_K_TILES = 8  # k loops up to this many tiles are unrolled, longer ones run as loops
+UNROLL_K_TILES = 4  # k loops up to this many tiles are unrolled, longer ones run as loops (more unrolled
+# tiles x up to 6 bf16 passes keep too many row constants live: allocation did not converge)
 
 
 def lower_matmul(ctx: KernelContext, k: MatmulKernel) -> None:

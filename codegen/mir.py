@@ -135,10 +135,16 @@ class Block:
 
 @dataclass
 class Function:
-    """A whole program: blocks in layout order, plus the pinned launch-argument registers."""
+    """A program, or one kernel of it: blocks in layout order, plus the pinned launch-argument registers."""
 
     blocks: list[Block] = field(default_factory=list)
     pinned: tuple[Reg, ...] = ()
+    spill_rows: tuple[int, ...] = ()  # first vmem row of each spill slot (empty: regalloc's reserved area)
+    name: str = ""  # what errors call it (a kernel of a compiled graph)
+
+    def max_reg_id(self) -> int:
+        """The highest virtual register number in use (0 when none)."""
+        return max((r.n for b in self.blocks for i in b.instrs for r in i.regs() if not r.phys), default=0)
 
     def dump(self) -> str:
         lines = []

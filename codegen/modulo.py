@@ -149,9 +149,10 @@ def _try_ii(body: list[MInstr], ii: int, preds: dict[int, list[tuple[int, int, i
     length = max(t + 1 for t in times)
     stages = -(-length // ii)
     need: dict[Reg, int] = {}
+    last = _last_uses(body, times)
     for k, ins in enumerate(body):
         if ins.dst in renameable:
-            need[ins.dst] = max(1, (_last_use(body, times, ins.dst, times[k]) - times[k] - ins.latency) // ii + 1)
+            need[ins.dst] = max(1, (max(last.get(ins.dst, times[k]), times[k]) - times[k] - ins.latency) // ii + 1)
     unroll = max(need.values(), default=1)
     copies = {r: next(d for d in range(q, unroll + 1) if unroll % d == 0) for r, q in need.items()}
     return ModuloSchedule(ii, times, stages, unroll, copies, ivs)
@@ -159,6 +160,16 @@ def _try_ii(body: list[MInstr], ii: int, preds: dict[int, list[tuple[int, int, i
 
 def _last_use(body: list[MInstr], times: list[int], r: Reg, default: int) -> int:
     return max([times[k] for k, ins in enumerate(body) if r in ins.uses] + [default])
+
+
+def _last_uses(body: list[MInstr], times: list[int]) -> dict[Reg, int]:
+    """The latest issue time of a read of each register (`_last_use` of every register at once)."""
+    last: dict[Reg, int] = {}
+    for k, ins in enumerate(body):
+        for r in ins.uses:
+            if times[k] > last.get(r, times[k] - 1):
+                last[r] = times[k]
+    return last
 
 
 def _sink_loads(body: list[MInstr], times: list[int], mrt: Counter[tuple[isa.Unit, int]], ii: int,
@@ -190,6 +201,7 @@ def max_live(body: list[MInstr], sched: ModuloSchedule, kind: str) -> int:
     ii = sched.ii
     cover = [0] * ii
     defined = {i.dst for i in body if i.dst is not None}
+    last = _last_uses(body, sched.times)
     for k, ins in enumerate(body):
         r = ins.dst
         if r is None or r.kind != kind or r.phys:
@@ -197,7 +209,7 @@ def max_live(body: list[MInstr], sched: ModuloSchedule, kind: str) -> int:
         if r not in sched.copies:  # loop-carried: one register for the whole loop
             cover = [c + 1 for c in cover]
             continue
-        end = max(_last_use(body, sched.times, r, 0), sched.times[k] + ins.latency)
+        end = max(last.get(r, 0), 0, sched.times[k] + ins.latency)
         for t in range(sched.times[k], end + 1):
             cover[t % ii] += 1
     outside = {r for i in body for r in i.uses if r.kind == kind and not r.phys and r not in defined}
@@ -302,8 +314,10 @@ def _bundles(instances: list[Instance], length: int) -> list[list[MInstr]]:
 
 
 def pipeline_loop(func: Function, index: int, log: list[str], fresh: Callable[[str], Reg],
-                  budget: dict[str, int] | None = None) -> PipelinedLoop | None:
-    """Replace the counted loop at `func.blocks[index]` by peel / prologue / kernel / epilogue blocks."""
+                  budget: dict[str, int] | None = None, uses: Counter[Reg] | None = None) -> PipelinedLoop | None:
+    """Replace the counted loop at `func.blocks[index]` by peel / prologue / kernel / epilogue blocks.
+    `uses` (optional) counts the register reads of every block of `func`; it is kept up to date here, so a
+    caller pipelining many loops does not rescan the whole function for each."""
     loop = func.blocks[index]
     assert loop.loop is not None
     n, counter = loop.loop.trip_count, loop.loop.counter
@@ -316,7 +330,11 @@ def pipeline_loop(func: Function, index: int, log: list[str], fresh: Callable[[s
     if len(init) != 1:
         log.append(f"{loop.label}: not pipelined (no counter initialization in the preheader)")
         return None
-    used_elsewhere = {r for b in func.blocks if b is not loop for i in b.instrs for r in i.uses}
+    if uses is None:
+        used_elsewhere = {r for b in func.blocks if b is not loop for i in b.instrs for r in i.uses}
+    else:  # only the loop's own registers are ever asked about
+        here = Counter(r for i in loop.instrs for r in i.uses)
+        used_elsewhere = {r for i in loop.instrs for r in i.regs() if uses[r] > here[r]}
     budget = budget or REGISTER_BUDGET
     sched = modulo_schedule(body, used_elsewhere, budget)
     if sched is None:
@@ -348,6 +366,9 @@ def pipeline_loop(func: Function, index: int, log: list[str], fresh: Callable[[s
         blocks.append(blk)
     blocks[0].label = loop.label
     func.blocks[index:index + 1] = blocks
+    if uses is not None:
+        uses.subtract(r for i in loop.instrs for r in i.uses)
+        uses.update(r for blk in blocks for i in blk.instrs for r in i.uses)
     log.append(f"{loop.label}: pipelined, II={ii} stages={S} copies={u} peel={peel} kernel runs={runs} "
                f"(body {len(body)} instructions)")
     return PipelinedLoop(loop.label, body, sched, pro, ker, epi, runs, epi_len, tuple(b.label for b in blocks))
@@ -366,13 +387,14 @@ def pipeline_loops(func: Function, next_id: int, cuts: dict[str, int] | None = N
     def fresh(kind: str) -> Reg:
         return Reg(kind, next(ids))
 
+    uses: Counter[Reg] = Counter(r for blk in func.blocks for i in blk.instrs for r in i.uses)
     index = 0
     while index < len(func.blocks):
         blk = func.blocks[index]
         if blk.loop is not None and blk.bundles is None and index > 0:
             cut = cuts.get(blk.label, 0)
             budget = {"v": REGISTER_BUDGET["v"] - cut, "s": REGISTER_BUDGET["s"] - cut // 2}
-            p = pipeline_loop(func, index, log, fresh, budget) if budget["v"] > 8 else None
+            p = pipeline_loop(func, index, log, fresh, budget, uses) if budget["v"] > 8 else None
             if p is not None:
                 done.append(p)
         index += 1

@@ -15,6 +15,8 @@ reserved spill area), and the driver schedules and allocates again.
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -237,14 +239,63 @@ def allocate(func: Function, bundles: dict[str, list[list[MInstr]]]) -> tuple[di
     return assignment, spills
 
 
-def insert_spills(func: Function, spills: list[Reg], next_id: int, first_slot: int) -> tuple[int, int]:
-    """Rewrite `func` so every register in `spills` lives in a vmem spill slot. Returns (next_id, next_slot)."""
-    slot_of = {}
-    for r in spills:
-        if first_slot >= SPILL_SLOTS:
-            raise CapacityError("register allocation: the vmem spill area is full")
-        slot_of[r] = first_slot
-        first_slot += 1
+def spill_rows(func: Function) -> list[int]:
+    """First vmem row of every spill slot of `func`: the reserved area at the bottom of vmem (SPILL_SLOTS
+    slots), then the rows above what any kernel uses, when instruction selection recorded them
+    (`Function.spill_rows`)."""
+    return list(func.spill_rows) if func.spill_rows else [8 * s for s in range(SPILL_SLOTS)]
+
+
+def _slot_occupancy(func: Function, spills: list[Reg], rows: list[int]
+                    ) -> tuple[dict[int, list[tuple[int, int]]], dict[Reg, Interval]]:
+    """Live segments, in *program order* (one instruction per position; pre-scheduled blocks by their
+    bundles), of every slot already in use (a store to it defines its content, a fill reads it) and of
+    every value to spill. Program order, not the schedule: the scheduler keeps the program order of the
+    accesses to one slot, so two values may share a slot only when they do not interfere in that order."""
+    slot_at = {row: k for k, row in enumerate(rows)}
+    pseudo = {k: Reg("m", k) for k in range(len(rows))}
+    fake = Function(pinned=func.pinned)
+    order: dict[str, list[list[MInstr]]] = {}
+    for blk in func.blocks:
+        instrs = []
+        for ins in blk.instrs:
+            m = next((m for m in ins.mem if m.region == SPILL_REGION), None)
+            if m is not None:
+                r = pseudo[slot_at[m.lo]]
+                ins = (dataclasses.replace(ins, dst=r) if m.write
+                       else dataclasses.replace(ins, uses=(*ins.uses, r)))
+            instrs.append(ins)
+        copy = dataclasses.replace(blk, instrs=instrs)
+        if blk.bundles is not None:
+            order[blk.label] = [[instrs[k] for k in range(a, a + len(b))]
+                                for a, b in zip(itertools.accumulate([0] + [len(b) for b in blk.bundles]),
+                                                blk.bundles, strict=False)]
+        else:
+            order[blk.label] = [[i] for i in instrs]
+        fake.blocks.append(copy)
+    iv = live_intervals(fake, order)
+    wanted = set(spills)
+    occupied = {k: list(iv[r].segments) for k, r in pseudo.items() if r in iv}
+    return occupied, {r: iv[r] for r in wanted if r in iv}
+
+
+def insert_spills(func: Function, spills: list[Reg], next_id: int, first_slot: int = 0) -> tuple[int, int]:
+    """Rewrite `func` so every register in `spills` lives in a vmem spill slot. Slots are reused: a value
+    takes the first slot whose content is dead (after its last fill) wherever the value is live, in program
+    order. Returns (next_id, slots in use)."""
+    rows = spill_rows(func)
+    occupied, intervals = _slot_occupancy(func, spills, rows)
+    slot_of: dict[Reg, int] = {}
+    for r in sorted(spills, key=lambda r: (intervals[r].start, intervals[r].end) if r in intervals else (0, 0)):
+        segs = intervals[r].segments if r in intervals else []
+        for k in range(len(rows)):
+            if not _overlap(occupied.get(k, []), segs):
+                break
+        else:
+            raise CapacityError(f"register allocation: the vmem spill area is full ({len(rows)} slots)")
+        slot_of[r] = rows[k]
+        occupied.setdefault(k, []).extend(segs)
+        occupied[k].sort()
 
     def fresh(kind: str) -> Reg:
         nonlocal next_id
@@ -266,20 +317,33 @@ def insert_spills(func: Function, spills: list[Reg], next_id: int, first_slot: i
                 ins.dst = new
                 out.extend(_spill(new, slot_of[r], fresh))
         blk.instrs = out  # control instructions define nothing, so no spill store follows them
-    return next_id, first_slot
+    return next_id, max(first_slot, len(occupied))
 
 
-def _mem(slot: int, write: bool) -> tuple[Mem, ...]:
-    return (Mem(SPILL_REGION, slot * 8, slot * 8 + 8, write),)
+def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> bool:
+    """Whether two sorted lists of inclusive segments intersect."""
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i][1] < b[j][0]:
+            i += 1
+        elif b[j][1] < a[i][0]:
+            j += 1
+        else:
+            return True
+    return False
+
+
+def _mem(row: int, write: bool) -> tuple[Mem, ...]:
+    return (Mem(SPILL_REGION, row, row + 8, write),)
 
 
 def _spill(r: Reg, slot: int, fresh) -> list[MInstr]:
     zero = Reg("s", 0, True)
     if r.kind == "v":
-        return [MInstr("vst", None, (r, zero), imm=slot * 8, mem=_mem(slot, True), comment="spill")]
+        return [MInstr("vst", None, (r, zero), imm=slot, mem=_mem(slot, True), comment="spill")]
     v = fresh("v")
     return [MInstr("vbcast", v, (r,), comment="spill"),
-            MInstr("vst", None, (v, zero), imm=slot * 8, mem=_mem(slot, True), comment="spill")]
+            MInstr("vst", None, (v, zero), imm=slot, mem=_mem(slot, True), comment="spill")]
 
 
 def _fill(r: Reg, slot: int, fresh, uses: list[Reg], i: int) -> list[MInstr]:
@@ -287,8 +351,8 @@ def _fill(r: Reg, slot: int, fresh, uses: list[Reg], i: int) -> list[MInstr]:
     if r.kind == "v":
         new = fresh("v")
         uses[i] = new
-        return [MInstr("vld", new, (zero,), imm=slot * 8, mem=_mem(slot, False), comment="fill")]
+        return [MInstr("vld", new, (zero,), imm=slot, mem=_mem(slot, False), comment="fill")]
     v, new = fresh("v"), fresh("s")
     uses[i] = new
-    return [MInstr("vld", v, (zero,), imm=slot * 8, mem=_mem(slot, False), comment="fill"),
+    return [MInstr("vld", v, (zero,), imm=slot, mem=_mem(slot, False), comment="fill"),
             MInstr("vext", new, (v,), imm=0, comment="fill")]

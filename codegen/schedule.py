@@ -16,6 +16,7 @@ instructions per cycle) such that, with results landing at issue + latency and n
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -174,20 +175,47 @@ def _list_schedule(instrs: list[MInstr], deps: list[Dep], release: list[int]) ->
             counted.add(dst)
             live[dst.kind] += 1
 
+    # Ready instructions whose earliest cycle has come, per unit (the only ones a cycle looks at), and the
+    # others in a heap by earliest cycle. A cycle visits candidates in priority order across units (a merge
+    # of the per-unit lists) and drops a unit once its slots are full: the same decisions as one scan of
+    # every ready instruction in priority order, without rescanning the ones that cannot issue.
+    prio = [(-height[i], i) for i in range(n)]
+    units = [ins.unit for ins in instrs]
+    by_unit: dict[isa.Unit, list[int]] = defaultdict(list)
+    pending: list[tuple[int, int]] = []
+
+    def make_ready(i: int, cycle: int) -> None:
+        if earliest[i] > cycle:
+            heapq.heappush(pending, (earliest[i], i))
+        else:
+            by_unit[units[i]].append(i)
+
+    for i in ready:
+        make_ready(i, 0)
     bundles: list[list[MInstr]] = []
     placed = 0
     cycle = 0
     while placed < n:
+        while pending and pending[0][0] <= cycle:
+            i = heapq.heappop(pending)[1]
+            by_unit[units[i]].append(i)
         used: dict[isa.Unit, int] = defaultdict(int)
         bundle: list[MInstr] = []
-        ready.sort(key=lambda i: (-height[i], i))
+        heap = []
+        for u, lst in by_unit.items():
+            if lst:
+                lst.sort(key=prio.__getitem__)
+                heap.append((prio[lst[0]], u, 0))
+        heapq.heapify(heap)
         now = []
-        for i in ready:
-            if earliest[i] > cycle:
-                continue
+        while heap:
+            _, unit, j = heapq.heappop(heap)
+            lst = by_unit[unit]
+            i = lst[j]
+            if j + 1 < len(lst):
+                heapq.heappush(heap, (prio[lst[j + 1]], unit, j + 1))
             if i == control and placed < n - 1:
                 continue
-            unit = instrs[i].unit
             if used[unit] >= SLOT_COUNT[unit]:
                 continue
             dst = instrs[i].dst
@@ -197,20 +225,24 @@ def _list_schedule(instrs: list[MInstr], deps: list[Dep], release: list[int]) ->
             used[unit] += 1
             now.append(i)
             commit(i)
+            if used[unit] >= SLOT_COUNT[unit]:  # nothing more of this unit this cycle
+                heap = [h for h in heap if h[1] != unit]
+                heapq.heapify(heap)
+        if now:
+            placed_now = set(now)
+            for u in {units[i] for i in now}:
+                by_unit[u] = [i for i in by_unit[u] if i not in placed_now]
         for i in now:
-            ready.remove(i)
             time[i] = cycle
             bundle.append(instrs[i])
             placed += 1
         # successors become ready once every predecessor is placed; distance <= 0 may share this cycle
-        newly = []
         for i in now:
             for d in succs[i]:
                 earliest[d.succ] = max(earliest[d.succ], cycle + d.distance)
                 waiting[d.succ] -= 1
                 if waiting[d.succ] == 0:
-                    newly.append(d.succ)
-        ready.extend(newly)
+                    make_ready(d.succ, cycle + 1)
         bundles.append(bundle)
         cycle += 1
     # without a control instruction, pad so every result lands before the next block

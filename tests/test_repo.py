@@ -22,3 +22,20 @@ def test_readme_has_exactly_two_setup_commands() -> None:
 def test_ci_runs_the_readme_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     assert readme_commands()[1] in ci.splitlines()
+
+
+def test_readme_python_example_runs_on_the_ctpu() -> None:
+    """The README's example, verbatim: it compiles, runs on the simulator, and nothing falls back."""
+    import torch
+
+    import torch_tpu_backend.stats as ctpu_stats
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert blocks
+    torch._dynamo.reset()
+    ctpu_stats.reset()  # the count of this example alone, not of the tests before it
+    namespace: dict[str, object] = {}
+    exec(compile(blocks[0], "README.md", "exec"), namespace)
+    s = ctpu_stats.last()
+    assert s.kernels_launched == 1 and not s.fallback_ops
+    assert tuple(namespace["y"].shape) == (16, 32)  # type: ignore[attr-defined]

@@ -8,7 +8,8 @@
     ctpu demo                            the main job: the shipped GEMM, checked, with its MXU utilization
     ctpu llama [--target sim] [--dtype float32|bfloat16]
                                          the tiny Llama compiled with backend="ctpu", logits checked vs eager
-    ctpu bench                           compiler benchmarks (JSON): GEMM utilization, per-graph bundles/cycles
+    ctpu bench [--models-only]           benchmarks (JSON): compiled GEMM utilization vs the hand-written one,
+                                         bundles / cycles / ops per bundle per graph, whole models (Llama)
     ctpu isa                             the instruction table, as markdown
 """
 
@@ -74,8 +75,13 @@ def _cmd_llama(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from codegen import bench
+    from torch_tpu_backend import model_bench
 
-    bench.main(args.rest)
+    result: dict[str, object] = {"config": args.config}
+    if not args.models_only:
+        result |= bench.collect(args)
+    result["models"] = model_bench.run(args.config, lambda name: print(f"ctpu bench: {name}", file=sys.stderr))
+    print(json.dumps(result, indent=2))
     return 0
 
 
@@ -126,8 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     ll.add_argument("--json", action="store_true")
     ll.set_defaults(fn=_cmd_llama)
 
-    b = sub.add_parser("bench", help="compiler benchmarks, printed as JSON (arguments go to codegen.bench)")
-    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b = sub.add_parser("bench", help="compiler benchmarks, printed as JSON: the compiled GEMM's MXU utilization "
+                       "against the hand-written one, small graphs, pipelining, whole models through torch.compile")
+    b.add_argument("--size", type=int, default=512, help="GEMM size (cubed)")
+    b.add_argument("--config", choices=["small", "large"], default="small")
+    b.add_argument("--skip-gemm", action="store_true")
+    b.add_argument("--models-only", action="store_true", help="only the torch.compile graphs (Llama included)")
     b.set_defaults(fn=_cmd_bench)
 
     i = sub.add_parser("isa", help="print the instruction table as markdown")

@@ -230,7 +230,7 @@ def run_compiled(compiled: Any, tensors: Sequence[Any], target: str, config: str
             input_addrs.append(addr)
         arena = device.allocator.alloc(max(compiled.arena_bytes, 1))
         allocations.append(arena)
-        device.launch(compiled.program, compiled.launch_args(input_addrs, arena), target=target, name=name)
+        device.launch(compiled.program, compiled.launch(device.hbm, input_addrs, arena), target=target, name=name)
         arrays = compiled.read_outputs(device.hbm, input_addrs, arena)
     finally:
         for addr in allocations:

@@ -488,7 +488,7 @@ package ctpu_isa_pkg;
   localparam int CFG_SMALL_HBM_BYTES = 16777216;
   localparam int CFG_SMALL_HBM_BYTES_PER_CYCLE = 32;
   localparam int CFG_SMALL_DMA_LATENCY = 32;
-  localparam int CFG_SMALL_IMEM_BUNDLES = 4096;
+  localparam int CFG_SMALL_IMEM_BUNDLES = 32768;
   localparam int CFG_SMALL_DMA_QUEUE = 8;
   localparam int CFG_SMALL_MXU_QUEUE = 4;
   localparam int CFG_LARGE_LANES = 128;

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from codegen import compile_graph
-from codegen.errors import CapacityError
 from codegen.fx_to_mlir import emit_module
 from codegen.kernels import (
     FillKernel,
@@ -26,10 +25,6 @@ from codegen.kernels import (
     read_function,
 )
 from codegen.mlir_pipeline import run_pipeline
-
-BLOCKED_SPILLS = ("register allocation: spill slots are never reused across the megakernel (32 in all); the "
-                  "fp32 'highest' K = 64 matmuls and the ~120 kernels of a model exhaust them. Flips when the "
-                  "scheduling / register allocation rework lands.")
 
 
 def capture(fn, *inputs: torch.Tensor) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
@@ -192,7 +187,6 @@ def test_mini_attention_block_medium() -> None:
     np.testing.assert_allclose(outs[0], ref, rtol=2e-2, atol=2e-3)
 
 
-@pytest.mark.xfail(strict=True, raises=CapacityError, reason=BLOCKED_SPILLS)
 def test_mini_attention_block_highest() -> None:
     outs, ref = compile_model(MiniAttention(), torch.randn(16, 64), matmul_precision="highest")
     np.testing.assert_allclose(outs[0], ref, rtol=1e-4, atol=1e-5)
@@ -207,8 +201,6 @@ def tiny_llama(dtype: torch.dtype) -> torch.nn.Module:
     return LlamaForCausalLM(cfg).eval().to(dtype)
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=CapacityError, reason=BLOCKED_SPILLS)
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 def test_tiny_llama_logits(dtype: torch.dtype, tol: float) -> None:
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1))

@@ -23,10 +23,6 @@ import torch.nn.functional as F
 import torch_tpu_backend.stats as ctpu_stats
 from fx_passes import CtpuFallbackWarning
 
-BLOCKED_SPILLS = ("register allocation: the megakernel's spill slots are never reused (32 in all); fp32 "
-                  "'highest' matmuls with K = 64 (8 unrolled k tiles x 6 passes) and the many kernels of a model "
-                  "exhaust them. Flips when the scheduling / register allocation rework lands.")
-
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
@@ -174,7 +170,6 @@ class MiniAttention(torch.nn.Module):
         return torch.softmax(self.norm(x @ self.w1), -1) @ self.w2
 
 
-@pytest.mark.xfail(strict=True, reason=BLOCKED_SPILLS)
 def test_mini_attention_block_one_kernel() -> None:
     run_one_kernel(MiniAttention().eval(), torch.randn(16, 64), rtol=1e-4, atol=1e-5)
 
@@ -193,8 +188,6 @@ def tiny_llama(dtype: torch.dtype) -> torch.nn.Module:
     return LlamaForCausalLM(cfg).eval().to(dtype)
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=BLOCKED_SPILLS)
 def test_tiny_llama_fp32_highest() -> None:
     # fp32 "highest": every matmul is fp32-accurate (6 passes) and every vector op is IEEE or a few ulp, so
     # the logits differ from eager only by summation order and sequence ulps: 1e-4 on logits of size ~1.
@@ -204,8 +197,6 @@ def test_tiny_llama_fp32_highest() -> None:
     run_one_kernel(lambda ids: model(ids, use_cache=False).logits, ids, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=BLOCKED_SPILLS)
 def test_tiny_llama_bf16() -> None:
     model = tiny_llama(torch.bfloat16)
     ids = torch.randint(0, 128, (1, 8))
