@@ -106,21 +106,27 @@ class CompiledGraph:
             outs.append(_read_view(hbm, base, p, v))
         return outs
 
-    def run_on_simulator(self, inputs: Sequence[np.ndarray], trace: bool = False) -> tuple[list[np.ndarray], RunStats]:
-        """Run on a fresh simulator: inputs packed from HBM address 0, the arena after them."""
-        sim = Simulator(self.config, trace=trace)
-        sim.load(self.program)
-        addr, addrs = 0, []
-        for p, x in zip(self.inputs, inputs, strict=True):
-            data = self.input_bits(p, x)
-            sim.write_hbm(addr, data)
-            addrs.append(addr)
-            addr += -(-data.nbytes // ALIGN) * ALIGN
-        arena = addr
+    def stage(self, inputs: Sequence[np.ndarray]) -> tuple[np.ndarray, list[int], int, dict[int, int]]:
+        """A fresh HBM image for one launch: inputs packed from address 0, the arena after them with its
+        argument table. Returns (hbm bytes, input addresses, arena address, launch registers)."""
+        data = [self.input_bits(p, x).reshape(-1).view(np.uint8) for p, x in zip(self.inputs, inputs, strict=True)]
+        addrs = [sum(-(-d.nbytes // ALIGN) * ALIGN for d in data[:i]) for i in range(len(data))]
+        arena = sum(-(-d.nbytes // ALIGN) * ALIGN for d in data)
         if arena + self.arena_bytes > self.config.hbm_bytes:
             raise CapacityError(f"graph needs {arena + self.arena_bytes} bytes of HBM; {self.config.name} has "
                                 f"{self.config.hbm_bytes}")
-        stats = sim.run(self.launch(sim.hbm, addrs, arena))
+        hbm = np.zeros(self.config.hbm_bytes, dtype=np.uint8)
+        for a, d in zip(addrs, data, strict=True):
+            hbm[a : a + d.nbytes] = d
+        return hbm, addrs, arena, self.launch(hbm, addrs, arena)
+
+    def run_on_simulator(self, inputs: Sequence[np.ndarray], trace: bool = False) -> tuple[list[np.ndarray], RunStats]:
+        """Run on a fresh simulator (HBM laid out by `stage`)."""
+        hbm, addrs, arena, args = self.stage(inputs)
+        sim = Simulator(self.config, trace=trace)
+        sim.load(self.program)
+        sim.hbm[:] = hbm
+        stats = sim.run(args)
         return self.read_outputs(sim.hbm, addrs, arena), stats
 
     def dump(self, directory: str | os.PathLike[str]) -> None:

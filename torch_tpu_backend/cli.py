@@ -5,7 +5,8 @@
     ctpu run PROGRAM [--target sim|rtl] [--config small|large] [--json]
                                          run a .s or binary; a manifest beside it (PROGRAM.toml) supplies
                                          inputs and checks outputs against their numpy references
-    ctpu demo                            the main job: the shipped GEMM, checked, with its MXU utilization
+    ctpu demo                            the main job: the shipped GEMM, checked, with its MXU utilization,
+                                         then the tiny Llama compiled with backend="ctpu", checked vs eager
     ctpu llama [--target sim] [--dtype float32|bfloat16]
                                          the tiny Llama compiled with backend="ctpu", logits checked vs eager
     ctpu bench [--models-only]           benchmarks (JSON): compiled GEMM utilization vs the hand-written one,
@@ -56,10 +57,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    args.program = str(PROGRAMS_DIR / "gemm.s")
-    args.target = args.target or "sim"
-    args.config, args.max_cycles = None, None
-    return _cmd_run(args)
+    """The hand-written GEMM program (the MXU yardstick), then the tiny Llama through torch.compile."""
+    import torch
+
+    from device_sim.manifest import run_manifest
+    from torch_tpu_backend import llama_demo
+
+    gemm = run_manifest(str(PROGRAMS_DIR / "gemm.s"), target=args.target)
+    if not args.json:
+        print(gemm.summary(), flush=True)
+    llama = llama_demo.run(target=args.target, dtype=torch.float32)
+    if args.json:
+        print(json.dumps({"gemm": gemm.as_dict(), "llama": llama}, indent=2))
+    else:
+        print(llama_demo.summary(llama))
+    return 0 if gemm.passed and llama["passed"] else 1
 
 
 def _cmd_llama(args: argparse.Namespace) -> int:
@@ -118,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="print the statistics and checks as JSON")
     r.set_defaults(fn=_cmd_run)
 
-    m = sub.add_parser("demo", help="run the shipped GEMM program, checked, with its MXU utilization")
+    m = sub.add_parser("demo", help="the shipped GEMM program (checked, with its MXU utilization), then the tiny "
+                       "Llama compiled with backend='ctpu' (logits checked against eager)")
     m.add_argument("--target", choices=["sim", "rtl"], default="sim")
     m.add_argument("--json", action="store_true")
     m.set_defaults(fn=_cmd_demo)

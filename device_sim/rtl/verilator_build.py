@@ -9,11 +9,12 @@ the top-level ports (memories travel through DPI, `ctpu_tb_dpi.cpp`), so the fla
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 RTL_DIR = Path(__file__).resolve().parent
@@ -157,14 +158,29 @@ def run_test(runner, top: str, test_module: str, extra_env: Mapping[str, str] | 
     _setup_env()
     env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
            **(extra_env or {})}
-    return runner.test(
-        test_module=test_module,
-        hdl_toplevel=top,
-        hdl_toplevel_lang="verilog",
-        build_dir=str(runner.build_dir),
-        test_dir=str(runner.build_dir),
-        extra_env=env,
-        test_args=list(test_args),
-        testcase=testcase,
-        parameters={},
-    )
+    with _stdout_to_stderr():  # the simulator's log is a log: `ctpu run --target rtl --json` keeps stdout JSON
+        return runner.test(
+            test_module=test_module,
+            hdl_toplevel=top,
+            hdl_toplevel_lang="verilog",
+            build_dir=str(runner.build_dir),
+            test_dir=str(runner.build_dir),
+            extra_env=env,
+            test_args=list(test_args),
+            testcase=testcase,
+            parameters={},
+        )
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Send file descriptor 1 (what the simulation subprocess inherits) to stderr for the block."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)

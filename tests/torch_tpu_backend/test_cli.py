@@ -31,12 +31,13 @@ def test_run_json_reports_checks_and_statistics(capsys: pytest.CaptureFixture[st
     assert stats["cycles"] >= stats["bundles"] > 0
 
 
-def test_demo_prints_the_gemm_check_and_utilization(capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_prints_the_gemm_check_and_utilization_then_the_llama(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo"]) == 0
     out = capsys.readouterr().out
-    assert "PASS" in out and "FAIL" not in out
+    assert out.count("PASS") >= 2 and "FAIL" not in out
     utilization = float(out.split("MXU utilization")[1].split()[0])
     assert utilization >= 0.90
+    assert "LlamaForCausalLM" in out and "1 kernel(s)" in out and "ops on the CPU: none" in out
 
 
 def test_errors_name_the_place_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
