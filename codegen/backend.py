@@ -30,7 +30,7 @@ from codegen.verify import verify_allocation, verify_loop_block, verify_pipeline
 from device_sim.asm import assemble
 from device_sim.program import Program
 
-MAX_SPILL_ROUNDS = 24
+MAX_SPILL_ROUNDS = 32
 PIPELINE_RETRIES = 4  # recompilations with lower register budgets for pipelined loops that spilled
 PIPELINE_BUDGET_STEP = 4
 

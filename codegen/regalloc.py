@@ -280,18 +280,29 @@ def _slot_occupancy(func: Function, spills: list[Reg], rows: list[int]
 
 
 def insert_spills(func: Function, spills: list[Reg], next_id: int, first_slot: int = 0) -> tuple[int, int]:
-    """Rewrite `func` so every register in `spills` lives in a vmem spill slot. Slots are reused: a value
-    takes the first slot whose content is dead (after its last fill) wherever the value is live, in program
-    order. Returns (next_id, slots in use)."""
+    """Rewrite `func` so every register in `spills` lives in a vmem spill slot, or, for a constant (one
+    definition, by an instruction without register operands: `li`, `viota`), is defined again before each
+    use instead. A value takes a slot no other value has used when there is one (a shared slot orders the
+    two values' accesses in memory, which can hold the spill store back); else the first slot whose content
+    is dead (after its last fill) wherever the value is live, in program order. Returns (next_id, slots in
+    use)."""
+    defs: dict[Reg, list[MInstr]] = {}
+    for blk in func.blocks:
+        for ins in blk.instrs:
+            if ins.dst is not None:
+                defs.setdefault(ins.dst, []).append(ins)
+    remat = {r: d[0] for r in spills if len(d := defs.get(r, [])) == 1 and not d[0].uses and not d[0].mem
+             and d[0].unit in (isa.Unit.SCALAR, isa.Unit.VECTOR)}
+    to_slot = [r for r in spills if r not in remat]
     rows = spill_rows(func)
-    occupied, intervals = _slot_occupancy(func, spills, rows)
+    occupied, intervals = _slot_occupancy(func, to_slot, rows)
     slot_of: dict[Reg, int] = {}
-    for r in sorted(spills, key=lambda r: (intervals[r].start, intervals[r].end) if r in intervals else (0, 0)):
+    for r in sorted(to_slot, key=lambda r: (intervals[r].start, intervals[r].end) if r in intervals else (0, 0)):
         segs = intervals[r].segments if r in intervals else []
-        for k in range(len(rows)):
-            if not _overlap(occupied.get(k, []), segs):
-                break
-        else:
+        k = next((k for k in range(len(rows)) if not occupied.get(k)), None)
+        if k is None:
+            k = next((k for k in range(len(rows)) if not _overlap(occupied[k], segs)), None)
+        if k is None:
             raise CapacityError(f"register allocation: the vmem spill area is full ({len(rows)} slots)")
         slot_of[r] = rows[k]
         occupied.setdefault(k, []).extend(segs)
@@ -305,9 +316,14 @@ def insert_spills(func: Function, spills: list[Reg], next_id: int, first_slot: i
     for blk in func.blocks:
         out: list[MInstr] = []
         for ins in blk.instrs:
+            if ins.dst in remat:
+                continue  # defined again at each use
             uses = list(ins.uses)
             for i, r in enumerate(uses):
-                if r in slot_of:
+                if r in remat:
+                    uses[i] = fresh(r.kind)
+                    out.append(dataclasses.replace(remat[r], dst=uses[i], comment="fill"))
+                elif r in slot_of:
                     out.extend(_fill(r, slot_of[r], fresh, uses, i))
             ins.uses = tuple(uses)
             out.append(ins)
@@ -317,7 +333,7 @@ def insert_spills(func: Function, spills: list[Reg], next_id: int, first_slot: i
                 ins.dst = new
                 out.extend(_spill(new, slot_of[r], fresh))
         blk.instrs = out  # control instructions define nothing, so no spill store follows them
-    return next_id, max(first_slot, len(occupied))
+    return next_id, max(first_slot, sum(1 for segs in occupied.values() if segs))
 
 
 def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> bool:

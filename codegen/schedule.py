@@ -113,18 +113,24 @@ def build_deps(instrs: list[MInstr]) -> list[Dep]:
 def schedule_block(instrs: list[MInstr]) -> list[list[MInstr]]:
     """List-schedule a block into bundles (critical-path priority, program order to break ties).
 
-    Two rounds: the second releases instructions without predecessors (constants: li, vbcast, viota) only
-    a few cycles before their first consumer issued in the first round, so they do not sit in registers."""
+    Two rounds: the second releases instructions without predecessors (constants: li, vbcast, viota) and
+    spill reloads only a few cycles before their first consumer issued in the first round (a reload chain
+    from its end backwards), so they do not sit in registers: a reload issued early would be as long-lived
+    as the value it replaces, and the allocator would spill it again."""
     if not instrs:
         return []
     deps = build_deps(instrs)
     first, times = _list_schedule(instrs, deps, [0] * len(instrs))
     has_pred = {d.succ for d in deps}
-    release = [0] * len(instrs)
+    late = [i not in has_pred or instrs[i].comment == "fill" for i in range(len(instrs))]
+    succs: dict[int, list[Dep]] = defaultdict(list)
     for d in deps:
-        if d.pred not in has_pred:
-            t = max(0, times[d.succ] - d.distance - 2)
-            release[d.pred] = t if release[d.pred] == 0 else min(release[d.pred], t)
+        succs[d.pred].append(d)
+    release = [0] * len(instrs)
+    for i in reversed(range(len(instrs))):  # successors come later in program order: their release is known
+        if late[i] and succs[i]:
+            release[i] = max(0, min((release[d.succ] if late[d.succ] and succs[d.succ] else times[d.succ])
+                                    - d.distance - 2 for d in succs[i]))
     second, _ = _list_schedule(instrs, deps, release)
     return second if len(second) <= len(first) + len(first) // 8 + 2 else first
 
