@@ -235,7 +235,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tenso
                   options: dict[str, Any] | None = None) -> CompiledGraph:
     """Compile `gm` to one CTPU program. `stages` holds the text of every stage (FX, MLIR before and after
     each upstream pass, the kernel graph, machine IR, scheduled bundles, assembly); `summary` the layout,
-    per-kernel instruction counts and the seconds each phase took."""
+    per-kernel instruction counts and bundles and the seconds each phase took. Options: `matmul_precision`,
+    `dump_dir`, `name`, `progress` (called with (kernels done, total) as the back end compiles each)."""
     options = dict(options or {})
     cfg = get_config(config)
     precision = options.get("matmul_precision", torch.get_float32_matmul_precision())

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -193,7 +194,8 @@ class CtpuKernel(torch.nn.Module):
         directory = cache.cache_dir() if opts.cache else None
         try:
             compiled, hit = cache.cached(directory, key, lambda: codegen.compile_graph(
-                sub, examples, config=opts.config, options={"matmul_precision": precision}))
+                sub, examples, config=opts.config,
+                options={"matmul_precision": precision, "progress": _progress_logger(name)}))
         except codegen.UnsupportedError as e:
             ops = ", ".join(CpuSegment(sub).op_names)
             warnings.warn(f"ctpu: segment {name} ({ops}) cannot run on the CTPU and falls back to CPU: {e}",
@@ -248,3 +250,17 @@ class CpuSegment(torch.nn.Module):
         for op in self.op_names:
             exec_stats.record_fallback(op)
         return self.sub(*args)
+
+
+def _progress_logger(name: str, every_seconds: float = 5.0) -> Callable[[int, int], None]:
+    """A `compile_graph` progress callback: logs (INFO, logger "ctpu.backend") how many kernels of a segment
+    are compiled, at most every few seconds, so a long compile shows it is moving."""
+    last = time.monotonic()
+
+    def report(done: int, total: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= every_seconds or done == total:
+            last = now
+            log.info("ctpu: %s: %d/%d kernels compiled", name, done, total)
+    return report
