@@ -13,6 +13,7 @@ graph may have any number of inputs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from codegen.builder import Builder
@@ -139,3 +140,32 @@ class KernelContext:
         vrow = b.const(region.row + row)
         b.emit(op, None, (hbm, vrow, shape, b.const(stride)), flag=self.flag(flag),
                mem=(region.mem(row, row + rows * p, write=load),))
+
+
+# ---- loops over vmem rows ----------------------------------------------------------------------------
+def chunk_loop(b: Builder, count: int, body: Callable[[Reg], None], hint: str, start: Reg = ZERO,
+               step: int = 8) -> None:
+    """body(off) for off = start, start + step, ... (`count` times): one run inline, more as a counted loop
+    whose offset register is an induction variable (`addi off, off, step` ends the body), which the back
+    end software-pipelines. Callers unroll short runs themselves when constant addresses pay."""
+    if count <= 0:
+        return
+    if count == 1:
+        body(start)
+        return
+    off = b.sreg()
+    b.emit("addi", off, (start,), imm=0)
+
+    def step_body() -> None:
+        body(off)
+        b.emit("addi", off, (off,), imm=step)
+
+    b.counted_loop(count, step_body, hint)
+
+
+def row_mem(region: Region, base: Reg, row: int, rows: int, write: bool = False) -> Mem:
+    """The rows an access at `base + region.row + row` touches: exact for constant addresses, the whole
+    region when the base is a loop register."""
+    if base == ZERO:
+        return region.mem(row, row + rows, write)
+    return region.mem(0, region.rows, write)

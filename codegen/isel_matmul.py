@@ -16,9 +16,9 @@ are accumulated, smallest first: "highest" 6 passes, "high" 3, "medium" 1. bf16 
 
 from __future__ import annotations
 
-from codegen.isel_common import KernelContext, Region
+from codegen.isel_common import KernelContext, Region, chunk_loop, row_mem
 from codegen.kernels import LoweringError, MatmulKernel, View
-from codegen.mir import Reg
+from codegen.mir import ZERO, Reg
 
 PASSES = {  # (part of A, part of B), accumulated in this order (small terms first)
     "highest": [(2, 0), (1, 1), (0, 2), (1, 0), (0, 1), (0, 0)],
@@ -26,6 +26,7 @@ PASSES = {  # (part of A, part of B), accumulated in this order (small terms fir
     "medium": [(0, 0)],
 }
 F_B, F_ST, F_A, F_MXU = 0, 2, 4, 8
+UNROLL_SPLIT_CHUNKS = 4  # splits of up to this many chunks of 8 vmem rows are unrolled, longer ones loop
 UNROLL_K_TILES = 4  # k loops up to this many tiles are unrolled, longer ones run as loops (more unrolled
 # tiles x up to 6 bf16 passes keep too many row constants live: allocation did not converge)
 
@@ -143,18 +144,26 @@ def _store_c(ctx: KernelContext, tile: Region, addr: Reg, rows: int, cols: int, 
 
 
 def _split(ctx: KernelContext, parts: list[Region], rows: int) -> None:
-    """parts[0] holds fp32 values; rewrite it and fill parts[1:] with the bf16 split (hi, mid, lo)."""
+    """parts[0] holds fp32 values; rewrite it and fill parts[1:] with the bf16 split (hi, mid, lo). Short
+    regions are unrolled; longer ones run a chunk loop (code size independent of the operand's size)."""
     b = ctx.b
-    zero = b.const(0)
-    for r in range(0, rows, 8):
+
+    def chunk(off: Reg, r: int = 0) -> None:
         x = b.vreg()
-        b.emit("vld", x, (zero,), imm=parts[0].row + r, mem=(parts[0].mem(r, r + 8),))
+        b.emit("vld", x, (off,), imm=parts[0].row + r, mem=(row_mem(parts[0], off, r, 8),))
         rest = x
         for q, region in enumerate(parts):
             part = b.vop("vcvt.bf", rest)
             if q + 1 < len(parts):
                 rest = b.vop("vsub.f", rest, part)
-            b.emit("vst", None, (part, zero), imm=region.row + r, mem=(region.mem(r, r + 8, True),))
+            b.emit("vst", None, (part, off), imm=region.row + r, mem=(row_mem(region, off, r, 8, write=True),))
+
+    chunks = -(-rows // 8)
+    if chunks <= UNROLL_SPLIT_CHUNKS:
+        for c in range(chunks):
+            chunk(ZERO, 8 * c)
+    else:
+        chunk_loop(b, chunks, chunk, "split")
 
 
 def _mxu(ctx: KernelContext, a_parts: list[Region], weights: list[Region], c_tile: Region,

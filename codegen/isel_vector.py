@@ -27,10 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from codegen.builder import Builder
-from codegen.isel_common import KernelContext, Region
+from codegen.isel_common import KernelContext, Region, chunk_loop, row_mem
 from codegen.kernels import ESIZE, FillKernel, GenericKernel, LoweringError, Operand, ScalarProgram, View
 from codegen.math_seqs import vexp, vrecip, vrsqrt, vsqrt, vtanh
-from codegen.mir import ZERO, Mem, Reg
+from codegen.mir import Reg
 
 MAX_TILE_VMEM_ROWS = 512  # vmem rows of one operand's tile (64 chunks): keeps double buffering useful
 UNROLL_CHUNKS = 4  # chunk sequences up to this long are unrolled, longer ones run as loops
@@ -220,34 +220,6 @@ def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], rows
         tile(i % 2, sizes[i], sizes[i + 1] if i + 1 < len(sizes) else 0)
 
 
-def _chunk_loop(b: Builder, count: int, body: Callable[[Reg], None], hint: str, start: Reg = ZERO,
-                step: int = 8) -> None:
-    """body(off) for off = start, start + step, ... (`count` times). Up to UNROLL_CHUNKS runs are unrolled
-    only when `start` is ZERO (constant addresses); otherwise a counted loop whose offset register is an
-    induction variable (`addi off, off, step` ends the body)."""
-    if count <= 0:
-        return
-    if count == 1:
-        body(start)
-        return
-    off = b.sreg()
-    b.emit("addi", off, (start,), imm=0)
-
-    def step_body() -> None:
-        body(off)
-        b.emit("addi", off, (off,), imm=step)
-
-    b.counted_loop(count, step_body, hint)
-
-
-def _mem(region: Region, base: Reg, row: int, rows: int, write: bool = False) -> Mem:
-    """The rows an access at `base + region.row + row` touches: exact for constant addresses, the whole
-    region when the base is a loop register."""
-    if base == ZERO:
-        return region.mem(row, row + rows, write)
-    return region.mem(0, region.rows, write)
-
-
 def _lane0_mask(b: Builder) -> Reg:
     return b.vop("vcmp.eq.i", b.vop_imm("viota", 0), b.vconst_bits(0))
 
@@ -257,11 +229,11 @@ def _broadcast_rows(b: Builder, col: Region, dst: Region, n: int, P: int) -> Non
     if P == 1:
         def chunk(off: Reg) -> None:
             v = b.vreg()
-            b.emit("vld", v, (off,), imm=col.row, mem=(_mem(col, off, 0, 8),))
+            b.emit("vld", v, (off,), imm=col.row, mem=(row_mem(col, off, 0, 8),))
             r = b.vop("vred.max.l", b.vop("vsel", _lane0_mask(b), v, b.vconst_bits(NEG_INF)))
-            b.emit("vst", None, (r, off), imm=dst.row, mem=(_mem(dst, off, 0, 8, True),))
+            b.emit("vst", None, (r, off), imm=dst.row, mem=(row_mem(dst, off, 0, 8, True),))
 
-        _chunk_loop(b, -(-n // 8), chunk, "bcast")
+        chunk_loop(b, -(-n // 8), chunk, "bcast")
         return
     P8 = -(-P // 8)
     row_base = b.sreg()
@@ -269,29 +241,29 @@ def _broadcast_rows(b: Builder, col: Region, dst: Region, n: int, P: int) -> Non
 
     def row(t: Reg) -> None:
         v = b.vreg()
-        b.emit("vld.row", v, (t,), imm=col.row, mem=(_mem(col, t, 0, 1),))
+        b.emit("vld.row", v, (t,), imm=col.row, mem=(row_mem(col, t, 0, 1),))
         r = b.vop("vred.max.l", b.vop("vsel", _lane0_mask(b), v, b.vconst_bits(NEG_INF)))
         if P8 <= UNROLL_CHUNKS:
             for j in range(P8):
-                b.emit("vst", None, (r, row_base), imm=dst.row + 8 * j, mem=(_mem(dst, row_base, 0, 8, True),))
+                b.emit("vst", None, (r, row_base), imm=dst.row + 8 * j, mem=(row_mem(dst, row_base, 0, 8, True),))
         else:
-            _chunk_loop(b, P8, lambda off: b.emit("vst", None, (r, off), imm=dst.row,
-                                                  mem=(_mem(dst, off, 0, 8, True),)), "bcast_row", row_base)
+            chunk_loop(b, P8, lambda off: b.emit("vst", None, (r, off), imm=dst.row,
+                                                  mem=(row_mem(dst, off, 0, 8, True),)), "bcast_row", row_base)
         b.emit("addi", row_base, (row_base,), imm=P)
 
-    _chunk_loop(b, n, row, "bcast_rows", step=1)
+    chunk_loop(b, n, row, "bcast_rows", step=1)
 
 
 def _load(b: Builder, s: Stream, p: int, base: Reg, row: int = 0) -> Reg:
     assert s.tiles is not None
     region = s.expanded if s.expanded is not None else s.tiles[p]
     v = b.vreg()
-    b.emit("vld", v, (base,), imm=region.row + row, mem=(_mem(region, base, row, 8),))
+    b.emit("vld", v, (base,), imm=region.row + row, mem=(row_mem(region, base, row, 8),))
     return v
 
 
 def _store(b: Builder, r: Reg, out: Region, base: Reg, row: int = 0) -> None:
-    b.emit("vst", None, (r, base), imm=out.row + row, mem=(_mem(out, base, row, 8, True),))
+    b.emit("vst", None, (r, base), imm=out.row + row, mem=(row_mem(out, base, row, 8, True),))
 
 
 def _map_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream], p: int, out: Region, n: int,
@@ -302,7 +274,7 @@ def _map_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream], p:
         env = {s.arg: _load(b, s, p, off) for s in streams[:-1]}
         _store(b, evaluate(b, body, env, body.yields[0]), out, off)
 
-    _chunk_loop(b, -(-n * P // 8), chunk, "map")
+    chunk_loop(b, -(-n * P // 8), chunk, "map")
 
 
 def _reduce_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream], p: int, out: Region, n: int,
@@ -321,7 +293,7 @@ def _reduce_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream],
                 f = b.vop("vsel", mask, f, b.vconst_bits(identity))
             _store(b, b.vop(vop, b.vop(red_l, f), _load(b, init, p, off)), out, off)
 
-        _chunk_loop(b, -(-n // 8), chunk, "reduce")
+        chunk_loop(b, -(-n // 8), chunk, "reduce")
         return
     tail = C % (8 * ctx.lanes)
     P8 = -(-P // 8)
@@ -339,7 +311,7 @@ def _reduce_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream],
             for j in range(plain):
                 b.emit(vop, acc, (acc, f_at(row_base, 8 * j)))
         else:
-            _chunk_loop(b, plain, lambda off: b.emit(vop, acc, (acc, f_at(off, 0))), "reduce_row", row_base)
+            chunk_loop(b, plain, lambda off: b.emit(vop, acc, (acc, f_at(off, 0))), "reduce_row", row_base)
         if tail:
             mask = b.vop("vcmp.lt.i", b.vop_imm("viota", 2), b.vconst_bits(tail))
             f = b.vop("vsel", mask, f_at(row_base, 8 * plain), b.vconst_bits(identity))
@@ -348,11 +320,11 @@ def _reduce_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream],
         iv = b.vreg()
         assert init.tiles is not None
         region = init.tiles[p]
-        b.emit("vld.row", iv, (t,), imm=region.row, mem=(_mem(region, t, 0, 1),))
+        b.emit("vld.row", iv, (t,), imm=region.row, mem=(row_mem(region, t, 0, 1),))
         _store(b, b.vop(vop, total, iv), out, t)
         b.emit("addi", row_base, (row_base,), imm=P)
 
-    _chunk_loop(b, n, row, "reduce_rows", step=1)
+    chunk_loop(b, n, row, "reduce_rows", step=1)
 
 
 def _split_reduction(body: ScalarProgram, out_arg: str) -> tuple[str, str]:

@@ -17,6 +17,7 @@ instructions per cycle) such that, with results landing at issue + latency and n
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -170,6 +171,11 @@ def _list_schedule(instrs: list[MInstr], deps: list[Dep], release: list[int]) ->
         grow = 1 if dst is not None and dst.kind == kind and remaining[dst] > 0 and dst not in counted else 0
         return grow - sum(1 for r in dying(i) if r.kind == kind)
 
+    def _reads_live(i: int, kind: str) -> bool:
+        """Whether `i` works on a live value of `kind` that is near its end (at most 2 reads left): it
+        continues a short chain. (A read of a long-lived base address does not count.)"""
+        return any(r.kind == kind and r in counted and remaining[r] <= 2 for r in instrs[i].uses)
+
     def commit(i: int) -> None:
         for r in dying(i):
             counted.discard(r)
@@ -213,6 +219,17 @@ def _list_schedule(instrs: list[MInstr], deps: list[Dep], release: list[int]) ->
                 lst.sort(key=prio.__getitem__)
                 heap.append((prio[lst[0]], u, 0))
         heapq.heapify(heap)
+        # Under pressure (live values of a kind at its limit) a new value of that kind waits while an
+        # instruction that frees one is ready or on its way (it comes within a latency: the wait is
+        # bounded); a value that starts a new chain (reads no live value of its kind, e.g. a load) also
+        # waits while one that continues a chain (`_reads_live`) can go, so chains finish before new ones
+        # start.
+        candidates = list(itertools.chain(*by_unit.values(), (p[1] for p in pending)))
+        frees, continues = {}, {}
+        for kind in ("s", "v"):
+            pressed = live[kind] >= PRESSURE_LIMIT[kind]
+            frees[kind] = pressed and any(growth(i, kind) < 0 for i in candidates)
+            continues[kind] = pressed and any(_reads_live(i, kind) for i in candidates)
         now = []
         while heap:
             _, unit, j = heapq.heappop(heap)
@@ -225,9 +242,9 @@ def _list_schedule(instrs: list[MInstr], deps: list[Dep], release: list[int]) ->
             if used[unit] >= SLOT_COUNT[unit]:
                 continue
             dst = instrs[i].dst
-            if (dst is not None and now and live[dst.kind] >= PRESSURE_LIMIT[dst.kind]
-                    and growth(i, dst.kind) > 0):
-                continue  # under pressure: at most one new value per cycle
+            if (dst is not None and live[dst.kind] >= PRESSURE_LIMIT[dst.kind] and growth(i, dst.kind) > 0
+                    and (now or frees[dst.kind] or (continues[dst.kind] and not _reads_live(i, dst.kind)))):
+                continue  # under pressure: at most one new value per cycle (see above)
             used[unit] += 1
             now.append(i)
             commit(i)
