@@ -204,3 +204,15 @@ def test_rotary_tables_from_positions() -> None:
 def test_bool_tensors_in_arithmetic() -> None:
     x = torch.randn(4, 9)
     check(lambda x: ((x > 0) * x + (x < 0).float() * 2.0, (x > 0).to(torch.int32) + 1), x)
+
+
+def test_more_inputs_than_scalar_registers() -> None:
+    """40 inputs (a model's weights are inputs): their addresses come from the argument table in the arena,
+    not from launch registers (there are 31), and every kernel still has the whole register file."""
+    xs = [torch.randn(3, 5) for _ in range(40)]
+
+    def f(*xs: torch.Tensor) -> torch.Tensor:
+        return sum(x * (i + 1) for i, x in enumerate(xs))
+
+    cg = check(f, *xs, rtol=1e-5, atol=1e-5)
+    assert cg.summary["launch"]["argument_table"][-1] == "arena" and len(cg.summary["launch"]["argument_table"]) == 41
