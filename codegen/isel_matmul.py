@@ -27,6 +27,7 @@ PASSES = {  # (part of A, part of B), accumulated in this order (small terms fir
 }
 F_B, F_ST, F_A, F_MXU = 0, 2, 4, 8
 UNROLL_SPLIT_CHUNKS = 4  # splits of up to this many chunks of 8 vmem rows are unrolled, longer ones loop
+MIN_N_TILE_PAIRS = 2  # n loops of fewer pairs of n-tiles are unrolled
 UNROLL_K_TILES = 4  # k loops up to this many tiles are unrolled, longer ones run as loops (more unrolled
 # tiles x up to 6 bf16 passes keep too many row constants live: allocation did not converge)
 
@@ -105,36 +106,61 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, batch: int, m0: int, rows: int,
     def c_addr(elem: int) -> Reg:
         return b.offset_reg(ptrs[1], elem * _esize(c)) if ptrs else ctx.hbm_addr(c, c.offset + c_off + elem)
 
-    def load_b(nt: int) -> None:
-        n0 = nt * L
-        ctx.dma(True, bm.dtype, ctx.hbm_addr(bm, b_off + n0), b_raw[nt % 2], 0, K, min(L, Nn - n0),
-                bm.strides[-2], F_B + nt % 2)
+    def cols(nt: int) -> int:
+        return min(L, Nn - nt * L)
 
-    load_b(0)
+    def b_addr(nt: int) -> Reg:
+        return ctx.hbm_addr(bm, b_off + nt * L)
+
+    def n_tile(p: int, wait_store: bool, store_prev: tuple[Reg, int] | None,
+               load_next: tuple[Reg, int] | None) -> None:
+        """One n-tile in buffer p: split B, the first MXU pass, the previous tile's C store and the next
+        tile's B load (both overlap the MXU), the other passes."""
+        b.emit("wait", flag=ctx.flag(F_B + p))
+        weights = [b_raw[p]] + [parts[p] for parts in b_parts[1:]]
+        if len(weights) > 1:
+            _split(ctx, weights, KT * L)
+        if wait_store:
+            b.emit("wait", flag=ctx.flag(F_ST + p))
+        commands = [(qa, qb, kt) for qa, qb in passes for kt in range(KT)]
+        _mxu(ctx, a_parts, weights, c_tiles[p], commands[:1], rows, mt, first=True, flag=F_MXU + p)
+        if store_prev is not None:
+            _store_c(ctx, c_tiles[1 - p], store_prev[0], rows, store_prev[1], c, 1 - p)
+        if load_next is not None:
+            ctx.dma(True, bm.dtype, load_next[0], b_raw[1 - p], 0, K, load_next[1], bm.strides[-2], F_B + 1 - p)
+        _mxu(ctx, a_parts, weights, c_tiles[p], commands[1:], rows, mt, first=False, flag=F_MXU + p)
+
+    def static_tile(nt: int) -> None:
+        n_tile(nt % 2, nt >= 2, (c_addr((nt - 1) * L), cols(nt - 1)) if nt >= 1 else None,
+               (b_addr(nt + 1), cols(nt + 1)) if nt + 1 < NT else None)
+
+    ctx.dma(True, bm.dtype, b_addr(0), b_raw[0], 0, K, cols(0), bm.strides[-2], F_B)
     for kt in range(KT):
         ctx.dma(True, a.dtype, a_addr(kt * L), a_parts[0], kt * mt, rows, min(L, K - kt * L), a.strides[-2], F_A)
     b.emit("wait", flag=ctx.flag(F_A))
     if len(a_parts) > 1:
         _split(ctx, a_parts, KT * mt)
-    for nt in range(NT):
-        p = nt % 2
-        b.emit("wait", flag=ctx.flag(F_B + p))
-        if len(b_parts) > 1:
-            _split(ctx, [b_raw[p]] + [parts[p] for parts in b_parts[1:]], KT * L)
-            weights = [b_raw[p]] + [parts[p] for parts in b_parts[1:]]
-        else:
-            weights = [b_raw[p]]
-        if nt >= 2:
-            b.emit("wait", flag=ctx.flag(F_ST + p))
-        commands = [(qa, qb, kt) for qa, qb in passes for kt in range(KT)]
-        _mxu(ctx, a_parts, weights, c_tiles[p], commands[:1], rows, mt, first=True, flag=F_MXU + p)
-        if nt >= 1:
-            _store_c(ctx, c_tiles[1 - p], c_addr((nt - 1) * L), rows, min(L, Nn - (nt - 1) * L), c, 1 - p)
-        if nt + 1 < NT:
-            load_b(nt + 1)
-        _mxu(ctx, a_parts, weights, c_tiles[p], commands[1:], rows, mt, first=False, flag=F_MXU + p)
+    # tiles 2 .. 2 * pairs + 1 run as a loop over pairs (buffers and flags alternate with constant names;
+    # the B and C addresses are pointer registers): their neighbours' loads and stores are full tiles
+    pairs = max(0, (NT - 4) // 2) if NT - 4 >= 2 * MIN_N_TILE_PAIRS else 0
+    for nt in range(min(NT, 2)):
+        static_tile(nt)
+    if pairs:
+        b_ptr, c_ptr = b.sreg(), b.sreg()
+        b.emit("addi", b_ptr, (b_addr(3),), imm=0)
+        b.emit("addi", c_ptr, (c_addr(L),), imm=0)
+
+        def pair() -> None:
+            for p in (0, 1):
+                n_tile(p, True, (c_ptr, L), (b_ptr, L))
+                b.addi(b_ptr, L * _esize(bm), b_ptr)
+                b.addi(c_ptr, L * _esize(c), c_ptr)
+
+        b.counted_loop(pairs, pair, "ntile")
+    for nt in range(2 + 2 * pairs, NT):
+        static_tile(nt)
     last = (NT - 1) % 2
-    _store_c(ctx, c_tiles[last], c_addr((NT - 1) * L), rows, min(L, Nn - (NT - 1) * L), c, last)
+    _store_c(ctx, c_tiles[last], c_addr((NT - 1) * L), rows, cols(NT - 1), c, last)
     ctx.end()
 
 

@@ -63,7 +63,7 @@ SMALL = HardwareConfig(
     hbm_bytes=16 << 20,
     hbm_bytes_per_cycle=32,
     dma_latency=32,
-    imem_bundles=32768,  # 1.1 MiB: a whole compiled model (the tiny Llama at "highest": 22.5k bundles)
+    imem_bundles=32768,  # 1.1 MiB: a whole compiled model (the tiny Llama at "highest": 16.4k bundles)
 )
 
 LARGE = HardwareConfig(
