@@ -55,6 +55,7 @@ class Stream:
     tiles: tuple[Region, Region] | None = None
     expanded: Region | None = None
     ptr: Reg | None = None  # HBM byte address of the next tile to load
+    base_reg: Reg | None = None  # HBM byte address of `base` when it is a loop register (a group loop)
 
 
 def lower_fill(ctx: KernelContext, k: FillKernel) -> None:
@@ -86,11 +87,36 @@ def lower_generic(ctx: KernelContext, k: GenericKernel) -> None:
     N = ctx.lanes
     P = -(-C // N)
     body_args = k.body.args
-    for g_index in _multi_index(groups):
+    # groups (outer dims not merged into rows): the longest group dim runs as a runtime loop whose
+    # operand addresses are pointer registers (code size independent of it), the others are unrolled
+    d, looped = _longest(groups) if groups else (0, 1)
+    looped = looped if looped > UNROLL_CHUNKS else 1
+    for g_index in _multi_index(groups[:d] + groups[d + 1:] if looped > 1 else groups):
+        if looped > 1:
+            g_index = (*g_index[:d], 0, *g_index[d:])
         base = [sum(i * s for i, s in zip(g_index, st, strict=False)) for st in strides]
         streams = [Stream(v, rs, v.offset + bo, "row" if st[-1] == 1 else "col", arg)
                    for v, rs, bo, st, arg in zip(views, row_strides, base, strides, body_args, strict=True)]
-        _tile_loop(ctx, k, streams, rows, C, P)
+        if looped == 1:
+            _tile_loop(ctx, k, streams, rows, C, P)
+            continue
+        for s in streams:
+            s.base_reg = ctx.b.sreg()
+            ctx.b.emit("addi", s.base_reg, (ctx.hbm_addr(s.view, s.base),), imm=0)
+
+        def group(streams: list[Stream] = streams) -> None:
+            _tile_loop(ctx, k, streams, rows, C, P)
+            for s, st in zip(streams, strides, strict=True):
+                if st[d]:
+                    ctx.b.addi(s.base_reg, st[d] * ESIZE[s.view.dtype], s.base_reg)
+
+        ctx.b.counted_loop(looped, group, "group")
+
+
+def _longest(dims: list[int]) -> tuple[int, int]:
+    """(index, size) of the longest dim (the first of equals): the one worth a runtime loop."""
+    d = max(range(len(dims)), key=lambda i: (dims[i], -i))
+    return d, dims[d]
 
 
 def _multi_index(dims: list[int]) -> list[tuple[int, ...]]:
@@ -102,30 +128,41 @@ def _multi_index(dims: list[int]) -> list[tuple[int, ...]]:
 
 def _materialize(ctx: KernelContext, view: View, st: list[int], sizes: list[int]) -> tuple[View, list[int]]:
     """Copy a transposed operand into HBM scratch in iteration order: one DMA pair per row (column in,
-    column out through lane 0 of C vmem rows); a runtime loop over the rows of a 2-D operand."""
+    column out through lane 0 of C vmem rows); a runtime loop over the longest outer dim."""
     b = ctx.b
     C = sizes[-1]
     esize = ESIZE[view.dtype]
     n_rows = math.prod(sizes[:-1]) if len(sizes) > 1 else 1
     reg, off = ctx.scratch_bytes(n_rows * C * esize)
     region = ctx.region(C, "gather")
-    if len(sizes) == 2 and n_rows > UNROLL_CHUNKS:
-        src, dst = b.sreg(), b.sreg()
-        b.emit("addi", src, (ctx.hbm_addr(view, view.offset),), imm=0)
-        b.emit("addi", dst, (b.offset_reg(reg, off),), imm=0)
+    outer = sizes[:-1] or [1]
 
-        def copy_row() -> None:
-            ctx.dma(True, view.dtype, src, region, 0, C, 1, st[-1], 6)
-            ctx.dma(False, view.dtype, dst, region, 0, C, 1, 1, 6)
-            b.addi(src, st[0] * esize, src)
-            b.addi(dst, C * esize, dst)
+    def pair(src: Reg, dst: Reg) -> None:
+        ctx.dma(True, view.dtype, src, region, 0, C, 1, st[-1], 6)
+        ctx.dma(False, view.dtype, dst, region, 0, C, 1, 1, 6)
 
-        b.counted_loop(n_rows, copy_row, "transpose")
-    else:
-        for r, idx in enumerate(_multi_index(sizes[:-1])):
-            src_el = view.offset + sum(i * s for i, s in zip(idx, st, strict=False))
-            ctx.dma(True, view.dtype, ctx.hbm_addr(view, src_el), region, 0, C, 1, st[-1], 6)
-            ctx.dma(False, view.dtype, b.offset_reg(reg, off + r * C * esize), region, 0, C, 1, 1, 6)
+    # the longest outer dim is a runtime loop (pointer registers) when long, the others are unrolled
+    d, count = _longest(outer)
+    src_step = st[d] * esize if len(sizes) > 1 else 0
+    dst_step = math.prod(outer[d + 1:]) * C * esize
+    for idx in _multi_index(outer[:d] + outer[d + 1:]):
+        full = (*idx[:d], 0, *idx[d:])
+        src = ctx.hbm_addr(view, view.offset + sum(i * s for i, s in zip(full, st, strict=False)))
+        dst_off = off + sum(i * math.prod(outer[j + 1:]) for j, i in enumerate(full)) * C * esize
+        if count > UNROLL_CHUNKS:
+            src_ptr, dst_ptr = b.sreg(), b.sreg()
+            b.emit("addi", src_ptr, (src,), imm=0)
+            b.emit("addi", dst_ptr, (b.offset_reg(reg, dst_off),), imm=0)
+
+            def copy_row(src: Reg = src_ptr, dst: Reg = dst_ptr) -> None:
+                pair(src, dst)
+                b.addi(src, src_step, src)
+                b.addi(dst, dst_step, dst)
+
+            b.counted_loop(count, copy_row, "transpose")
+        else:
+            for j in range(count):
+                pair(b.offset_reg(src, j * src_step), b.offset_reg(reg, dst_off + j * dst_step))
     b.emit("wait", flag=ctx.flag(6))
     name = f"scratch@{off}"
     ctx.hbm_base[name] = (reg, off)
@@ -181,9 +218,9 @@ def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], rows
     sizes = [min(tile_rows, rows - t0) for t0 in range(0, rows, tile_rows)]
     for s in loads:
         s.ptr = b.sreg()
-        b.emit("addi", s.ptr, (ctx.hbm_addr(s.view, s.base),), imm=0)
+        b.emit("addi", s.ptr, (s.base_reg or ctx.hbm_addr(s.view, s.base),), imm=0)
     out_ptr = b.sreg()
-    b.emit("addi", out_ptr, (ctx.hbm_addr(out.view, out.base),), imm=0)
+    b.emit("addi", out_ptr, (out.base_reg or ctx.hbm_addr(out.view, out.base),), imm=0)
 
     def issue_loads(p: int, n: int) -> None:
         for s in loads:
