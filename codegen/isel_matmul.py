@@ -16,6 +16,8 @@ are accumulated, smallest first: "highest" 6 passes, "high" 3, "medium" 1. bf16 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from codegen.isel_common import KernelContext, Region, chunk_loop, row_mem
 from codegen.kernels import LoweringError, MatmulKernel, View
 from codegen.mir import ZERO, Reg
@@ -27,6 +29,7 @@ PASSES = {  # (part of A, part of B), accumulated in this order (small terms fir
 }
 F_B, F_ST, F_A, F_MXU = 0, 2, 4, 8
 UNROLL_SPLIT_CHUNKS = 4  # splits of up to this many chunks of 8 vmem rows are unrolled, longer ones loop
+UNROLL_BATCHES = 2  # batched matmuls of more batches run a batch loop
 MIN_N_TILE_PAIRS = 2  # n loops of fewer pairs of n-tiles are unrolled
 UNROLL_K_TILES = 4  # k loops up to this many tiles are unrolled, longer ones run as loops (more unrolled
 # tiles x up to 6 bf16 passes keep too many row constants live: allocation did not converge)
@@ -62,55 +65,84 @@ def lower_matmul(ctx: KernelContext, k: MatmulKernel) -> None:
         for r in b_raw:
             row = KT * L - 8
             ctx.b.emit("vst", None, (zero, ctx.b.const(0)), imm=r.row + row, mem=(r.mem(row, row + 8, True),))
+    m_tiles = [(m0, min(mt, M - m0)) for m0 in range(0, M, mt)]
+    tiles = (a_parts, b_raw, b_parts, c_tiles, passes, KT, NT)
+    b = ctx.b
+    if B > UNROLL_BATCHES:  # batches as a runtime loop: pointer registers at each batch's A, B and C
+        pa, pb, pc = b.sreg(), b.sreg(), b.sreg()
+        for ptr, v in ((pa, a), (pb, bm), (pc, c)):
+            b.emit("addi", ptr, (ctx.hbm_addr(v, v.offset),), imm=0)
+
+        def batch_body() -> None:
+            for m0, rows in m_tiles:
+                _m_tile(ctx, k, rows, _At(pa, m0 * a.strides[-2]), _At(pb, 0), _At(pc, m0 * c.strides[-2]), *tiles)
+            for ptr, v in ((pa, a), (pb, bm), (pc, c)):
+                if v.strides[0]:
+                    b.addi(ptr, v.strides[0] * _esize(v), ptr)
+
+        b.counted_loop(B, batch_body, "batch")
+        return
     for batch in range(B):
-        m_tiles = [(m0, min(mt, M - m0)) for m0 in range(0, M, mt)]
+        a0, b0, c0 = ((v.offset + (v.strides[0] * batch if batched else 0)) for v in (a, bm, c))
+        rest = m_tiles
         full = [t for t in m_tiles if t[1] == mt]
-        if len(full) >= 3:
-            a_reg = ctx.hbm_addr(a, a.offset + (a.strides[0] * batch if batched else 0))
-            c_reg = ctx.hbm_addr(c, c.offset + (c.strides[0] * batch if batched else 0))
-            a_ptr, c_ptr = ctx.b.sreg(), ctx.b.sreg()
-            ctx.b.emit("addi", a_ptr, (a_reg,), imm=0)
-            ctx.b.emit("addi", c_ptr, (c_reg,), imm=0)
+        if len(full) >= 3:  # m-tiles as a runtime loop: pointer registers at the tile's A and C rows
+            pa, pc = b.sreg(), b.sreg()
+            b.emit("addi", pa, (ctx.hbm_addr(a, a0),), imm=0)
+            b.emit("addi", pc, (ctx.hbm_addr(c, c0),), imm=0)
 
-            def body(a_ptr: Reg = a_ptr, c_ptr: Reg = c_ptr, batch: int = batch) -> None:
-                _m_tile(ctx, k, batch, 0, mt, (a_ptr, c_ptr), a_parts, b_raw, b_parts, c_tiles, passes, KT, NT)
-                ctx.b.addi(a_ptr, mt * a.strides[-2] * _esize(a), a_ptr)
-                ctx.b.addi(c_ptr, mt * c.strides[-2] * _esize(c), c_ptr)
+            def m_body(pa: Reg = pa, pc: Reg = pc, b0: int = b0) -> None:
+                _m_tile(ctx, k, mt, _At(pa, 0), _At(None, b0), _At(pc, 0), *tiles)
+                b.addi(pa, mt * a.strides[-2] * _esize(a), pa)
+                b.addi(pc, mt * c.strides[-2] * _esize(c), pc)
 
-            ctx.b.counted_loop(len(full), body, "mtile")
-            m_tiles = m_tiles[len(full):]
-        for m0, rows in m_tiles:
-            _m_tile(ctx, k, batch, m0, rows, None, a_parts, b_raw, b_parts, c_tiles, passes, KT, NT)
+            b.counted_loop(len(full), m_body, "mtile")
+            rest = m_tiles[len(full):]
+        for m0, rows in rest:
+            _m_tile(ctx, k, rows, _At(None, a0 + m0 * a.strides[-2]), _At(None, b0),
+                    _At(None, c0 + m0 * c.strides[-2]), *tiles)
+
+
+@dataclass(frozen=True)
+class _At:
+    """Where an operand's part starts: `elem` elements past a pointer register, or past its buffer's start
+    (reg None: the address is built from the argument table)."""
+
+    reg: Reg | None
+    elem: int
+
+    def addr(self, ctx: KernelContext, view: View, elem: int) -> Reg:
+        if self.reg is None:
+            return ctx.hbm_addr(view, self.elem + elem)
+        return ctx.b.offset_reg(self.reg, (self.elem + elem) * _esize(view))
 
 
 def _esize(v: View) -> int:
     return 2 if v.dtype == "bf16" else 4
 
 
-def _m_tile(ctx: KernelContext, k: MatmulKernel, batch: int, m0: int, rows: int, ptrs: tuple[Reg, Reg] | None,
+def _m_tile(ctx: KernelContext, k: MatmulKernel, rows: int, a_at: _At, b_at: _At, c_at: _At,
             a_parts: list[Region], b_raw: list[Region], b_parts: list[list[Region]], c_tiles: list[Region],
             passes: list[tuple[int, int]], KT: int, NT: int) -> None:
+    """One m-tile (`rows` rows of A and C) against all of B: A loaded and split once, B and C tiles
+    double-buffered across the n-tiles."""
     b = ctx.b
     a, bm, c = k.a, k.b, k.c
     L = ctx.lanes
     K, Nn = a.shape[-1], bm.shape[-1]
-    batched = len(c.shape) == 3
     mt = a_parts[0].rows // KT
-    a_off = (a.strides[0] * batch if batched else 0) + m0 * a.strides[-2]
-    c_off = (c.strides[0] * batch if batched else 0) + m0 * c.strides[-2]
-    b_off = bm.offset + (bm.strides[0] * batch if batched else 0)
 
     def a_addr(elem: int) -> Reg:
-        return b.offset_reg(ptrs[0], elem * _esize(a)) if ptrs else ctx.hbm_addr(a, a.offset + a_off + elem)
+        return a_at.addr(ctx, a, elem)
 
     def c_addr(elem: int) -> Reg:
-        return b.offset_reg(ptrs[1], elem * _esize(c)) if ptrs else ctx.hbm_addr(c, c.offset + c_off + elem)
+        return c_at.addr(ctx, c, elem)
 
     def cols(nt: int) -> int:
         return min(L, Nn - nt * L)
 
     def b_addr(nt: int) -> Reg:
-        return ctx.hbm_addr(bm, b_off + nt * L)
+        return b_at.addr(ctx, bm, nt * L)
 
     def n_tile(p: int, wait_store: bool, store_prev: tuple[Reg, int] | None,
                load_next: tuple[Reg, int] | None) -> None:
