@@ -7,8 +7,8 @@
                                          inputs and checks outputs against their numpy references
     ctpu demo                            the main job: the shipped GEMM, checked, with its MXU utilization,
                                          then the tiny Llama compiled with backend="ctpu", checked vs eager
-    ctpu llama [--target sim] [--dtype float32|bfloat16]
-                                         the tiny Llama compiled with backend="ctpu", logits checked vs eager
+    ctpu llama [--target sim] [--dtype float32|bfloat16] [--layers 2] [--hidden 64] [--vocab 128] [--tokens 8]
+                                         a Llama (random weights) compiled with backend="ctpu", checked vs eager
     ctpu bench [--models-only]           benchmarks (JSON): compiled GEMM utilization vs the hand-written one,
                                          bundles / cycles / ops per bundle per graph, whole models (Llama)
     ctpu isa                             the instruction table, as markdown
@@ -80,7 +80,8 @@ def _cmd_llama(args: argparse.Namespace) -> int:
     from torch_tpu_backend import llama_demo
 
     result = llama_demo.run(target=args.target, config=args.config, dtype=getattr(torch, args.dtype),
-                            tokens=args.tokens, precision=args.precision)
+                            tokens=args.tokens, precision=args.precision, layers=args.layers, hidden=args.hidden,
+                            vocab=args.vocab)
     print(json.dumps(result, indent=2) if args.json else llama_demo.summary(result))
     return 0 if result["passed"] else 1
 
@@ -141,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     ll.add_argument("--config", choices=["small", "large"], default="small")
     ll.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ll.add_argument("--tokens", type=int, default=8)
+    ll.add_argument("--layers", type=int, default=2)
+    ll.add_argument("--hidden", type=int, default=64, help="a multiple of 32 (head dim 16, GQA 2:1)")
+    ll.add_argument("--vocab", type=int, default=128)
     ll.add_argument("--precision", choices=["highest", "high", "medium"], default="highest")
     ll.add_argument("--json", action="store_true")
     ll.set_defaults(fn=_cmd_llama)

@@ -17,20 +17,27 @@ import torch
 TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (5e-2, 5e-2)}
 
 
-def tiny_llama(dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+def tiny_llama(dtype: torch.dtype = torch.float32, seed: int = 0, layers: int = 2, hidden: int = 64,
+               vocab: int = 128) -> torch.nn.Module:
+    """A LlamaForCausalLM with random weights from `seed`: head dim 16, half as many KV heads as query
+    heads (grouped-query attention), an MLP twice as wide as `hidden`. The defaults are the tiny Llama."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if hidden % 32:
+        raise ValueError(f"hidden size {hidden} is not a multiple of 32 (head dim 16, GQA with 2 groups)")
     torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, use_cache=False)
+    heads = hidden // 16
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=heads // 2, vocab_size=vocab,
+                      max_position_embeddings=128, use_cache=False)
     return LlamaForCausalLM(cfg).to(dtype).eval()
 
 
 def run(target: str = "sim", config: str = "small", dtype: torch.dtype = torch.float32, tokens: int = 8,
-        precision: str = "highest") -> dict[str, Any]:
+        precision: str = "highest", layers: int = 2, hidden: int = 64, vocab: int = 128) -> dict[str, Any]:
     import torch_tpu_backend.stats as ctpu_stats
 
-    model = tiny_llama(dtype)
+    model = tiny_llama(dtype, layers=layers, hidden=hidden, vocab=vocab)
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1))
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(precision)
@@ -51,7 +58,8 @@ def run(target: str = "sim", config: str = "small", dtype: torch.dtype = torch.f
     err = (logits - expected).abs()
     stats = ctpu_stats.last()
     return {
-        "model": "LlamaForCausalLM(hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 128)", "tokens": tokens,
+        "model": f"LlamaForCausalLM(hidden {hidden}, {layers} layers, {hidden // 16} heads, {hidden // 32} KV heads, "
+                 f"vocab {vocab})", "tokens": tokens,
         "dtype": str(dtype).removeprefix("torch."), "target": target, "config": config,
         "matmul_precision": precision,
         "passed": bool(torch.allclose(logits, expected, rtol=rtol, atol=atol)) and not stats.fallback_ops,

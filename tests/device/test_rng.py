@@ -51,3 +51,16 @@ def test_seeded_ops_without_generator_argument_use_the_ctpu_generator() -> None:
     torch.ctpu.manual_seed(0)
     b = torch.nn.functional.dropout(x, 0.5)
     assert torch.equal(a.cpu(), b.cpu())
+
+
+def test_rng_state_calls_are_not_traced_by_dynamo() -> None:
+    # freeze_rng_state (OpInfo's wrapper_set_seed) restores torch.ctpu's state inside no_dispatch(); if dynamo
+    # compiled that frame it would fake the state tensor there and fail. Like torch.cuda's, they run eagerly.
+    from torch.testing._utils import wrapper_set_seed
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda t: wrapper_set_seed(torch.Tensor.item, t), backend="ctpu", dynamic=False)
+    assert f(torch.tensor(2.5)) == 2.5
+    state = torch.ctpu.get_rng_state()
+    torch.compile(lambda s: torch.ctpu.set_rng_state(s), backend="ctpu", dynamic=False)(state)
+    assert torch.equal(torch.ctpu.get_rng_state(), state)

@@ -203,6 +203,17 @@ def test_tiny_llama_bf16() -> None:
     run_one_kernel(lambda ids: model(ids, use_cache=False).logits, ids, rtol=3e-2, atol=3e-2)
 
 
+def test_four_layer_llama_with_39_inputs_is_one_kernel() -> None:
+    """hidden 128, 4 layers, vocab 512, 16 tokens: 39 inputs (more than the 31 scalar registers: the
+    argument table), batched attention matmuls (batch loop), 64 n-tiles in the head (n-tile loop)."""
+    from torch_tpu_backend.llama_demo import tiny_llama as llama
+
+    torch.set_float32_matmul_precision("highest")
+    model = llama(torch.float32, layers=4, hidden=128, vocab=512)
+    ids = torch.randint(0, 512, (1, 16))
+    run_one_kernel(lambda ids: model(ids, use_cache=False).logits, ids, rtol=1e-4, atol=1e-4)
+
+
 def test_dump_dir_has_every_codegen_stage(tmp_path: Path) -> None:
     from codegen.mlir_pipeline import PIPELINE
 

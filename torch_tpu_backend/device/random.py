@@ -3,11 +3,16 @@
 The generator is a C++ CPUGeneratorImpl labelled ctpu (csrc/ctpu/hooks.cpp): random ops run as CPU kernels
 with its state (see fallback.py), so randn on ctpu is deterministic under manual_seed and equals randn on
 the CPU under the same seed.
+
+The state functions run eagerly, never traced by dynamo (torch.cuda's are in its skip list): OpInfo's
+freeze_rng_state calls set_rng_state inside no_dispatch(), where dynamo cannot fake the state tensor.
+(The seeding functions are left alone: decorating them would import dynamo on every torch.manual_seed.)
 """
 
 from __future__ import annotations
 
 import torch
+from torch import _disable_dynamo
 
 from torch_tpu_backend.device import _C
 from torch_tpu_backend.device.memory import DeviceLike, _check_device
@@ -38,18 +43,22 @@ def initial_seed() -> int:
     return default_generator().initial_seed()
 
 
+@_disable_dynamo
 def get_rng_state(device: DeviceLike = "ctpu") -> torch.Tensor:
     return default_generator(device).get_state()
 
 
+@_disable_dynamo
 def set_rng_state(new_state: torch.Tensor, device: DeviceLike = "ctpu") -> None:
     default_generator(device).set_state(new_state)
 
 
+@_disable_dynamo
 def get_rng_state_all() -> list[torch.Tensor]:
     return [get_rng_state()]
 
 
+@_disable_dynamo
 def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
     (state,) = new_states
     set_rng_state(state)
