@@ -237,7 +237,7 @@ def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], rows
         for s in streams[:-1]:
             if s.expanded is not None:
                 assert s.tiles is not None
-                _broadcast_rows(b, s.tiles[p], s.expanded, n, P)
+                _broadcast_rows(b, s.tiles[p], s.expanded, n, P, s.view.dtype in ("i32", "i1"))
         b.emit("wait", flag=ctx.flag(F_ST + p))
         if k.reduction:
             _reduce_tile(ctx, k.body, streams, p, out_tiles[p], n, C, P)
@@ -261,13 +261,28 @@ def _lane0_mask(b: Builder) -> Reg:
     return b.vop("vcmp.eq.i", b.vop_imm("viota", 0), b.vconst_bits(0))
 
 
-def _broadcast_rows(b: Builder, col: Region, dst: Region, n: int, P: int) -> None:
-    """dst (row layout, P vmem rows per row) = the lane-0 value of each of the n rows of `col`."""
+def _lane0_everywhere(b: Builder, v: Reg, integer: bool) -> Reg:
+    """Each row's lane-0 value in every lane: a max across lanes over -inf elsewhere. Integer and bool
+    bits are not fp32 values (a NaN or subnormal pattern would not survive a float max), so they travel
+    as two exact 16-bit halves converted to fp32 and back."""
+    def spread(x: Reg) -> Reg:
+        return b.vop("vred.max.l", b.vop("vsel", _lane0_mask(b), x, b.vconst_bits(NEG_INF)))
+    if not integer:
+        return spread(v)
+    sixteen = b.vconst_bits(16)
+    lo = b.vop("vcvt.i2f", b.vop("vand", v, b.vconst_bits(0xFFFF)))
+    hi = b.vop("vcvt.i2f", b.vop("vshr", v, sixteen))
+    return b.vop("vor", b.vop("vshl", b.vop("vcvt.f2i", spread(hi)), sixteen), b.vop("vcvt.f2i", spread(lo)))
+
+
+def _broadcast_rows(b: Builder, col: Region, dst: Region, n: int, P: int, integer: bool = False) -> None:
+    """dst (row layout, P vmem rows per row) = the lane-0 value of each of the n rows of `col` (integer:
+    int32 / bool bits, copied exactly)."""
     if P == 1:
         def chunk(off: Reg) -> None:
             v = b.vreg()
             b.emit("vld", v, (off,), imm=col.row, mem=(row_mem(col, off, 0, 8),))
-            r = b.vop("vred.max.l", b.vop("vsel", _lane0_mask(b), v, b.vconst_bits(NEG_INF)))
+            r = _lane0_everywhere(b, v, integer)
             b.emit("vst", None, (r, off), imm=dst.row, mem=(row_mem(dst, off, 0, 8, True),))
 
         chunk_loop(b, -(-n // 8), chunk, "bcast")
@@ -279,7 +294,7 @@ def _broadcast_rows(b: Builder, col: Region, dst: Region, n: int, P: int) -> Non
     def row(t: Reg) -> None:
         v = b.vreg()
         b.emit("vld.row", v, (t,), imm=col.row, mem=(row_mem(col, t, 0, 1),))
-        r = b.vop("vred.max.l", b.vop("vsel", _lane0_mask(b), v, b.vconst_bits(NEG_INF)))
+        r = _lane0_everywhere(b, v, integer)
         if P8 <= UNROLL_CHUNKS:
             for j in range(P8):
                 b.emit("vst", None, (r, row_base), imm=dst.row + 8 * j, mem=(row_mem(dst, row_base, 0, 8, True),))

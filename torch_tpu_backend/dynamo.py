@@ -89,7 +89,14 @@ class GraphCompiler:
         self.graphs += 1
         dump = GraphDump(_dump_path(self.opts), cache.make_key(str(gm.graph), _signature(example_inputs)))
         dump.stage("fx_aten", gm.print_readable(print_output=False))
-        gm, report = fx_passes.run_passes(gm, example_inputs)
+        try:
+            gm, report = fx_passes.run_passes(gm, example_inputs)
+        except Exception as e:  # the passes refuse the graph (a symbolic size) or fail: all of it on the CPU
+            log.info("ctpu: fx_passes refused graph %d", self.graphs, exc_info=True)
+            warnings.warn(f"ctpu: graph {self.graphs} runs on the CPU: {type(e).__name__}: {str(e)[:300]}",
+                          _fallback_warning(), stacklevel=2)
+            gm.recompile()  # the passes keep the graph's meaning: whatever they did before failing runs as is
+            return CpuSegment(gm)
         dump.stage("fx_after_passes", gm.print_readable(print_output=False))
         dump.stage("fx_passes_report", report.summary())
         if self.opts.target == "ptx":

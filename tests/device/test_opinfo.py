@@ -48,7 +48,9 @@ SKIP_PREFIX = {"sparse.": "sparse tensors are not supported on ctpu"}
 LOOSE = {"nn.functional.scaled_dot_product_attention"}
 # Matmuls that run on the matrix unit: "highest" precision (6 bf16 passes) is fp32-accurate per product,
 # but sums k-ascending in 8-wide tiles, an order other than the CPU's blocked one; the difference is a few
-# ulp of sum_k |x_k w_k| (numerics contract), so an absolute term is needed near cancellations.
+# ulp of sum_k |x_k w_k| (numerics contract), so an absolute term is needed near cancellations. Where that
+# is not enough (ill-conditioned samples: attention over scores of ~1e5, where an ulp of a score moves the
+# softmax), the result passes if it is as close to float64 as the CPU's (_as_accurate_as_cpu).
 MXU = {"matmul", "__rmatmul__", "mm", "bmm", "addmm", "linear", "einsum", "nn.functional.linear",
        "nn.functional.multi_head_attention_forward", "nn.functional.bilinear", "inner", "matrix_exp"}
 # A representative part for CI: elementwise, reductions, matmuls, views and indexing, normalisation,
@@ -109,7 +111,7 @@ def check_op(op: Any, device: str, assert_equal: Callable[[Any, Any, str], None]
     """Run the float32 samples of `op` on the CPU and on `device` (eager) or compiled with backend="ctpu";
     the outcome and why."""
     result: dict[str, Any] = {"op": op.name, "variant": op.variant_test_name, "samples": 0, "fallback_ops": [],
-                              "mode": mode}
+                              "kernels_launched": 0, "mode": mode}
     reason = SKIP.get(op.name) or next((r for p, r in SKIP_PREFIX.items() if op.name.startswith(p)), None)
     if mode == "compile" and op.name.startswith(COMPILE_SKIP_PREFIX):
         reason = "random op: torch.compile draws from its own generator stream"
@@ -135,6 +137,7 @@ def check_op(op: Any, device: str, assert_equal: Callable[[Any, Any, str], None]
         run = stats.last()
         fallbacks.update(run.fallback_ops)
         result["samples"] += 1
+        result["kernels_launched"] += run.kernels_launched
         if isinstance(dev_err, torch.OutOfMemoryError):
             return {**result, "status": "skipped", "reason": f"sample does not fit in HBM: {dev_err}"[:200]}
         if cpu_err is not None or dev_err is not None:
@@ -156,11 +159,40 @@ def check_op(op: Any, device: str, assert_equal: Callable[[Any, Any, str], None]
             assert_equal(tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, actual), expected,
                          op.name)
         except AssertionError as err:
-            return {**result, "status": "mismatch", "reason": str(err)[:300]}
+            if not (op.name in MXU and _as_accurate_as_cpu(op, sample, actual, expected)):
+                return {**result, "status": "mismatch", "reason": str(err)[:300]}
         sample_status = "fallback" if run.fallback_ops else "ctpu" if run.kernels_launched else "native"
         status = max(status, sample_status, key=STATUS_ORDER.index)
     result["fallback_ops"] = sorted(fallbacks)
     return {**result, "status": status, "reason": reason}
+
+
+def _as_accurate_as_cpu(op: Callable[..., Any], sample: Any, actual: Any, expected: Any) -> bool:
+    """Is every float result as close to the float64 result as the CPU's float32 one: within twice the
+    CPU's own error, or 1e-5 of the largest |value|? NaNs and everything else must match exactly."""
+    torch.manual_seed(0)
+    s64 = sample.transform(lambda t: t.double() if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t)
+    try:
+        reference = op(s64.input, *s64.args, **s64.kwargs)
+    except Exception:
+        return False
+    (a_leaves, a_spec), (e_leaves, e_spec), (r_leaves, r_spec) = map(tree_flatten, (actual, expected, reference))
+    if not a_spec == e_spec == r_spec:
+        return False
+    for a, e, r in zip(a_leaves, e_leaves, r_leaves, strict=True):
+        if isinstance(a, torch.Tensor) != isinstance(e, torch.Tensor):
+            return False
+        if not isinstance(e, torch.Tensor) or not e.is_floating_point():
+            if not (torch.equal(a.cpu(), e) if isinstance(e, torch.Tensor) else a == e):
+                return False
+            continue
+        a, e, r = a.cpu().double(), e.double(), r.double()
+        if a.shape != e.shape or r.shape != e.shape or not torch.equal(a.isnan(), e.isnan()):
+            return False
+        a, e, r = (t.nan_to_num(0.0) for t in (a, e, r))
+        if a.numel() and (a - r).abs().max() > max(2 * (e - r).abs().max(), 1e-5 * r.abs().max()):
+            return False
+    return True
 
 
 def _tolerance(name: str) -> dict[str, float]:
@@ -211,6 +243,33 @@ class TestOpInfoCompileFull(_OpInfoCheck):
         self._check(device, op, "compile")
 
 
+def test_as_accurate_as_cpu_compares_with_float64() -> None:
+    from torch.testing._internal.opinfo.core import SampleInput
+
+    sample, op = SampleInput(torch.linspace(-1, 1, 7)), lambda x: (x * 3.1, x.argmax())
+    expected = op(sample.input)
+    assert _as_accurate_as_cpu(op, sample, (expected[0].nextafter(torch.tensor(9.0)), expected[1]), expected)
+    assert not _as_accurate_as_cpu(op, sample, (expected[0] + 1e-3, expected[1]), expected)  # 3e-5 allowed
+    assert not _as_accurate_as_cpu(op, sample, (expected[0], expected[1] + 1), expected)  # integers: exact
+    assert not _as_accurate_as_cpu(op, sample, (expected[0] * float("nan"), expected[1]), expected)
+
+
+def test_ill_conditioned_attention_passes_against_float64() -> None:
+    # Attention scores of ~1e5 (OpInfo's inputs in [-9, 9]): the CPU's float32 result is 0.046 from float64 and
+    # the ctpu's 0.023, so they differ by more than the MXU tolerance; both are float32-accurate.
+    from torch.testing import make_tensor
+    from torch.testing._internal.opinfo.core import SampleInput
+
+    torch.manual_seed(181)
+    q, k, v, w, b, ow, ob, mask = (make_tensor(s, dtype=torch.float32, device="cpu", low=-9, high=9) for s in
+                                   [(3, 2, 4), (5, 2, 4), (5, 2, 4), (12, 4), (12,), (4, 4), (4,), (3, 5)])
+    sample = SampleInput(q, args=(k, v, 4, 2, w, b, None, None, False, 0.0, ow, ob), kwargs={"attn_mask": mask})
+    op = lambda *a, **kw: torch.nn.functional.multi_head_attention_forward(*a, training=False, **kw)[0]
+    expected, _ = _run(op, sample)
+    actual, err = _run(op, _to_device(sample, "ctpu"))
+    assert err is None and _as_accurate_as_cpu(op, sample, actual.cpu(), expected)
+
+
 for _case in (TestOpInfoCI, TestOpInfoFull, TestOpInfoCompileCI, TestOpInfoCompileFull):
     instantiate_device_type_tests(_case, globals(), only_for="privateuse1")
 
@@ -234,6 +293,8 @@ def main() -> None:
     counts = Counter(o["status"] for o in outcomes)
     fallback_ops = Counter(name for o in outcomes for name in o["fallback_ops"])
     report = {"torch": torch.__version__, "mode": args.mode, "opinfos": len(outcomes), "counts": dict(counts),
+              "fallback_with_ctpu_kernels": sum(o["status"] == "fallback" and o["kernels_launched"] > 0
+                                                for o in outcomes),
               "seconds": round(time.time() - start, 1),
               "skipped": {f"{o['op']}.{o['variant']}".rstrip("."): o["reason"] for o in outcomes
                           if o["status"] == "skipped"},
@@ -241,7 +302,7 @@ def main() -> None:
               "aten_ops_on_cpu": dict(fallback_ops.most_common()), "outcomes": outcomes}
     with open(args.report, "w") as f:
         json.dump(report, f, indent=1, default=str)
-    print(json.dumps({k: report[k] for k in ("opinfos", "counts", "seconds")}))
+    print(json.dumps({k: report[k] for k in ("opinfos", "counts", "fallback_with_ctpu_kernels", "seconds")}))
     for o in report["failed"]:
         print(o["status"], o["op"], o["variant"], o["reason"][:200])
 

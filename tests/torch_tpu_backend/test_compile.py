@@ -203,6 +203,28 @@ def test_tiny_llama_bf16() -> None:
     run_one_kernel(lambda ids: model(ids, use_cache=False).logits, ids, rtol=3e-2, atol=3e-2)
 
 
+def test_broadcast_integer_and_bool_columns_keep_their_bits() -> None:
+    """A column broadcast across lanes moves int32 / bool bits exactly (found by OpInfo masked.mean: a
+    broadcast bool summed to 0, since ~0 is a NaN pattern to a float max)."""
+    mask = torch.rand(3, 2, 1, 1) > 0.5
+    ints = torch.randint(-70000, 70000, (3, 2, 1, 1), dtype=torch.int32)
+    run_one_kernel(lambda m: m.expand(3, 2, 1, 2).sum(-1).float(), mask, rtol=0, atol=0)
+    ctpu_stats.reset()
+    run_one_kernel(lambda x: (x.expand(3, 2, 1, 5) + 0).float(), ints, rtol=0, atol=0)
+
+
+def test_graphs_the_passes_refuse_run_on_the_cpu_with_a_warning() -> None:
+    """OpInfo found these: a list index makes a tensor constant with a symbolic size (static shapes only),
+    and a graph without inputs has no fake values. Either way: the right answer, one warning, no crash."""
+    x = torch.randn(4, 3)
+    for fn, args, expected in ((lambda x: x[[1, 2]] * 2, (x,), x[[1, 2]] * 2),
+                               (lambda: torch.broadcast_shapes((), ()), (), torch.Size([]))):
+        torch._dynamo.reset()
+        with pytest.warns(CtpuFallbackWarning, match="runs on the CPU"):
+            out = torch.compile(fn, backend="ctpu", dynamic=False)(*args)
+        assert out == expected if isinstance(expected, torch.Size) else torch.equal(out, expected)
+
+
 def test_four_layer_llama_with_39_inputs_is_one_kernel() -> None:
     """hidden 128, 4 layers, vocab 512, 16 tokens: 39 inputs (more than the 31 scalar registers: the
     argument table), batched attention matmuls (batch loop), 64 n-tiles in the head (n-tile loop)."""
