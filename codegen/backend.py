@@ -159,7 +159,7 @@ def _compile(func: Function, next_id: int, pipeline: bool, verify: bool, cuts: d
     log: list[str] = []
     if pipeline:
         pipelined, log, next_id = pipeline_loops(func, next_id, cuts)
-    spilled, slot = 0, 0
+    spilled = 0
     for _ in range(MAX_SPILL_ROUNDS):
         bundles = schedule_function(func)
         assignment, spills = allocate(func, bundles)
@@ -171,7 +171,7 @@ def _compile(func: Function, next_id: int, pipeline: bool, verify: bool, cuts: d
         if loops:
             raise _PipelineSpill(loops)
         spilled += len(spills)
-        next_id, slot = insert_spills(func, spills, next_id + 1000, slot)
+        next_id = insert_spills(func, spills, next_id + 1000)
     else:
         raise CapacityError("register allocation did not converge")
     if verify:

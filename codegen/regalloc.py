@@ -279,13 +279,13 @@ def _slot_occupancy(func: Function, spills: list[Reg], rows: list[int]
     return occupied, {r: iv[r] for r in wanted if r in iv}
 
 
-def insert_spills(func: Function, spills: list[Reg], next_id: int, first_slot: int = 0) -> tuple[int, int]:
+def insert_spills(func: Function, spills: list[Reg], next_id: int) -> int:
     """Rewrite `func` so every register in `spills` lives in a vmem spill slot, or, for a constant (one
     definition, by an instruction without register operands: `li`, `viota`), is defined again before each
     use instead. A value takes a slot no other value has used when there is one (a shared slot orders the
     two values' accesses in memory, which can hold the spill store back); else the first slot whose content
-    is dead (after its last fill) wherever the value is live, in program order. Returns (next_id, slots in
-    use)."""
+    is dead (after its last fill) wherever the value is live, in program order. Slots in use are read off
+    `func`'s spill instructions, so rounds need no bookkeeping. Returns the next free register id."""
     defs: dict[Reg, list[MInstr]] = {}
     for blk in func.blocks:
         for ins in blk.instrs:
@@ -333,7 +333,7 @@ def insert_spills(func: Function, spills: list[Reg], next_id: int, first_slot: i
                 ins.dst = new
                 out.extend(_spill(new, slot_of[r], fresh))
         blk.instrs = out  # control instructions define nothing, so no spill store follows them
-    return next_id, max(first_slot, sum(1 for segs in occupied.values() if segs))
+    return next_id
 
 
 def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> bool:
