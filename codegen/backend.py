@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -78,25 +77,21 @@ class _PipelineSpill(Exception):
         self.loops = loops
 
 
-def compile_function(func: Function, next_id: int, source_name: str = "<ctpu>", pipeline: bool | None = None,
-                     verify: bool | None = None) -> MachineCode:
-    """Compile `func` (modified in place) to a `MachineCode`. `pipeline` and `verify` default to the
-    environment: CTPU_PIPELINE=0 turns software pipelining off, CTPU_VERIFY=1 turns the verifiers on."""
+def compile_function(func: Function, next_id: int, source_name: str = "<ctpu>", pipeline: bool = True,
+                     verify: bool = False) -> MachineCode:
+    """Compile `func` (modified in place) to a `MachineCode`: `pipeline` software-pipelines counted loops,
+    `verify` runs every verifier of verify.py on the result."""
     return compile_functions([func], next_id, source_name, pipeline, verify)
 
 
 def compile_functions(funcs: list[Function], next_id: int, source_name: str = "<ctpu>",
-                      pipeline: bool | None = None, verify: bool | None = None,
+                      pipeline: bool = True, verify: bool = False,
                       progress: Callable[[int, int], None] | None = None) -> MachineCode:
     """Compile functions that run one after another into ONE program: the kernels of a megakernel. No
     virtual register may live from one function into the next (each kernel starts from its launch registers
     and ends with its commands waited for), so each is scheduled and allocated on its own: a kernel that
     spills or retries costs only itself. Virtual registers must be unique across `funcs` (one `Builder`);
     `next_id` must exceed every one of them. `progress(done, total)` is called after each function."""
-    if pipeline is None:
-        pipeline = os.environ.get("CTPU_PIPELINE", "1") != "0"
-    if verify is None:
-        verify = os.environ.get("CTPU_VERIFY", "0") == "1"
     parts: list[_Allocated] = []
     for k, func in enumerate(funcs):
         try:

@@ -4,7 +4,7 @@
   and the hand-written device_sim/programs/gemm.s run through `device_sim.manifest.run_manifest` (same
   shape and config): its cycles and utilization and the ratio compiled / hand-written.
 - `graphs`: program bundles, issued bundles, cycles, ops per bundle, MXU utilization of each graph, with
-  software pipelining on (`after`) and off (`before`, CTPU_PIPELINE=0) for the vector graphs.
+  software pipelining on (`after`) and off (`before`) for the vector graphs.
 
     python -m codegen.bench [--size 512] [--config small] [--skip-gemm]
 """
@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
-
-os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +23,8 @@ from torch._decomp import core_aten_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from codegen import compile_graph
+from device_sim.executable import run_fresh
+from device_sim.runners import SimulatorRunner
 
 HAND_GEMM = Path(__file__).resolve().parent.parent / "device_sim" / "programs" / "gemm.s"
 
@@ -33,14 +32,10 @@ HAND_GEMM = Path(__file__).resolve().parent.parent / "device_sim" / "programs" /
 def _run(fn: Any, xs: list[torch.Tensor], config: str, pipeline: bool = True) -> dict[str, Any]:
     gm = make_fx(fn, decomposition_table=core_aten_decompositions())(*xs)
     t0 = time.perf_counter()
-    os.environ["CTPU_PIPELINE"] = "1" if pipeline else "0"
-    try:
-        cg = compile_graph(gm, xs, config=config)
-    finally:
-        os.environ.pop("CTPU_PIPELINE", None)
+    exe = compile_graph(gm, xs, config=config, pipeline=pipeline)
     compile_s = time.perf_counter() - t0
-    _, st = cg.run_on_simulator([x.float().numpy() for x in xs])
-    return {"program_bundles": len(cg.program), "bundles": st.bundles, "cycles": st.cycles,
+    _, st = run_fresh(exe, [x.float().numpy() for x in xs], SimulatorRunner(config))
+    return {"program_bundles": len(exe.program), "bundles": st.bundles, "cycles": st.cycles,
             "ops_per_bundle": round(st.ops_per_bundle, 3), "mxu_utilization": round(st.mxu_utilization, 4),
             "compile_seconds": round(compile_s, 3)}
 

@@ -1,4 +1,4 @@
-"""`compile_graph`: an FX graph -> one CTPU program (a megakernel) + its HBM layout and launch ABI.
+"""`compile_graph`: an FX graph -> one CTPU program (a megakernel) + its HBM layout: an `Executable`.
 
 Pipeline: FX -> MLIR linalg on tensors (fx_to_mlir) -> upstream passes incl. elementwise fusion and
 bufferization (mlir_pipeline) -> kernels over HBM views (kernels) -> HBM memory plan (by liveness) ->
@@ -7,23 +7,19 @@ assembly, binary (backend).
 
 Launch ABI: s1 holds the HBM byte address of the *arena*, which holds every intermediate and every output
 (at their placements' offsets) and starts with the *argument table*: I + 1 int32 words, the HBM byte
-addresses of the I graph inputs (in placeholder order) and of the arena itself. `CompiledGraph.launch`
-writes the table; the program's entry copies it to vmem, and each kernel loads the addresses it uses.
+addresses of the I graph inputs (in placeholder order) and of the arena itself. `device_sim.executable`
+writes the table at launch; the program's entry copies it to vmem, and each kernel loads the addresses it uses.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.fx
 
@@ -31,7 +27,7 @@ from codegen import isel_scalar_ops  # noqa: F401  (registers the extra body-op 
 from codegen.backend import MachineCode, compile_functions
 from codegen.builder import Builder
 from codegen.errors import CapacityError
-from codegen.fx_to_mlir import emit_module
+from codegen.fx_ops import emit_module
 from codegen.isel_common import SPILL_ROWS, KernelContext, Region, table_rows
 from codegen.isel_gather import lower_gather, lower_iota
 from codegen.isel_matmul import lower_matmul
@@ -50,13 +46,10 @@ from codegen.kernels import (
 )
 from codegen.mir import Function, Reg
 from codegen.mlir_pipeline import run_pipeline
-from device_sim import numerics
 from device_sim.config import HardwareConfig, get_config
-from device_sim.program import Program
-from device_sim.simulator import RunStats, Simulator
+from device_sim.executable import ALIGN, ARENA_REGISTER, ArgSpec, Executable, OutputView
 
-ALIGN = 64
-ARENA_REG = Reg("s", 1, True)  # the one launch register
+ARENA_REG = Reg("s", ARENA_REGISTER, True)  # the one launch register
 
 
 @dataclass
@@ -67,100 +60,6 @@ class BufferPlacement:
     nbytes: int
     shape: tuple[int, ...]
     dtype: str
-
-
-@dataclass
-class CompiledGraph:
-    """One compiled graph: the program, its HBM layout and launch ABI, and the text of every stage."""
-
-    config: HardwareConfig
-    program: Program
-    inputs: list[BufferPlacement]
-    outputs: list[View]
-    placements: dict[str, BufferPlacement]
-    arena_bytes: int
-    stages: dict[str, str] = field(default_factory=dict)
-    summary: dict[str, Any] = field(default_factory=dict)
-
-    def launch(self, hbm: np.ndarray, input_addrs: Sequence[int], arena_addr: int) -> dict[int, int]:
-        """Write the argument table at the start of the arena (in `hbm`, the device's bytes) and return the
-        launch registers: {1: arena address}."""
-        table = np.array([*input_addrs, arena_addr], dtype=np.uint32)
-        if len(table) != len(self.inputs) + 1:
-            raise ValueError(f"the graph has {len(self.inputs)} inputs, {len(input_addrs)} addresses were given")
-        hbm[arena_addr : arena_addr + table.nbytes] = table.view(np.uint8)
-        return {ARENA_REG.n: arena_addr}
-
-    @staticmethod
-    def input_bits(placement: BufferPlacement, x: np.ndarray) -> np.ndarray:
-        """An input as the bits the program expects in HBM (fp32; bf16 as uint16; integers narrowed to
-        int32; bools as 0 / ~0 int32 masks)."""
-        return _to_device(np.asarray(x), placement.dtype)
-
-    def read_outputs(self, hbm: np.ndarray, input_addrs: Sequence[int], arena: int) -> list[np.ndarray]:
-        """The graph's outputs (fp32 arrays, bf16 results widened exactly; int32; bool) from HBM bytes."""
-        outs = []
-        for v in self.outputs:
-            p = self.placements[v.buffer]
-            base = input_addrs[self.inputs.index(p)] if p.kind == "input" else arena + p.offset
-            outs.append(_read_view(hbm, base, p, v))
-        return outs
-
-    def stage(self, inputs: Sequence[np.ndarray]) -> tuple[np.ndarray, list[int], int, dict[int, int]]:
-        """A fresh HBM image for one launch: inputs packed from address 0, the arena after them with its
-        argument table. Returns (hbm bytes, input addresses, arena address, launch registers)."""
-        data = [self.input_bits(p, x).reshape(-1).view(np.uint8) for p, x in zip(self.inputs, inputs, strict=True)]
-        addrs = [sum(-(-d.nbytes // ALIGN) * ALIGN for d in data[:i]) for i in range(len(data))]
-        arena = sum(-(-d.nbytes // ALIGN) * ALIGN for d in data)
-        if arena + self.arena_bytes > self.config.hbm_bytes:
-            raise CapacityError(f"graph needs {arena + self.arena_bytes} bytes of HBM; {self.config.name} has "
-                                f"{self.config.hbm_bytes}")
-        hbm = np.zeros(self.config.hbm_bytes, dtype=np.uint8)
-        for a, d in zip(addrs, data, strict=True):
-            hbm[a : a + d.nbytes] = d
-        return hbm, addrs, arena, self.launch(hbm, addrs, arena)
-
-    def run_on_simulator(self, inputs: Sequence[np.ndarray], trace: bool = False) -> tuple[list[np.ndarray], RunStats]:
-        """Run on a fresh simulator (HBM laid out by `stage`)."""
-        hbm, addrs, arena, args = self.stage(inputs)
-        sim = Simulator(self.config, trace=trace)
-        sim.load(self.program)
-        sim.hbm[:] = hbm
-        stats = sim.run(args)
-        return self.read_outputs(sim.hbm, addrs, arena), stats
-
-    def dump(self, directory: str | os.PathLike[str]) -> None:
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        for i, (name, text) in enumerate(self.stages.items()):
-            (d / f"{i:02d}_{name}").write_text(text)
-        (d / "program.bin").write_bytes(self.program.to_bytes())
-        (d / "summary.json").write_text(json.dumps(self.summary, indent=2))
-
-
-def _to_device(x: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "i1":
-        return np.where(np.asarray(x) != 0, -1, 0).astype(np.int32)
-    if dtype == "i32":
-        x = np.asarray(x)
-        if x.size and (x.max() > np.iinfo(np.int32).max or x.min() < np.iinfo(np.int32).min):
-            raise ValueError("integer input does not fit int32 (the CTPU narrows int64 tensors to int32)")
-        return np.ascontiguousarray(x, dtype=np.int32)
-    if dtype == "bf16":
-        if x.dtype == np.uint16:
-            return np.ascontiguousarray(x)
-        return numerics.f32_to_bf16_bits(np.ascontiguousarray(x, dtype=np.float32))
-    return np.ascontiguousarray(x, dtype=np.float32)
-
-
-def _read_view(hbm: np.ndarray, base: int, p: BufferPlacement, v: View) -> np.ndarray:
-    np_dtype = {"bf16": np.uint16, "i32": np.int32, "i1": np.int32}.get(p.dtype, np.float32)
-    flat = hbm[base : base + p.nbytes].view(np_dtype)
-    if p.dtype == "bf16":
-        flat = numerics.bf16_bits_to_f32(flat)
-    item = flat.itemsize
-    out = np.array(np.lib.stride_tricks.as_strided(flat[v.offset:], v.shape, tuple(s * item for s in v.strides)))
-    return out != 0 if p.dtype == "i1" else out
 
 
 def plan_memory(g: KernelGraph) -> tuple[dict[str, BufferPlacement], int]:
@@ -231,15 +130,17 @@ def _dense(v: View) -> bool:
     return True
 
 
-def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor], config: str = "small",
-                  options: dict[str, Any] | None = None) -> CompiledGraph:
-    """Compile `gm` to one CTPU program. `stages` holds the text of every stage (FX, MLIR before and after
-    each upstream pass, the kernel graph, machine IR, scheduled bundles, assembly); `summary` the layout,
-    per-kernel instruction counts and bundles and the seconds each phase took. Options: `matmul_precision`,
-    `dump_dir`, `name`, `progress` (called with (kernels done, total) as the back end compiles each)."""
-    options = dict(options or {})
+def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor], config: str = "small", *,
+                  matmul_precision: str | None = None, pipeline: bool = True, verify: bool = False,
+                  progress: Callable[[int, int], None] | None = None) -> Executable:
+    """Compile `gm` to one CTPU program. The executable's `stages` hold the text of every stage (FX, MLIR
+    before and after each upstream pass, the kernel graph, machine IR, scheduled bundles, assembly); its
+    `summary` the layout, per-kernel instruction counts and bundles and the seconds each phase took.
+    matmul_precision: fp32 matmuls ("highest" | "high" | "medium"; default torch's setting). pipeline:
+    software-pipeline loops. verify: run the schedule / allocation verifiers. progress(kernels done, total)
+    is called as the back end compiles each kernel."""
     cfg = get_config(config)
-    precision = options.get("matmul_precision", torch.get_float32_matmul_precision())
+    precision = matmul_precision or torch.get_float32_matmul_precision()
     clock = _Clock()
     stages: dict[str, str] = {"fx.txt": gm.print_readable(print_output=False) if hasattr(gm, "print_readable")
                               else str(gm.graph)}
@@ -260,7 +161,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tenso
     machine_ir = "".join(f"# {f.name}\n{f.dump()}" for f in funcs)
     clock.lap("instruction_selection")
     mc: MachineCode = compile_functions(funcs, next_id=max(f.max_reg_id() for f in funcs) + 1,
-                                        source_name="<compiled graph>", progress=options.get("progress"))
+                                        source_name="<compiled graph>", pipeline=pipeline, verify=verify,
+                                        progress=progress)
     clock.lap("schedule_regalloc_assemble")
     for info, n in zip(per_kernel, mc.function_bundles[1:-1], strict=True):  # without the entry and the exit
         info["bundles"] = n
@@ -269,17 +171,20 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tenso
     stages["machine_ir.txt"] = machine_ir
     stages["scheduled.txt"] = mc.scheduled_text()
     stages["program.s"] = mc.assembly
-    inputs = [placements[n] for n in graph.arguments]
+    inputs = [ArgSpec(n, placements[n].shape, placements[n].dtype, placements[n].nbytes) for n in graph.arguments]
+    outputs = [_output_view(v, placements[v.buffer], graph.arguments) for v in graph.results]
     summary = {"config": cfg.name, "kernels": per_kernel, "bundles": len(mc.program), "spilled": mc.spilled,
                "matmul_precision": precision, "arena_bytes": arena_bytes,
                "launch": {"s1": "arena", "argument_table": [*graph.arguments, "arena"]},
                "buffers": {n: dataclasses.asdict(p) for n, p in placements.items()},
                "outputs": [dataclasses.asdict(v) for v in graph.results], "compile_seconds": clock.laps}
-    compiled = CompiledGraph(cfg, mc.program, inputs, graph.results, placements, arena_bytes, stages, summary)
-    dump_dir = options.get("dump_dir") or os.environ.get("CTPU_DUMP_DIR")
-    if dump_dir:
-        compiled.dump(Path(dump_dir) / options.get("name", "graph"))
-    return compiled
+    return Executable(cfg.name, mc.program, inputs, outputs, arena_bytes, stages, summary)
+
+
+def _output_view(v: View, p: BufferPlacement, arguments: list[str]) -> OutputView:
+    if p.kind == "input":
+        return OutputView(v.shape, v.strides, v.offset, p.dtype, p.nbytes, input=arguments.index(v.buffer))
+    return OutputView(v.shape, v.strides, v.offset, p.dtype, p.nbytes, base=p.offset)
 
 
 class _Clock:

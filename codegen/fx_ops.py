@@ -1,4 +1,5 @@
-"""The per-op table of the FX -> MLIR emitter: one small function per core-ATen (or ctpu::) op.
+"""The per-op table of the FX -> MLIR emitter: one small function per core-ATen (or ctpu::) op, the walk
+that emits a graph with it (`emit_module`), and what it refuses (`unsupported_reason`).
 
 Each entry takes the emitter and the node's arguments (FX nodes already replaced by `TValue`s) and returns
 the node's value. Composite ops are written as compositions of the emitter's building blocks, so they reach
@@ -8,7 +9,8 @@ MLIR as generics that the fusion pass can merge.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import operator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,10 +31,15 @@ def _reg(*targets: Any) -> Callable[[Lowering], Lowering]:
     return deco
 
 
-def lower_node(e: MlirEmitter, node: torch.fx.Node, env: dict[torch.fx.Node, Any]) -> Any:
+def lowering_of(node: torch.fx.Node) -> Lowering | None:
     fn = TABLE.get(node.target)
     if fn is None and isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "ctpu":
         fn = CTPU_TABLE.get(node.target.name().split("::")[-1].removesuffix(".default"))
+    return fn
+
+
+def lower_node(e: MlirEmitter, node: torch.fx.Node, env: dict[torch.fx.Node, Any]) -> Any:
+    fn = lowering_of(node)
     if fn is None:
         raise UnsupportedOp(f"FX node {node.name}: {node.target} has no CTPU lowering")
     args = torch.fx.node.map_arg(node.args, lambda n: env[n])
@@ -570,3 +577,74 @@ CTPU_TABLE: dict[str, Lowering] = {
     "rope": _rope,
     "attention": _attention,
 }
+
+
+# ---- the graph walk ---------------------------------------------------------------------------------
+def emit_module(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> tuple[str, list[TValue],
+                                                                                           list[TValue]]:
+    """Returns (module text, argument values, result values) for the graph."""
+    e = MlirEmitter()
+    env: dict[torch.fx.Node, object] = {}
+    args: list[TValue] = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, example in zip(placeholders, example_inputs, strict=True):
+        if example.dtype not in DTYPES:
+            raise UnsupportedOp(f"input {node.name}: dtype {example.dtype} (supported: {', '.join(map(str, DTYPES))})")
+        v = TValue(f"%arg{len(args)}", tuple(example.shape), DTYPES[example.dtype])
+        args.append(v)
+        env[node] = v
+    results: list[TValue] = []
+    for node in gm.graph.nodes:
+        if node.op in ("call_function",):
+            if node.target is operator.getitem:
+                env[node] = env[node.args[0]][node.args[1]]  # type: ignore[index]
+                continue
+            env[node] = lower_node(e, node, env)
+        elif node.op == "output":
+            outs = node.args[0] if isinstance(node.args[0], (tuple, list)) else [node.args[0]]
+            for o in outs:
+                v = env[o]
+                if not isinstance(v, TValue):
+                    raise UnsupportedOp(f"output {o}: not a tensor")
+                results.append(v)
+        elif node.op != "placeholder":
+            raise UnsupportedOp(f"FX node {node.name}: op kind {node.op} (call_module: lower FusedKernel "
+                                f"submodules by inlining them first)")
+    return e.module(args, results), args, results
+
+
+def unsupported_reason(node: torch.fx.Node) -> str | None:
+    """Why the CTPU code generator cannot lower this compute node (None: it can), decided by the same
+    table and argument checks `emit_module` runs: the node is emitted alone, its inputs standing for
+    themselves. The partitioner asks this, so placement and lowering never disagree."""
+    if node.op != "call_function":
+        return f"op kind {node.op}"
+    if node.target is operator.getitem:
+        return None
+    if lowering_of(node) is None:
+        return f"{node.target} has no CTPU lowering"
+    e = MlirEmitter()
+    try:
+        env = {n: _standin(e, n) for n in node.all_input_nodes}
+        lower_node(e, node, env)
+    except UnsupportedOp as err:
+        return str(err)
+    except Exception as err:  # an argument the lowering did not expect: it cannot lower it either
+        return f"{node.target}: {type(err).__name__}: {err}"
+    return None
+
+
+def _standin(e: MlirEmitter, node: torch.fx.Node) -> object:
+    """The emitter's value for an input node, from its fake value (tensors, tuples of them, scalars)."""
+    def one(val: object) -> object:
+        if isinstance(val, torch.Tensor):
+            if val.dtype not in DTYPES:
+                raise UnsupportedOp(f"input {node.name}: dtype {val.dtype}")
+            return TValue(e.fresh(), tuple(int(s) for s in val.shape), DTYPES[val.dtype])
+        return val
+    value = node.meta.get("val")
+    if isinstance(value, (tuple, list)):
+        return [one(v) for v in value]
+    if value is None:
+        raise UnsupportedOp(f"input {node.name} has no example value")
+    return one(value)

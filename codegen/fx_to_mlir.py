@@ -19,7 +19,6 @@ The module text is parsed (and so verified) by the MLIR Python bindings (`iree.c
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -338,38 +337,3 @@ class MlirEmitter:
         rets = ", ".join(r.name for r in results)
         return (f"module {{\n  func.func @main({sig}) -> ({rtypes}) {{\n{body}\n"
                 f"    return {rets} : {rtypes}\n  }}\n}}\n")
-
-
-def emit_module(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> tuple[str, list[TValue],
-                                                                                           list[TValue]]:
-    """Returns (module text, argument values, result values) for the graph."""
-    from codegen.fx_ops import lower_node  # the per-op table
-
-    e = MlirEmitter()
-    env: dict[torch.fx.Node, object] = {}
-    args: list[TValue] = []
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, example in zip(placeholders, example_inputs, strict=True):
-        if example.dtype not in DTYPES:
-            raise UnsupportedOp(f"input {node.name}: dtype {example.dtype} (supported: {', '.join(map(str, DTYPES))})")
-        v = TValue(f"%arg{len(args)}", tuple(example.shape), DTYPES[example.dtype])
-        args.append(v)
-        env[node] = v
-    results: list[TValue] = []
-    for node in gm.graph.nodes:
-        if node.op in ("call_function",):
-            if node.target is operator.getitem:
-                env[node] = env[node.args[0]][node.args[1]]  # type: ignore[index]
-                continue
-            env[node] = lower_node(e, node, env)
-        elif node.op == "output":
-            outs = node.args[0] if isinstance(node.args[0], (tuple, list)) else [node.args[0]]
-            for o in outs:
-                v = env[o]
-                if not isinstance(v, TValue):
-                    raise UnsupportedOp(f"output {o}: not a tensor")
-                results.append(v)
-        elif node.op != "placeholder":
-            raise UnsupportedOp(f"FX node {node.name}: op kind {node.op} (call_module: lower FusedKernel "
-                                f"submodules by inlining them first)")
-    return e.module(args, results), args, results

@@ -11,14 +11,26 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from device_sim import isa, numerics
+from device_sim.config import HardwareConfig
 
-if TYPE_CHECKING:
-    from device_sim.simulator import Machine
+
+class Machine(Protocol):
+    """What the units use of the machine that holds them (device_sim.machine.Machine)."""
+
+    config: HardwareConfig
+    hbm: np.ndarray
+    vmem: np.ndarray
+    pc: int
+    owners: Ownership
+
+    def trap(self, message: str) -> None: ...
+    def vmem_span(self, row: int, rows: int, what: str) -> np.ndarray: ...
+    def complete_on(self, flag: int, done: int) -> None: ...
 
 
 @dataclass

@@ -27,9 +27,9 @@ A manifest is a TOML file beside its program (`gemm.s` -> `gemm.toml`):
     max_ulp = 0                     # or atol = ..., rtol = ... (|out - ref| <= atol + rtol |ref|)
     why = "one line: why this tolerance"
 
-`run_manifest` sets up HBM, runs the program on the simulator, on the RTL (`target="rtl"`) or on any
-injected `runner`, reads the outputs back and checks each against its references. A program without a
-manifest just runs.
+`run_manifest` sets up HBM, runs the program on a runner (`device_sim.runners`: the simulator, the RTL
+with `target="rtl"`, or an injected one), reads the outputs back and checks each against its references.
+A program without a manifest just runs.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ import dataclasses
 import importlib
 import time
 import tomllib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +47,7 @@ import numpy as np
 from device_sim import numerics, sequences
 from device_sim.asm import load_program
 from device_sim.config import HardwareConfig, get_config
-from device_sim.program import Program
+from device_sim.runners import Runner, SimulatorRunner
 
 REFERENCES_MODULE = "device_sim.programs.references"
 DTYPES = {"f32": np.float32, "bf16": np.uint16, "i32": np.int32}  # the HBM element types
@@ -217,25 +216,6 @@ class ManifestResult:
         return "\n".join(lines)
 
 
-# runner(program, config, hbm_writes [(addr, array)], hbm_reads [(addr, shape, numpy dtype)], max_cycles)
-#   -> (stats as a dict, [array read back per hbm_reads entry])
-Runner = Callable[[Program, HardwareConfig, list[tuple[int, np.ndarray]], list[tuple[int, tuple[int, ...], Any]], int],
-                  tuple[dict[str, Any], list[np.ndarray]]]
-
-
-def simulator_runner(program: Program, config: HardwareConfig, writes: list[tuple[int, np.ndarray]],
-                     reads: list[tuple[int, tuple[int, ...], Any]], max_cycles: int
-                     ) -> tuple[dict[str, Any], list[np.ndarray]]:
-    from device_sim.simulator import Simulator
-
-    sim = Simulator(config, max_cycles=max_cycles)
-    for addr, arr in writes:
-        sim.write_hbm(addr, arr)
-    sim.load(program)
-    stats = sim.run().as_dict()
-    return stats, [sim.read_hbm(addr, shape, dtype) for addr, shape, dtype in reads]
-
-
 def check_output(name: str, out: np.ndarray, ref: np.ndarray, check: CheckSpec) -> CheckResult:
     """Compare one output with one reference under the check's tolerance."""
     ref = np.asarray(ref)
@@ -266,44 +246,52 @@ def run_manifest(program_path: str | Path, target: str = "sim", config: str | Ha
                  runner: Runner | None = None, max_cycles: int | None = None) -> ManifestResult:
     """Assemble and run a program with its manifest's inputs; check every output against its references.
 
-    target: "sim" (the simulator), "rtl" (the Verilator RTL core, device_sim/rtl/runner.py), or the name of
-    the target an injected `runner` drives.
-    config: overrides the manifest's configuration. Without a manifest the program just runs (no checks).
+    target: "sim" (the simulator) or "rtl" (the Verilator RTL core); an injected `runner` (a
+    `device_sim.runners.Runner`) replaces both. config: overrides the manifest's configuration. Without a
+    manifest the program just runs (no checks).
     """
     program_path = Path(program_path)
     if program_path.suffix == ".toml":
         program_path = program_path.with_suffix(".s")
-    if runner is None:
-        if target == "rtl":
-            from device_sim.rtl.runner import manifest_runner  # Verilator + cocotb, imported only when used
-
-            runner = manifest_runner
-        elif target != "sim":
-            raise ValueError(f"target {target!r} needs a runner (built in: 'sim', 'rtl')")
-        else:
-            runner = simulator_runner
     mpath = manifest_path(program_path)
     manifest = load_manifest(mpath) if mpath.exists() else None
     cfg = get_config(config if config is not None else (manifest.config if manifest else "small"))
+    if runner is None:
+        runner = make_runner(target, cfg)
     limit = max_cycles or (manifest.max_cycles if manifest else 10**8)
     program = load_program(program_path)
 
     values = {t.name: make_input(t, mpath.parent) for t in (manifest.inputs if manifest else ())}
-    writes = [(t.hbm_addr, _to_hbm(values[t.name], t.dtype)) for t in (manifest.inputs if manifest else ())]
-    outs = manifest.outputs if manifest else ()
-    reads = [(t.hbm_addr, t.shape, DTYPES[t.dtype]) for t in outs]
+    hbm = np.zeros(cfg.hbm_bytes, dtype=np.uint8)
+    for t in manifest.inputs if manifest else ():
+        data = np.ascontiguousarray(_to_hbm(values[t.name], t.dtype)).view(np.uint8).reshape(-1)
+        hbm[t.hbm_addr : t.hbm_addr + data.size] = data
     started = time.perf_counter()
-    stats, raw = runner(program, cfg, writes, reads, limit)
-    stats.setdefault("run_seconds", time.perf_counter() - started)
+    stats = runner.run(program, hbm, {}, limit).as_dict()
+    stats["run_seconds"] = time.perf_counter() - started
+    if runner.name == "rtl" and stats.get("wall_seconds"):
+        stats["rtl_cycles_per_second"] = stats["cycles"] / stats["wall_seconds"]
 
     refs = importlib.import_module(REFERENCES_MODULE)
     outputs, checks = {}, []
-    for spec, r in zip(outs, raw, strict=True):
-        out = _from_hbm(np.asarray(r), spec.dtype)
+    for spec in manifest.outputs if manifest else ():
+        raw = hbm[spec.hbm_addr : spec.hbm_addr + spec.nbytes].view(DTYPES[spec.dtype]).reshape(spec.shape)
+        out = _from_hbm(raw.copy(), spec.dtype)
         outputs[spec.name] = out
         for check in spec.checks:
             fn = getattr(refs, check.reference, None)
             if fn is None:
                 raise ManifestError(f"{mpath}: no reference '{check.reference}' in {REFERENCES_MODULE}")
             checks.append(check_output(spec.name, out, fn(values, **check.params), check))
-    return ManifestResult(program_path.name, cfg.name, target, stats, checks, outputs)
+    return ManifestResult(program_path.name, cfg.name, runner.name, stats, checks, outputs)
+
+
+def make_runner(target: str, config: HardwareConfig) -> Runner:
+    """The built-in runner of a target: "sim" or "rtl" (Verilator + cocotb, imported only when used)."""
+    if target == "sim":
+        return SimulatorRunner(config)
+    if target == "rtl":
+        from device_sim.rtl.runner import RtlRunner
+
+        return RtlRunner(config)
+    raise ValueError(f"target {target!r} does not run CTPU programs (built in: 'sim', 'rtl')")

@@ -9,16 +9,13 @@ branch is taken. `check_coverage()` proves every instruction of the table has ex
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from device_sim import isa, numerics
+from device_sim.machine import Machine, Operands
 
-if TYPE_CHECKING:
-    from device_sim.simulator import Machine, Operands
-
-Semantics = Callable[["Machine", "Operands", int], "int | None"]
+Semantics = Callable[[Machine, Operands, int], "int | None"]
 SEMANTICS: dict[str, Semantics] = {}
 MASK32 = 0xFFFFFFFF
 

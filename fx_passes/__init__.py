@@ -11,7 +11,7 @@ from .errors import CtpuDynamicShapeError, CtpuFallbackWarning, CtpuPassError
 from .fuse import FusedKernel, fuse_elementwise, inline_fused_kernels
 from .groups import FusionGroup, fusion_groups
 from .normalize import normalize
-from .partition import Partition, Segment, is_supported, partition
+from .partition import Partition, Segment, fallback_reason, fallback_summary, partition
 from .patterns import PATTERN_PASSES
 from .pipeline import PassReport, run_passes
 
@@ -25,10 +25,11 @@ __all__ = [
     "Partition",
     "PassReport",
     "Segment",
+    "fallback_reason",
+    "fallback_summary",
     "fuse_elementwise",
     "fusion_groups",
     "inline_fused_kernels",
-    "is_supported",
     "normalize",
     "ops",
     "partition",

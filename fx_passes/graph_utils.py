@@ -261,3 +261,22 @@ class ConstantFolder:
             return node.target(*args, **kwargs)  # type: ignore[operator]
         except Exception:  # an op that cannot run eagerly is simply not a constant
             return None
+
+
+def extract_subgraph(gm: GraphModule, nodes: Sequence[Node]) -> GraphModule:
+    """`nodes` (in graph order) as a graph of their own: values from outside become placeholders (with their
+    meta), values used outside (or by the graph's output) become the outputs, as a tuple."""
+    inside = set(nodes)
+    graph = torch.fx.Graph()
+    env: dict[Node, Node] = {}
+
+    def outer(n: Node) -> Node:
+        if n not in env:
+            env[n] = graph.placeholder(n.name)
+            env[n].meta = dict(n.meta)
+        return env[n]
+
+    for n in nodes:
+        env[n] = graph.node_copy(n, outer)
+    graph.output(tuple(env[n] for n in nodes if any(u not in inside for u in n.users)))
+    return GraphModule(gm, graph)

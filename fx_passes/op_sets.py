@@ -1,9 +1,7 @@
-"""Declarative op tables shared by generic fusion and partitioning.
-
-One place lists which core-ATen overloads are elementwise, which are reductions, which only change the
-view of a tensor, and which the CTPU runs at all. `fuse.py` groups ELEMENTWISE and REDUCTIONS into
-`FusedKernel`s; `partition.py` sends everything outside CTPU_SUPPORTED (and the ctpu ops / fused kernels)
-to the CPU. Overloads are resolved at import, so a misspelt name fails loudly here, not in a pass.
+"""Declarative op tables for generic fusion: which core-ATen overloads are elementwise, which are
+reductions, which only change the view of a tensor. `fuse.py` groups ELEMENTWISE and REDUCTIONS into
+`FusedKernel`s. What a target can run is not listed here: the target answers it (partition.py).
+Overloads are resolved at import, so a misspelt name fails loudly here, not in a pass.
 """
 
 from __future__ import annotations
@@ -56,20 +54,6 @@ LAYOUT = _resolve(
     slice_scatter select_scatter copy copy_ constant_pad_nd lift_fresh_copy
     """.split()
 )
-
-MATMUL = _resolve("mm bmm addmm".split())
-
-CREATION = _resolve(
-    """
-    full full_like zeros zeros_like ones ones_like empty.memory_format empty_like empty_strided
-    arange arange.start arange.start_step scalar_tensor
-    """.split()
-)
-
-# Row gathers (token embedding): one DMA descriptor per index.
-GATHER = _resolve(["embedding"])
-
-CTPU_SUPPORTED: frozenset[OpOverload] = ELEMENTWISE | REDUCTIONS | LAYOUT | MATMUL | CREATION | GATHER
 
 # Ops whose output is a view of (or the same values as) their first input; used to see whether a value
 # reaches the graph output as an alias.

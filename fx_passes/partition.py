@@ -1,30 +1,28 @@
-"""Partitioning: which nodes the CTPU runs and which fall back to the CPU.
+"""Partitioning: which nodes the target runs and which fall back to the CPU, and why.
 
-Supported on the CTPU: the ctpu ops (ops.py), FusedKernel call_modules (fuse.py), the core-ATen ops of
-op_sets.CTPU_SUPPORTED (elementwise, reductions, views/permute/reshape/expand/cat/slice, mm/bmm/addmm,
-dtype conversion, full/arange/zeros..., embedding), getitem of a supported multi-output node, and the
-trailing `copy_` of input mutations. Anything else (including any op this module has never heard of)
-runs on the CPU: it never makes the passes fail.
+The target decides, node by node: `unsupported_reason(node) -> str | None` (for the CTPU, codegen's own
+lowering table and argument checks, so placement and lowering never disagree). A FusedKernel call_module
+runs where all its inner nodes can; a getitem goes with its producer. Without a target's answer every
+compute node is placed on the target.
 
-`partition(gm)` labels every compute node with meta["ctpu_placement"] ("ctpu" or "cpu"), cuts the
-graph into segments (maximal runs of consecutive compute nodes with one placement, in graph order, for
-the runtime to execute one after the other), and emits exactly one CtpuFallbackWarning naming the
-unsupported op targets when there are any.
+`partition(gm, unsupported_reason)` labels every compute node with meta["ctpu_placement"] ("ctpu" or
+"cpu") and, for CPU nodes, meta["ctpu_fallback_reason"], and cuts the graph into segments (maximal runs
+of consecutive compute nodes with one placement, in graph order, for the runtime to execute one after
+the other). It does not warn: the backend warns once per compiled graph, after the last fallback is known.
 """
 
 from __future__ import annotations
 
 import operator
-import warnings
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch.fx import GraphModule, Node
 
-from .errors import CtpuFallbackWarning
 from .fuse import FusedKernel
-from .op_sets import CTPU_SUPPORTED
-from .ops import is_ctpu_op
+
+UnsupportedReason = Callable[[Node], "str | None"]
 
 CTPU = "ctpu"
 CPU = "cpu"
@@ -65,36 +63,48 @@ def target_name(node: Node) -> str:
     return str(target) if hasattr(target, "_schema") else getattr(target, "__qualname__", repr(target))
 
 
-def is_supported(node: Node, gm: GraphModule) -> bool:
-    """Can the CTPU run this compute node?"""
+def fallback_reason(node: Node, gm: GraphModule, unsupported_reason: UnsupportedReason | None) -> str | None:
+    """Why this compute node cannot run on the target (None: it can)."""
     if node.op == "call_module":
-        return isinstance(gm.get_submodule(str(node.target)), FusedKernel)
+        module = gm.get_submodule(str(node.target))
+        if not isinstance(module, FusedKernel):
+            return f"module {node.target} ({type(module).__name__})"
+        inner = (fallback_reason(n, module.subgraph, unsupported_reason) for n in module.subgraph.graph.nodes
+                 if n.op not in _STRUCTURAL)
+        return next((r for r in inner if r is not None), None)
     if node.op != "call_function":
-        return False
+        return f"op kind {node.op}"
     if node.target is operator.getitem:
         source = node.args[0]
-        return isinstance(source, Node) and is_supported(source, gm)
-    return is_ctpu_op(node.target) or node.target in CTPU_SUPPORTED
+        return fallback_reason(source, gm, unsupported_reason) if isinstance(source, Node) else None
+    return unsupported_reason(node) if unsupported_reason is not None else None
 
 
-def partition(gm: GraphModule, *, warn: bool = True) -> Partition:
-    """Label and segment gm's compute nodes; warn once (CtpuFallbackWarning) if any run on the CPU."""
+def fallback_summary(nodes: list[Node]) -> str:
+    """'aten.floor.default (x2): <reason>; ...' for the CPU nodes of a graph (getitems go with their producer)."""
+    counts = Counter(target_name(n) for n in nodes if n.target is not operator.getitem)
+    reasons = {target_name(n): n.meta.get("ctpu_fallback_reason", "") for n in nodes}
+    return "; ".join(f"{name}" + (f" (x{k})" if k > 1 else "") + (f": {reasons[name]}" if reasons[name] else "")
+                     for name, k in sorted(counts.items()))
+
+
+def partition(gm: GraphModule, unsupported_reason: UnsupportedReason | None = None,
+              forced: dict[Node, str] | None = None) -> Partition:
+    """Label and segment gm's compute nodes. `forced` places more nodes on the CPU, with their reasons
+    (what the backend learns when a segment fails to compile)."""
     result = Partition()
     for node in gm.graph.nodes:
         if node.op in _STRUCTURAL:
             continue
-        placement = CTPU if is_supported(node, gm) else CPU
+        reason = (forced or {}).get(node) or fallback_reason(node, gm, unsupported_reason)
+        placement = CTPU if reason is None else CPU
         node.meta["ctpu_placement"] = placement
+        if reason is None:
+            node.meta.pop("ctpu_fallback_reason", None)
+        else:
+            node.meta["ctpu_fallback_reason"] = reason
         if result.segments and result.segments[-1].placement == placement:
             result.segments[-1].nodes.append(node)
         else:
             result.segments.append(Segment(placement, [node]))
-    if warn and result.fallback:
-        counts = Counter(target_name(n) for n in result.fallback if n.target is not operator.getitem)
-        listed = ", ".join(f"{name} (x{n})" if n > 1 else name for name, n in sorted(counts.items()))
-        warnings.warn(
-            f"ctpu: {len(counts)} op type(s) not supported on the CTPU run on the CPU: {listed}",
-            CtpuFallbackWarning,
-            stacklevel=3,
-        )
     return result

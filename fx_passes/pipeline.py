@@ -1,4 +1,4 @@
-"""`run_passes`: normalise -> pattern fusion -> (normalise again) -> generic fusion -> partition."""
+"""`run_passes`: normalise -> pattern fusion -> (normalise again) -> [generic fusion] -> partition."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from .fuse import fuse_elementwise
 from .graph_utils import ensure_meta
 from .groups import fusion_groups
 from .normalize import normalize
-from .partition import Partition, partition
+from .partition import Partition, UnsupportedReason, partition
 from .patterns import PATTERN_PASSES
 
 pass_log = logging.getLogger("ctpu.passes")
@@ -52,7 +52,8 @@ def run_passes(
     example_inputs: Sequence[Any],
     *,
     strict: bool = False,
-    warn: bool = True,
+    fuse: bool = True,
+    unsupported_reason: UnsupportedReason | None = None,
     verify: Verifier | None = None,
 ) -> tuple[GraphModule, PassReport]:
     """Run the fx_passes pipeline on gm in place and return (gm, report).
@@ -60,7 +61,9 @@ def run_passes(
     gm is a forward graph from AOT autograd with core-ATen decompositions (static shapes: a SymInt
     raises CtpuDynamicShapeError naming the node). example_inputs (real or fake) only give the
     placeholders fake values when the graph has none. strict re-raises errors inside pattern rules
-    instead of skipping the rule. warn emits this graph's one CtpuFallbackWarning. verify, if given, is
+    instead of skipping the rule. fuse: group elementwise chains into FusedKernels (for back ends that do
+not fuse by themselves). unsupported_reason: the target's answer for each compute node (see partition.py);
+nothing warns here, the caller warns once per graph. verify, if given, is
     called as verify(pass name, gm) after every pass (tests lint and re-run the graph there).
     """
     ensure_meta(gm, example_inputs)
@@ -68,13 +71,15 @@ def run_passes(
     stages: list[Stage] = [("normalize", partial(normalize, gm, strict=strict))]
     stages += [(p.name, partial(p.run, gm, strict=strict)) for p in PATTERN_PASSES]
     # Fused ops return contiguous values: copies that kept a layout for the replaced ops may now be no-ops.
-    stages += [("cleanup", partial(normalize, gm, strict=strict)), ("fuse", partial(fuse_elementwise, gm))]
+    stages += [("cleanup", partial(normalize, gm, strict=strict))]
+    if fuse:
+        stages += [("fuse", partial(fuse_elementwise, gm))]
     report = PassReport()
     for name, stage in stages:
         report.changes[name] = stage()
         if verify is not None:
             verify(name, gm)
-    report.partition = partition(gm, warn=warn)
+    report.partition = partition(gm, unsupported_reason)
     report.fallback_ops = report.partition.fallback_targets
     report.fusions = Counter(group.kind for group in fusion_groups(gm))
     pass_log.debug("fx_passes on %s:\n%s", gm.__class__.__name__, report.summary())

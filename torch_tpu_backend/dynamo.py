@@ -3,65 +3,34 @@
     model = torch.compile(model, backend="ctpu", options={"target": "sim", "config": "small"})
 
 Dynamo's graph goes through AOT autograd with core-ATen decompositions, then `fx_passes.run_passes`
-(normalise, fuse, partition). Every segment the CTPU supports becomes one compiled program (by default the
-whole graph: one megakernel, launched once); a segment the CTPU cannot run (or that codegen rejects) runs
-on the CPU, with one warning naming its ops. Options (or environment variables):
-
-    target            "sim" (default, $CTPU_TARGET), "rtl", or "ptx"
-    config            hardware configuration: "small" (default, $CTPU_CONFIG) or "large"
-    dump_dir          write every stage of every graph here ($CTPU_DUMP_DIR)
-    cache             use the on-disk compile cache (default True; $CTPU_CACHE=0 disables)
-    matmul_precision  "highest" | "high" | "medium" (default: torch.get_float32_matmul_precision())
+(normalise, fuse, partition) with the target's answer for each node. Every segment the target runs
+becomes one executable (by default the whole graph: one megakernel, launched once); a node the target
+cannot run goes to the CPU alone, and the supported nodes on either side still run on the target. One
+`CtpuFallbackWarning` per compiled graph names every CPU op with its reason. Options: options.py.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import time
+import operator
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx
 
-from torch_tpu_backend import cache, runtime
+from torch_tpu_backend import cache
 from torch_tpu_backend import stats as exec_stats
-from torch_tpu_backend.dump import GraphDump, dump_root
+from torch_tpu_backend.ctpu_target import signature
+from torch_tpu_backend.dump import GraphDump
+from torch_tpu_backend.options import CompileOptions
+from torch_tpu_backend.target import OutputSpec, Target
 
 log = logging.getLogger("ctpu.backend")
-MATMUL_PRECISIONS = ("highest", "high", "medium")
-
-
-@dataclass(frozen=True)
-class CompileOptions:
-    target: str = "sim"
-    config: str = "small"
-    dump_dir: str | None = None
-    cache: bool = True
-    matmul_precision: str | None = None
-
-    @classmethod
-    def resolve(cls, options: dict[str, Any] | None) -> CompileOptions:
-        options = dict(options or {})
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(f"ctpu backend: unknown option(s) {unknown}; known: {sorted(known)}")
-        target = options.get("target") or runtime.default_target()
-        if target not in runtime.TARGETS:
-            raise ValueError(f"ctpu backend: target {target!r}; expected one of {runtime.TARGETS}")
-        from device_sim.config import get_config
-
-        config = get_config(options.get("config") or runtime.default_config()).name
-        precision = options.get("matmul_precision")
-        if precision is not None and precision not in MATMUL_PRECISIONS:
-            raise ValueError(f"ctpu backend: matmul_precision {precision!r}; expected one of {MATMUL_PRECISIONS}")
-        dump = dump_root(options.get("dump_dir"))
-        return cls(target, config, str(dump) if dump else None, bool(options.get("cache", True)), precision)
+MAX_FALLBACK_SEARCHES = 32  # per graph: beyond this, a segment that keeps failing runs on the CPU whole
 
 
 def ctpu_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None,
@@ -71,69 +40,153 @@ def ctpu_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], option
     from torch._dynamo.backends.common import aot_autograd
 
     opts = CompileOptions.resolve(options)
-    compiler = GraphCompiler(opts)
+    compiler = GraphCompiler(opts, make_target(opts))
     backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, decompositions=core_aten_decompositions())
     return backend(gm, example_inputs)
 
 
+def make_target(opts: CompileOptions) -> Target:
+    """The back end the options name: the CTPU (sim, rtl) or NVIDIA Hopper (ptx)."""
+    if opts.target == "ptx":
+        from torch_tpu_backend.ptx_target import PtxTarget
+
+        return PtxTarget(opts)
+    from torch_tpu_backend.ctpu_target import CtpuTarget
+
+    return CtpuTarget(opts)
+
+
 @dataclass
 class GraphCompiler:
-    """Compiles one AOT (core-ATen) graph into a callable running its segments on the CTPU or the CPU."""
+    """Compiles one AOT (core-ATen) graph into a callable running its segments on the target or the CPU.
+    Target-agnostic: everything it needs to know about the back end, it asks the target."""
 
     opts: CompileOptions
+    target: Target
     graphs: int = field(default=0)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        from torch._functorch.aot_autograd import make_boxed_func
+
         import fx_passes
 
         self.graphs += 1
-        dump = GraphDump(_dump_path(self.opts), cache.make_key(str(gm.graph), _signature(example_inputs)))
+        dump = GraphDump(Path(self.opts.dump_dir) if self.opts.dump_dir else None,
+                         cache.make_key(str(gm.graph), signature(example_inputs)))
         dump.stage("fx_aten", gm.print_readable(print_output=False))
         try:
-            gm, report = fx_passes.run_passes(gm, example_inputs)
+            gm, report = fx_passes.run_passes(gm, example_inputs, fuse=self.target.fuse_elementwise,
+                                              unsupported_reason=self.target.unsupported_reason)
         except Exception as e:  # the passes refuse the graph (a symbolic size) or fail: all of it on the CPU
             log.info("ctpu: fx_passes refused graph %d", self.graphs, exc_info=True)
             warnings.warn(f"ctpu: graph {self.graphs} runs on the CPU: {type(e).__name__}: {str(e)[:300]}",
                           _fallback_warning(), stacklevel=2)
             gm.recompile()  # the passes keep the graph's meaning: whatever they did before failing runs as is
-            return CpuSegment(gm)
+            return make_boxed_func(CpuSegment(gm))
         dump.stage("fx_after_passes", gm.print_readable(print_output=False))
         dump.stage("fx_passes_report", report.summary())
-        if self.opts.target == "ptx":
-            from torch_tpu_backend.ptx_target import compile_for_ptx
+        module, partition, segments = self._compile_segments(gm, report.partition, dump)
+        cpu_nodes = [n for seg in partition.segments if seg.placement == "cpu" for n in seg.nodes]
+        if cpu_nodes:
+            ops = [n for n in cpu_nodes if n.target is not operator.getitem]
+            warnings.warn(f"ctpu: graph {self.graphs}: {len(ops)} op(s) run on the CPU: "
+                          f"{fx_passes.fallback_summary(cpu_nodes)}", _fallback_warning(), stacklevel=2)
+        dump.summary({"target": self.target.name, "config": self.opts.config, "segments": segments,
+                      "fusions": dict(report.fusions), "fallback_ops": fx_passes.fallback_summary(cpu_nodes)})
+        return make_boxed_func(module)
 
-            return compile_for_ptx(gm, report, self.opts, dump)
-        split = split_segments(gm, report.partition)
-        kernels: list[dict[str, Any]] = []
-        for name, placement in split.placements.items():
-            sub = getattr(split.module, name)
-            if placement == "ctpu":
-                kernel = CtpuKernel.build(sub, self.opts, dump, name)
-                if kernel is not None:
-                    setattr(split.module, name, kernel)
-                    kernels.append({"segment": name, "placement": "ctpu", **kernel.summary})
+    def _compile_segments(self, gm: torch.fx.GraphModule, partition: Any, dump: GraphDump
+                          ) -> tuple[torch.fx.GraphModule, Any, list[dict[str, Any]]]:
+        """Split into segments and compile each target segment. A segment that fails to compile gives up
+        only the node that makes it fail (the shortest failing prefix ends with it): that node joins the
+        CPU, and the graph is split again."""
+        import fx_passes
+
+        forced: dict[torch.fx.Node, str] = {}
+        compiled: dict[str, Any] = {}  # a segment's graph text -> its executable, across re-splits
+        while True:
+            split = split_segments(gm, partition)
+            failure = None
+            summaries = []
+            for name, seg_nodes in split.segments.items():
+                sub = getattr(split.module, name)
+                if split.placements[name] == "cpu":
+                    setattr(split.module, name, CpuSegment(sub))
+                    summaries.append({"segment": name, "placement": "cpu", "ops": CpuSegment(sub).op_names})
                     continue
-            setattr(split.module, name, CpuSegment(sub))
-            kernels.append({"segment": name, "placement": "cpu", "ops": CpuSegment(sub).op_names})
-        dump.summary({"target": self.opts.target, "config": self.opts.config, "segments": kernels,
-                      "fusions": dict(report.fusions), "fallback_ops": report.fallback_ops})
-        split.module.recompile()
-        return split.module
+                try:
+                    exe = self._compile(sub, name, dump, compiled)
+                except Exception as e:
+                    failure = (seg_nodes, e)
+                    break
+                setattr(split.module, name, TargetSegment(self.target, exe, name, sub))
+                summaries.append({"segment": name, "placement": self.target.name,
+                                  **_executable_summary(exe)})
+            if failure is None:
+                split.module.recompile()
+                return split.module, partition, summaries
+            nodes, err = failure
+            if len(forced) >= MAX_FALLBACK_SEARCHES:
+                culprits = dict.fromkeys(nodes, _reason(err))
+            else:
+                culprits = self._culprit(gm, nodes, err, dump, compiled)
+            forced.update(culprits)
+            partition = fx_passes.partition(gm, self.target.unsupported_reason, forced)
+
+    def _compile(self, sub: torch.fx.GraphModule, name: str, dump: GraphDump, compiled: dict[str, Any]) -> Any:
+        key = str(sub.graph)
+        if key not in compiled:
+            try:
+                compiled[key] = self.target.compile(sub, _example_inputs(sub), name, dump)
+            except Exception as e:
+                compiled[key] = e
+        if isinstance(compiled[key], Exception):
+            raise compiled[key]
+        return compiled[key]
+
+    def _culprit(self, gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], err: Exception, dump: GraphDump,
+                 compiled: dict[str, Any]) -> dict[torch.fx.Node, str]:
+        """The node ending the shortest prefix of `nodes` that fails to compile, with the error's reason."""
+        from fx_passes.graph_utils import extract_subgraph
+
+        lo, hi, last_error = 1, len(nodes), err
+        while lo < hi:
+            mid = (lo + hi) // 2
+            try:
+                self._compile(extract_subgraph(gm, nodes[:mid]), f"search_{mid}", _NO_DUMP, compiled)
+                lo = mid + 1
+            except Exception as e:
+                hi, last_error = mid, e
+        culprit = nodes[lo - 1]
+        log.info("ctpu: %s (%s) cannot run on the %s: %s", culprit.name, culprit.target, self.target.name,
+                 last_error)
+        return {culprit: _reason(last_error)}
 
 
-def _dump_path(opts: CompileOptions) -> Any:
-    return opts.dump_dir and os.fspath(opts.dump_dir)
+_NO_DUMP = GraphDump(None, "")
 
 
-def _signature(values: Sequence[Any]) -> tuple[Any, ...]:
-    return tuple((tuple(v.shape), str(v.dtype), tuple(v.stride())) if isinstance(v, torch.Tensor) else repr(v)
-                 for v in values)
+def _reason(err: Exception) -> str:
+    import codegen
+
+    if isinstance(err, codegen.UnsupportedError):
+        return str(err)[:300]
+    log.error("ctpu: internal compiler error", exc_info=err)
+    return f"internal compiler error, please report: {type(err).__name__}: {str(err)[:300]}"
+
+
+def _executable_summary(exe: Any) -> dict[str, Any]:
+    summary = getattr(exe, "summary", None) or {}
+    program = getattr(exe, "program", None)
+    return {"bundles": len(program) if program is not None else None,
+            **{k: summary.get(k) for k in ("kernels", "arena_bytes", "spilled")}}
 
 
 @dataclass
 class SplitGraph:
     module: torch.fx.GraphModule
     placements: dict[str, str]  # submodule name -> "ctpu" | "cpu"
+    segments: dict[str, list[torch.fx.Node]]  # submodule name -> the nodes of gm it holds
 
 
 def split_segments(gm: torch.fx.GraphModule, partition: Any) -> SplitGraph:
@@ -152,11 +205,12 @@ def split_segments(gm: torch.fx.GraphModule, partition: Any) -> SplitGraph:
         return last
 
     module = split_module(gm, None, which, keep_original_order=True)
-    placements = {}
+    placements, segments = {}, {}
     for i, seg in enumerate(partition.segments):
         if hasattr(module, f"submod_{i}"):
             placements[f"submod_{i}"] = seg.placement
-    return SplitGraph(module, placements)
+            segments[f"submod_{i}"] = seg.nodes
+    return SplitGraph(module, placements, segments)
 
 
 def _example_inputs(sub: torch.fx.GraphModule) -> list[Any]:
@@ -169,74 +223,21 @@ def _example_inputs(sub: torch.fx.GraphModule) -> list[Any]:
     return vals
 
 
-class CtpuKernel(torch.nn.Module):
-    """A compiled segment: one CTPU program launched through the runtime on the chosen target."""
+class TargetSegment(torch.nn.Module):
+    """A compiled segment: one executable, launched through its target. Its outputs are made as the FX graph
+    says (dtype, device: a ctpu tensor stays on ctpu, a `.cpu()` result is a CPU tensor)."""
 
-    def __init__(self, compiled: Any, opts: CompileOptions, name: str, returns_tuple: bool,
-                 out_dtypes: list[torch.dtype]) -> None:
+    def __init__(self, target: Target, executable: Any, name: str, sub: torch.fx.GraphModule) -> None:
         super().__init__()
-        self.compiled, self.opts, self.name = compiled, opts, name
-        self.returns_tuple, self.out_dtypes = returns_tuple, out_dtypes
-
-    @property
-    def summary(self) -> dict[str, Any]:
-        return {"bundles": len(self.compiled.program), **{k: self.compiled.summary.get(k)
-                                                          for k in ("kernels", "arena_bytes", "spilled")}}
-
-    @classmethod
-    def build(cls, sub: torch.fx.GraphModule, opts: CompileOptions, dump: GraphDump, name: str) -> CtpuKernel | None:
-        """Compile a segment (through the cache); None if codegen cannot lower it (the caller falls back)."""
-        import codegen
-        import fx_passes
-
-        examples = _example_inputs(sub)
+        self.target, self.executable, self.name = target, executable, name
         output = next(iter(sub.graph.find_nodes(op="output")))
         results = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
-        out_dtypes = [r.meta["val"].dtype for r in results]
-        returns_tuple = isinstance(output.args[0], (tuple, list))
-        # the CTPU fuses through MLIR (linalg elementwise fusion): FusedKernel groups go back to ATen nodes
-        sub = fx_passes.inline_fused_kernels(sub)
-        precision = opts.matmul_precision or torch.get_float32_matmul_precision()
-        key = cache.make_key(str(sub.graph), _signature(examples), opts.config, precision, _constants(sub))
-        directory = cache.cache_dir() if opts.cache else None
-        try:
-            compiled, hit = cache.cached(directory, key, lambda: codegen.compile_graph(
-                sub, examples, config=opts.config,
-                options={"matmul_precision": precision, "progress": _progress_logger(name)}))
-        except codegen.UnsupportedError as e:
-            ops = ", ".join(CpuSegment(sub).op_names)
-            warnings.warn(f"ctpu: segment {name} ({ops}) cannot run on the CTPU and falls back to CPU: {e}",
-                          _fallback_warning(), stacklevel=2)
-            return None
-        except Exception as e:  # a compiler bug must not break the user's model: CPU, loudly
-            log.exception("ctpu: internal compiler error on segment %s", name)
-            warnings.warn(f"ctpu: internal compiler error on segment {name}; it runs on the CPU. Please report: "
-                          f"{type(e).__name__}: {str(e)[:300]}", _fallback_warning(), stacklevel=2)
-            return None
-        log.info("ctpu: %s compiled (%d bundles, cache %s)", name, len(compiled.program), "hit" if hit else "miss")
-        for stage, text in compiled.stages.items():
-            stem, _, ext = stage.rpartition(".")
-            dump.stage(f"{name}_{stem or ext}", text, ext if stem else "txt")
-        dump.stage(f"{name}_program", compiled.program.to_bytes(), "bin")
-        dump.stage(f"{name}_summary", json.dumps(compiled.summary, indent=2, default=str), "json")
-        return cls(compiled, opts, name, returns_tuple, out_dtypes)
+        self.returns_tuple = isinstance(output.args[0], (tuple, list))
+        self.outputs = [OutputSpec(r.meta["val"].dtype, r.meta["val"].device) for r in results]
 
-    def forward(self, *args: torch.Tensor) -> Any:
-        outs = runtime.run_compiled(self.compiled, args, target=self.opts.target, config=self.opts.config,
-                                    name=self.name, out_dtypes=self.out_dtypes)
+    def forward(self, *args: Any) -> Any:
+        outs = self.target.launch(self.executable, args, self.outputs, self.name)
         return tuple(outs) if self.returns_tuple else outs[0]
-
-
-def _constants(sub: torch.fx.GraphModule) -> bytes:
-    """The bytes of the segment's constant tensors: part of the cache key (weights are not inputs here)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for node in sub.graph.find_nodes(op="get_attr"):
-        value = getattr(sub, node.target, None)
-        if isinstance(value, torch.Tensor):
-            h.update(runtime.to_numpy_bits(value).tobytes())
-    return h.digest()
 
 
 def _fallback_warning() -> type[Warning]:
@@ -246,28 +247,15 @@ def _fallback_warning() -> type[Warning]:
 
 
 class CpuSegment(torch.nn.Module):
-    """A segment the CTPU does not run: executed eagerly on the CPU, counted in the execution statistics."""
+    """A segment the target does not run: executed eagerly on the CPU, counted in the execution statistics."""
 
     def __init__(self, sub: torch.fx.GraphModule) -> None:
         super().__init__()
         self.sub = sub
-        self.op_names = [str(n.target) for n in sub.graph.nodes if n.op in ("call_function", "call_module")]
+        self.op_names = [str(n.target) for n in sub.graph.nodes if n.op in ("call_function", "call_module")
+                         and n.target is not operator.getitem]
 
     def forward(self, *args: Any) -> Any:
         for op in self.op_names:
             exec_stats.record_fallback(op)
         return self.sub(*args)
-
-
-def _progress_logger(name: str, every_seconds: float = 5.0) -> Callable[[int, int], None]:
-    """A `compile_graph` progress callback: logs (INFO, logger "ctpu.backend") how many kernels of a segment
-    are compiled, at most every few seconds, so a long compile shows it is moving."""
-    last = time.monotonic()
-
-    def report(done: int, total: int) -> None:
-        nonlocal last
-        now = time.monotonic()
-        if now - last >= every_seconds or done == total:
-            last = now
-            log.info("ctpu: %s: %d/%d kernels compiled", name, done, total)
-    return report

@@ -9,6 +9,7 @@ ops. Without a CUDA device a launch raises `PtxLaunchError` saying so.
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,17 +148,37 @@ def _strides_ok(arg: Any, node: torch.fx.Node) -> bool:
     return tuple(val.stride()) == tuple(arg.strides[len(arg.strides) - val.dim():])
 
 
-def compile_for_ptx(gm: torch.fx.GraphModule, report: Any, opts: Any, dump: GraphDump) -> PtxGraph:
-    kernels, uncovered = build_kernels(gm)
-    for k in kernels:
-        dump.stage(f"ptx_{k.kernel.name}", k.kernel.ptx, "ptx")
-    figures = {k.kernel.name: {"registers": k.report.registers, "spill_stores": k.report.spill_stores,
-                               "spill_loads": k.report.spill_loads} for k in kernels}
-    dump.summary({"target": "ptx", "kernels": figures, "torch_ops": uncovered, "fusions": dict(report.fusions)})
-    if uncovered:
-        warnings.warn("ctpu ptx target: no PTX kernel for " + "; ".join(uncovered) + " (they run as torch CUDA ops)",
-                      stacklevel=2)
-    return PtxGraph(gm, {k.node: k for k in kernels}, figures)
+class PtxTarget:
+    """NVIDIA Hopper through pyptx: every compute node of a graph gets a PTX kernel (fused groups from
+    fx_passes' FusedKernels and ctpu ops), views run as torch views; nothing falls back to the host."""
+
+    name = "ptx"
+    fuse_elementwise = True  # the generator compiles fx_passes' fused groups, one kernel each
+
+    def __init__(self, opts: Any) -> None:
+        self.opts = opts
+
+    def unsupported_reason(self, node: torch.fx.Node) -> str | None:
+        return None  # a node without a kernel still runs on the GPU, as a torch CUDA op
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: Any, name: str, dump: GraphDump) -> PtxGraph:
+        import fx_passes
+
+        kernels, uncovered = build_kernels(gm)
+        for k in kernels:
+            dump.stage(f"ptx_{k.kernel.name}", k.kernel.ptx, "ptx")
+        figures = {k.kernel.name: {"registers": k.report.registers, "spill_stores": k.report.spill_stores,
+                                   "spill_loads": k.report.spill_loads} for k in kernels}
+        fusions = Counter(group.kind for group in fx_passes.fusion_groups(gm))
+        dump.summary({"target": "ptx", "kernels": figures, "torch_ops": uncovered, "fusions": dict(fusions)})
+        if uncovered:
+            warnings.warn("ctpu ptx target: no PTX kernel for " + "; ".join(uncovered) +
+                          " (they run as torch CUDA ops)", stacklevel=2)
+        return PtxGraph(gm, {k.node: k for k in kernels}, figures)
+
+    def launch(self, graph: PtxGraph, args: Any, outputs: Any, name: str) -> list[Any]:
+        result = graph(*args)
+        return list(result) if isinstance(result, (tuple, list)) else [result]
 
 
 def _as_node_shape(out: torch.Tensor, node: torch.fx.Node) -> torch.Tensor:

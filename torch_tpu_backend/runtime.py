@@ -1,9 +1,10 @@
-"""The runtime: one CTPU device (its HBM arena and the target launches run on) and kernel launches.
+"""The runtime: one CTPU device per configuration (its HBM arena, its allocator, the runners launches run
+on) and the launch of an `Executable` on it.
 
 Device memory IS the simulated HBM: `CtpuDevice.hbm` is the numpy byte array the simulator's DMA reads and
 writes. Everything that lives on the device (ctpu tensors, a compiled graph's workspace) is allocated in
-it by `HbmAllocator`, and a launch passes HBM addresses to the program as kernel arguments (s1..), so a
-launch reads and writes tensors in place.
+it by `HbmAllocator`, and a launch passes HBM addresses to the program (device_sim.executable's argument
+table), so a launch reads and writes tensors in place. Tensors in and out: torch_tpu_backend.ctpu_target.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from typing import Any
 import numpy as np
 
 from device_sim.config import HardwareConfig, get_config
-from device_sim.program import Program
-from device_sim.simulator import RunStats, Simulator
+from device_sim.executable import Executable, launch
+from device_sim.runners import Runner, SimulatorRunner
+from torch_tpu_backend import stats as exec_stats
 
 TARGETS = ("sim", "rtl", "ptx")
 ALIGN = 256  # bytes; every HBM allocation starts on this boundary (DMA rows stay aligned)
@@ -114,51 +116,40 @@ class HbmAllocator:
 
 
 @dataclass
-class LaunchRecord:
-    name: str
-    target: str
-    stats: RunStats
-
-
-@dataclass
 class CtpuDevice:
-    """A CTPU: configuration, HBM arena + allocator, and the simulator that runs launches on it."""
+    """A CTPU: configuration, HBM arena + allocator, and the runners launches run on (the simulator owns
+    the HBM array; the RTL runner copies it in and out)."""
 
     config: HardwareConfig
-    sim: Simulator = field(init=False)
+    simulator: SimulatorRunner = field(init=False)
     allocator: HbmAllocator = field(init=False)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
-        self.sim = Simulator(self.config)
+        self.simulator = SimulatorRunner(self.config)
         self.allocator = HbmAllocator(self.config.hbm_bytes)
 
     @property
     def hbm(self) -> np.ndarray:
-        return self.sim.hbm
+        return self.simulator.hbm
 
-    def launch(self, program: Program, args: dict[int, int], target: str = "sim", name: str = "kernel",
-               max_cycles: int | None = None) -> RunStats:
-        """Run `program` with kernel arguments in s1.. on `target`; HBM is read and written in place."""
+    def runner(self, target: str) -> Runner:
+        if target == "sim":
+            return self.simulator
+        if target == "rtl":
+            from device_sim.rtl.runner import RtlRunner
+
+            return RtlRunner(self.config)
+        raise ValueError(f"target {target!r} does not run CTPU binaries (ptx kernels launch on a GPU)")
+
+    def launch(self, exe: Executable, input_addrs: Sequence[int], arena_addr: int, target: str = "sim",
+               name: str = "kernel", max_cycles: int | None = None) -> list[np.ndarray]:
+        """Run `exe` on `target` with its inputs at `input_addrs` and its arena at `arena_addr` (HBM is
+        read and written in place); returns its outputs, and counts the launch in the statistics."""
         with self.lock:
-            if target == "sim":
-                if max_cycles is not None:
-                    self.sim.max_cycles = max_cycles
-                self.sim.load(program)
-                stats = self.sim.run(args=args)
-            elif target == "rtl":
-                from device_sim.rtl.runner import run_on_rtl
-
-                result = run_on_rtl(program, self.sim.hbm, config=self.config, args=args)
-                result.raise_if_trapped()
-                self.sim.hbm[:] = result.hbm
-                stats = result.stats
-            else:
-                raise ValueError(f"target {target!r} does not run CTPU binaries (ptx kernels launch on a GPU)")
-        from torch_tpu_backend import stats as exec_stats
-
-        exec_stats.record_launch(LaunchRecord(name, target, stats))
-        return stats
+            outputs, run_stats = launch(exe, self.runner(target), self.hbm, input_addrs, arena_addr, max_cycles)
+        exec_stats.record_launch(exec_stats.LaunchRecord(name, target, run_stats))
+        return outputs
 
 
 def require_gpu() -> None:
@@ -174,7 +165,6 @@ def require_gpu() -> None:
 def launch_ptx(kernel: Any, inputs: Sequence[Any]) -> list[Any]:
     """Launch one PTX kernel on CUDA tensors (the `ptx` target's launch), counted in the statistics."""
     import ptx_kernels
-    from torch_tpu_backend import stats as exec_stats
 
     require_gpu()
     outs = ptx_kernels.run(kernel, *inputs)
@@ -205,70 +195,3 @@ def to_numpy_bits(array: Any) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
-def run_compiled(compiled: Any, tensors: Sequence[Any], target: str, config: str, name: str,
-                 out_dtypes: Sequence[Any] | None = None) -> list[Any]:
-    """Launch a codegen.CompiledGraph. ctpu tensors already in this device's HBM are read in place (their
-    addresses are the kernel arguments); other inputs are copied into HBM for the launch. The graph's arena
-    is allocated for the launch and freed after. Outputs are ctpu tensors, written in HBM, when any input
-    was a ctpu tensor, else CPU tensors."""
-    import torch
-
-    device = get_device(config)
-    allocations: list[int] = []
-    on_device = False
-    try:
-        input_addrs = []
-        for placement, tensor in zip(compiled.inputs, tensors, strict=True):
-            addr = _in_place_address(device, placement, tensor)
-            if addr is None:
-                bits = compiled.input_bits(placement, to_numpy_bits(tensor))
-                addr = device.allocator.alloc(bits.nbytes)
-                allocations.append(addr)
-                device.hbm[addr : addr + bits.nbytes] = bits.reshape(-1).view(np.uint8)
-            else:
-                on_device = True
-            input_addrs.append(addr)
-        arena = device.allocator.alloc(max(compiled.arena_bytes, 1))
-        allocations.append(arena)
-        device.launch(compiled.program, compiled.launch(device.hbm, input_addrs, arena), target=target, name=name)
-        arrays = compiled.read_outputs(device.hbm, input_addrs, arena)
-    finally:
-        for addr in allocations:
-            device.allocator.release(addr)
-    dtypes = list(out_dtypes) if out_dtypes is not None else [torch.float32] * len(arrays)
-    if on_device:
-        return [_device_tensor(device, a, d) for a, d in zip(arrays, dtypes, strict=True)]
-    return [torch.from_numpy(a).to(d) for a, d in zip(arrays, dtypes, strict=True)]
-
-
-_DTYPES = {"f32": "float32", "bf16": "bfloat16"}
-
-
-def _in_place_address(device: CtpuDevice, placement: Any, tensor: Any) -> int | None:
-    """The HBM address of a ctpu tensor the program can read as it is (same device, dtype, contiguous)."""
-    if getattr(tensor, "device", None) is None or tensor.device.type != "ctpu":
-        return None
-    from torch_tpu_backend.device import memory
-
-    if memory.hbm_device() is not device or not tensor.is_contiguous():
-        return None
-    if str(tensor.dtype).removeprefix("torch.") != _DTYPES.get(placement.dtype):
-        return None
-    return memory.hbm_address(tensor)
-
-
-def _device_tensor(device: CtpuDevice, values: np.ndarray, dtype: Any) -> Any:
-    """A new ctpu tensor holding `values` (fp32), written straight into its HBM bytes."""
-    import torch
-
-    from device_sim import numerics
-    from torch_tpu_backend.device import memory
-
-    out = torch.empty(values.shape, dtype=dtype, device="ctpu")
-    if dtype == torch.bfloat16:
-        bits = numerics.f32_to_bf16_bits(values)
-    else:
-        bits = np.ascontiguousarray(values).astype(str(dtype).removeprefix("torch."), copy=False)
-    addr = memory.hbm_address(out)
-    device.hbm[addr : addr + bits.nbytes] = bits.reshape(-1).view(np.uint8)
-    return out

@@ -12,10 +12,16 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from torch_tpu_backend.runtime import LaunchRecord
+
+@dataclass
+class LaunchRecord:
+    """One launch: its name, the target it ran on, and that target's statistics (a RunStats)."""
+
+    name: str
+    target: str
+    stats: Any
 
 
 @dataclass

@@ -206,18 +206,19 @@ def run_on_rtl(program: Program, hbm_image: HbmImage | None = None, config: str 
     return run_batch_on_rtl([job], config, waves=waves, wave_file=wave_file)[0]
 
 
-def manifest_runner(program: Program, config: HardwareConfig, writes: list[tuple[int, np.ndarray]],
-                    reads: list[tuple[int, tuple[int, ...], Any]], max_cycles: int
-                    ) -> tuple[dict[str, Any], list[np.ndarray]]:
-    """`device_sim.manifest.Runner` on the RTL: the same HBM set-up, statistics and read-back as the
-    simulator's runner (`run_manifest(path, target="rtl")`). A trap raises `CtpuTrap`, as in the simulator."""
-    image = {addr: np.ascontiguousarray(arr).view(np.uint8).tobytes() for addr, arr in writes}
-    result = run_on_rtl(program, image, config=config, max_cycles=max_cycles)
-    result.raise_if_trapped()
-    stats = result.stats.as_dict()
-    stats["rtl_cycles_per_second"] = result.stats.cycles / result.wall_seconds if result.wall_seconds else 0.0
-    outs = []
-    for addr, shape, dtype in reads:
-        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        outs.append(result.hbm[addr : addr + nbytes].view(dtype).reshape(shape).copy())
-    return stats, outs
+class RtlRunner:
+    """The RTL core as a `device_sim.runners.Runner`: same HBM in and out, same statistics, traps raise."""
+
+    name = "rtl"
+
+    def __init__(self, config: str | HardwareConfig = "small") -> None:
+        self.config = get_config(config)
+        self.last: RtlResult | None = None
+
+    def run(self, program: Program, hbm: np.ndarray, args: dict[int, int],
+            max_cycles: int | None = None) -> RunStats:
+        result = run_on_rtl(program, hbm, config=self.config, args=args, max_cycles=max_cycles or DEFAULT_MAX_CYCLES)
+        self.last = result
+        result.raise_if_trapped()
+        hbm[:] = result.hbm
+        return result.stats

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from codegen_helpers import trace
 
-from codegen.fx_to_mlir import emit_module
+from codegen.fx_ops import emit_module
 from codegen.kernels import GatherKernel, GenericKernel, IotaKernel, MatmulKernel, read_function
 from codegen.mlir_pipeline import run_pipeline
 

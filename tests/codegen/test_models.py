@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from codegen import compile_graph
-from codegen.fx_to_mlir import emit_module
+from codegen.fx_ops import emit_module
 from codegen.kernels import (
     FillKernel,
     GatherKernel,
@@ -25,6 +25,8 @@ from codegen.kernels import (
     read_function,
 )
 from codegen.mlir_pipeline import run_pipeline
+from device_sim.executable import run_fresh
+from device_sim.runners import SimulatorRunner
 
 
 def capture(fn, *inputs: torch.Tensor) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
@@ -55,8 +57,9 @@ def compile_model(fn, *inputs: torch.Tensor, **options) -> tuple[list[np.ndarray
 
     gm, args = capture(fn, *inputs)
     gm, _ = fx_passes.run_passes(gm, args)
-    cg = compile_graph(fx_passes.inline_fused_kernels(gm), args, options=options)
-    outs, _ = cg.run_on_simulator([(a.float() if a.is_floating_point() else a).detach().numpy() for a in args])
+    cg = compile_graph(fx_passes.inline_fused_kernels(gm), args, **options)
+    outs, _ = run_fresh(cg, [(a.float() if a.is_floating_point() else a).detach().numpy() for a in args],
+                        SimulatorRunner(cg.config))
     with torch.no_grad():
         ref = fn(*inputs)
     return outs, ref.float().numpy()

@@ -24,7 +24,7 @@ SHAPES = [(64, 64), (128, 256), (16, 4096)]
 
 def _check(fn, *xs: torch.Tensor, bf16: bool = False) -> None:
     outs, refs, cg = compile_and_run(fn, *xs)
-    assert len(cg.program) <= cg.config.imem_bundles
+    assert len(cg.program) <= cg.hardware.imem_bundles
     for o, r in zip(outs, refs, strict=True):
         if bf16:
             np.testing.assert_allclose(o, r, rtol=1.6e-2, atol=1e-2)

@@ -9,7 +9,7 @@ import torch_tpu_backend.stats as ctpu_stats
 
 
 def test_compiled_graph_reads_ctpu_inputs_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
-    import codegen
+    from torch_tpu_backend import ctpu_target
 
     def no_copies(*_: object) -> None:
         raise AssertionError("an input was copied into HBM: ctpu tensors must be read in place")
@@ -20,7 +20,7 @@ def test_compiled_graph_reads_ctpu_inputs_in_place(monkeypatch: pytest.MonkeyPat
     torch._dynamo.reset()
     x, y = torch.randn(16, 8), torch.randn(16, 8)
     xd, yd = x.to("ctpu"), y.to("ctpu")
-    monkeypatch.setattr(codegen.CompiledGraph, "input_bits", staticmethod(no_copies))
+    monkeypatch.setattr(ctpu_target, "pack_input", no_copies)
     ctpu_stats.reset()
     out = torch.compile(f, backend="ctpu", options={"cache": False})(xd, yd)
     assert out.device.type == "ctpu"
@@ -35,3 +35,24 @@ def test_cpu_inputs_still_work_and_return_cpu_tensors() -> None:
     out = torch.compile(lambda t: t * 2.0 - 1.0, backend="ctpu", options={"cache": False})(x)
     assert out.device.type == "cpu"
     torch.testing.assert_close(out, x * 2.0 - 1.0)
+
+
+def test_non_contiguous_ctpu_input_gives_a_ctpu_output() -> None:
+    """A strided ctpu input is copied for the launch, but the result stays where eager puts it: on ctpu."""
+    torch._dynamo.reset()
+    x = torch.randn(8, 16)
+    xd = x.to("ctpu").t()
+    assert not xd.is_contiguous()
+    out = torch.compile(lambda t: t * 2.0 + 1.0, backend="ctpu", options={"cache": False})(xd)
+    assert out.device.type == "ctpu"
+    torch.testing.assert_close(out.cpu(), x.t() * 2.0 + 1.0)
+
+
+def test_a_cpu_result_of_a_ctpu_graph_is_a_cpu_tensor() -> None:
+    """`(x + 1).cpu() * 2` compiled as one graph: the result is on the CPU, as in eager."""
+    torch._dynamo.reset()
+    x = torch.randn(4, 8)
+    out = torch.compile(lambda t: (t + 1).cpu() * 2, backend="ctpu", fullgraph=True,
+                        options={"cache": False})(x.to("ctpu"))
+    assert out.device.type == "cpu"
+    torch.testing.assert_close(out, (x + 1) * 2)

@@ -24,14 +24,14 @@ def test_data_ptr_is_in_the_hbm_arena() -> None:
 def test_writing_hbm_is_visible_in_the_tensor() -> None:
     t = torch.zeros(8, device="ctpu")
     values = np.arange(8, dtype=np.float32)
-    hbm_device().sim.write_hbm(hbm_address(t), values)  # as a DMA would
+    hbm_device().simulator.simulator.write_hbm(hbm_address(t), values)  # as a DMA would
     assert torch.equal(t.cpu(), torch.from_numpy(values))
 
 
 def test_writing_the_tensor_is_visible_in_hbm() -> None:
     t = torch.zeros(4, 4, device="ctpu")
     t[1:3, 1:3] = 7.0
-    got = hbm_device().sim.read_hbm(hbm_address(t), (4, 4), np.float32)
+    got = hbm_device().simulator.simulator.read_hbm(hbm_address(t), (4, 4), np.float32)
     expect = np.zeros((4, 4), np.float32)
     expect[1:3, 1:3] = 7.0
     np.testing.assert_array_equal(got, expect)

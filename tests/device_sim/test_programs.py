@@ -11,7 +11,9 @@ import pytest
 
 from device_sim import manifest as mf
 from device_sim.asm import load_program
+from device_sim.config import get_config
 from device_sim.programs import kernels, references
+from device_sim.simulator import RunStats
 
 PROGRAMS = Path(mf.__file__).parent / "programs"
 
@@ -128,16 +130,20 @@ why = "a copy"
 
         calls = []
 
-        def runner(program, config, writes, reads, max_cycles):
-            calls.append((len(program), config.name, [a for a, _ in writes], max_cycles))
-            return {"cycles": 1, "bundles": 1}, [np.full(shape, 7, dtype) for _, shape, dtype in reads]
+        class SevensRunner:  # any device_sim.runners.Runner: this one writes 7s where X is read back
+            name, config = "fake", get_config("small")
 
-        r = mf.run_manifest(tmp_path / "copy.s", target="rtl", runner=runner)
-        assert calls == [(6, "small", [0], 1000)] and r.target == "rtl"
+            def run(self, program, hbm, args, max_cycles=None):
+                calls.append((len(program), args, max_cycles, hbm[:32].view(np.float32).tolist()))
+                hbm[0x100:0x120].view(np.float32)[:] = 7
+                return RunStats("small", bundles=1, cycles=1)
+
+        r = mf.run_manifest(tmp_path / "copy.s", runner=SevensRunner())
+        assert calls == [(6, {}, 1000, list(range(8)))] and r.target == "fake"
         assert not r.passed and r.checks[0].mismatches == 7  # 7 == 7 at index 7 only
     finally:
         del references.identity_for_test  # type: ignore[attr-defined]
-    with pytest.raises(ValueError, match="needs a runner"):  # "rtl" is built in now (device_sim/rtl)
+    with pytest.raises(ValueError, match="does not run CTPU programs"):
         mf.run_manifest(tmp_path / "copy.s", target="ptx")
 
 

@@ -99,9 +99,13 @@ class GraphVerifier:
 
 
 def passes_verified(traced: Traced) -> PassReport:
-    """run_passes on the traced graph in strict mode, verifying after every pass."""
+    """run_passes on the traced graph in strict mode, verifying after every pass, placed by the CTPU's
+    code generator (codegen.unsupported_reason)."""
+    import codegen
+
     verifier = GraphVerifier(traced.inputs, run_graph(traced.gm, traced.inputs))
-    _, report = run_passes(traced.gm, traced.inputs, strict=True, verify=verifier)
+    _, report = run_passes(traced.gm, traced.inputs, strict=True, verify=verifier,
+                           unsupported_reason=codegen.unsupported_reason)
     assert verifier.passes == list(report.changes), "every pass was verified"
     return report
 

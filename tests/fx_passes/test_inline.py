@@ -14,7 +14,7 @@ def test_inlining_restores_aten_nodes_with_meta() -> None:
 
     x, y = torch.randn(4, 8), torch.randn(8)
     traced = aot_trace(f, x, y)
-    gm, _ = run_passes(traced.gm, traced.inputs, warn=False)
+    gm, _ = run_passes(traced.gm, traced.inputs)
     assert any(isinstance(m, FusedKernel) for m in gm.modules())
     expected = run_graph(gm, traced.inputs)
     inline_fused_kernels(gm)

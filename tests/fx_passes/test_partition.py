@@ -1,15 +1,16 @@
-"""Partitioning: supported vs CPU fallback, one warning per graph, unknown ops never crash."""
+"""Partitioning: the target decides each node (here the CTPU's code generator), reasons are kept, the passes
+never warn (the backend warns once per graph), unknown ops never crash."""
 
 from __future__ import annotations
 
 import warnings
 
-import pytest
 import torch
 from fx_helpers import aot_trace, passes_verified, run_graph
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fx_passes import CtpuFallbackWarning, is_supported, partition, run_passes
+import codegen
+from fx_passes import CtpuFallbackWarning, fallback_reason, fallback_summary, partition, run_passes
 
 # Ops nobody taught fx_passes about (registered once per process, in a test-only namespace).
 FAKE_KERNEL_BROKEN = {"flaky": False}
@@ -34,18 +35,19 @@ if not hasattr(torch.ops.ctpu_test, "mystery"):
         return torch.empty_like(x)
 
 
-def test_unsupported_ops_warn_once_naming_them() -> None:
+def test_unsupported_ops_are_named_with_their_reasons() -> None:
     def fn(x):
         y = torch.cumsum(x * 2, 0)
         z = torch.cumsum(torch.exp(y), 1)
         return torch.sort(z, 0).values + 1
 
     traced = aot_trace(fn, torch.randn(4, 8))
-    with pytest.warns(CtpuFallbackWarning) as record:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CtpuFallbackWarning)
         report = passes_verified(traced)
-    assert len(record) == 1
-    message = str(record[0].message)
-    assert "aten.cumsum.default (x2)" in message and "aten.sort.default" in message
+    message = fallback_summary(report.partition.fallback)
+    assert "aten.cumsum.default (x2): " in message and "aten.sort.default: " in message
+    assert "no CTPU lowering" in message
     assert report.fallback_ops == ["aten.cumsum.default", "aten.sort.default"]
     placements = [s.placement for s in report.partition.segments]
     assert placements == ["ctpu", "cpu", "ctpu", "cpu", "ctpu"]
@@ -62,19 +64,19 @@ def test_supported_graph_does_not_warn() -> None:
 
 def test_unknown_op_falls_back_without_crashing() -> None:
     traced = aot_trace(lambda x: torch.ops.ctpu_test.mystery(x * 2) + 1, torch.randn(4, 3))
-    with pytest.warns(CtpuFallbackWarning, match="ctpu_test.mystery.default"):
-        report = passes_verified(traced)
+    report = passes_verified(traced)
     assert report.fallback_ops == ["ctpu_test.mystery.default"]
     node = next(n for n in traced.gm.graph.nodes if "mystery" in str(n.target))
-    assert node.meta["ctpu_placement"] == "cpu" and not is_supported(node, traced.gm)
+    assert node.meta["ctpu_placement"] == "cpu"
+    assert "no CTPU lowering" in fallback_reason(node, traced.gm, codegen.unsupported_reason)
 
 
 def test_unknown_op_whose_fake_kernel_fails_later_keeps_its_traced_value() -> None:
     traced = aot_trace(lambda x: torch.ops.ctpu_test.flaky(x * 2) * 3, torch.randn(4, 3))
     FAKE_KERNEL_BROKEN["flaky"] = True
     try:
-        with pytest.warns(CtpuFallbackWarning, match="ctpu_test.flaky.default"):
-            passes_verified(traced)
+        report = passes_verified(traced)
+        assert report.fallback_ops == ["ctpu_test.flaky.default"]
     finally:
         FAKE_KERNEL_BROKEN["flaky"] = False
     torch.testing.assert_close(run_graph(traced.gm, traced.inputs)[0], traced.eager)
@@ -82,15 +84,15 @@ def test_unknown_op_whose_fake_kernel_fails_later_keeps_its_traced_value() -> No
 
 def test_partition_labels_every_compute_node() -> None:
     gm = make_fx(lambda x: torch.exp(x).t() @ x)(torch.randn(3, 3))
-    part = partition(gm, warn=False)
+    part = partition(gm, codegen.unsupported_reason)
     compute = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
     assert part.supported == compute and part.fallback == []
     assert {n.meta["ctpu_placement"] for n in compute} == {"ctpu"}
 
 
-def test_run_passes_warn_false_is_silent() -> None:
+def test_without_a_target_every_node_is_placed_on_it() -> None:
     gm = make_fx(lambda x: torch.cumsum(x, 0))(torch.randn(3))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", CtpuFallbackWarning)
-        _, report = run_passes(gm, [torch.randn(3)], warn=False)
+    _, report = run_passes(gm, [torch.randn(3)])
+    assert report.fallback_ops == []
+    _, report = run_passes(gm, [torch.randn(3)], unsupported_reason=codegen.unsupported_reason)
     assert report.fallback_ops == ["aten.cumsum.default"]

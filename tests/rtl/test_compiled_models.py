@@ -11,8 +11,10 @@ from test_models import MiniAttention, capture, tiny_llama
 
 import fx_passes
 from codegen import compile_graph
+from device_sim.executable import run_fresh, stage
 from device_sim.rtl.diff import diff_batch
 from device_sim.rtl.runner import RtlJob
+from device_sim.runners import SimulatorRunner
 
 pytestmark = pytest.mark.rtl
 
@@ -33,9 +35,9 @@ def test_compiled_models_match_the_simulator_and_eager() -> None:
     for fn, x, tol in cases.values():
         gm, args = capture(fn, x)
         gm, _ = fx_passes.run_passes(gm, args)
-        cg = compile_graph(fx_passes.inline_fused_kernels(gm), args, options={"matmul_precision": "highest"})
+        cg = compile_graph(fx_passes.inline_fused_kernels(gm), args, matmul_precision="highest")
         arrays = [(a.float() if a.is_floating_point() else a).detach().numpy() for a in args]
-        hbm, _, _, regs = cg.stage(arrays)
+        hbm, _, _, regs = stage(cg, arrays)
         jobs.append(RtlJob(cg.program, hbm, args=regs))
         runs.append((cg, arrays, fn, x, tol))
     reports = diff_batch(jobs, list(cases))
@@ -43,7 +45,7 @@ def test_compiled_models_match_the_simulator_and_eager() -> None:
     assert reports[0].cycles > 200_000
     # the RTL's final HBM is the simulator's, bit for bit: so are the outputs read from it
     for cg, arrays, fn, x, tol in runs:
-        (out,), _ = cg.run_on_simulator(arrays)
+        (out,), _ = run_fresh(cg, arrays, SimulatorRunner(cg.config))
         with torch.no_grad():
             ref = fn(x).float().numpy()
         np.testing.assert_allclose(out.reshape(ref.shape), ref, rtol=tol, atol=tol)

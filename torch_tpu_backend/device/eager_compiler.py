@@ -74,7 +74,7 @@ def compile_single_op(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, A
         from torch_tpu_backend.device import memory
 
         config = memory.hbm_device().config
-        compiled = codegen.compile_graph(gm, examples, config=config.name)
+        compiled = codegen.compile_graph(gm, examples, config.name)
     except (NotImplementedError, codegen.UnsupportedError) as e:
         log.debug("eager %s stays on the CPU: %s", op, e)
         return None
@@ -106,13 +106,14 @@ class SingleOpKernel:
         self.config, self.out_names = config, out_names
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from torch_tpu_backend import runtime
+        from torch_tpu_backend.ctpu_target import launch_executable
+        from torch_tpu_backend.target import OutputSpec
 
         inputs = {k: v for k, v in kwargs.items() if k not in self.out_names}
         leaves = pytree.tree_leaves((args, inputs))
         tensors = [leaves[i] for i in self.slots]
-        results = runtime.run_compiled(self.compiled, tensors, target="sim", config=self.config,
-                                       name=str(self.op), out_dtypes=self.out_dtypes)
+        outputs = [OutputSpec(d, torch.device("ctpu")) for d in self.out_dtypes]
+        results = launch_executable(self.compiled, tensors, outputs, "sim", str(self.op))
         if self.out_names:
             targets = [kwargs[k] for k in self.out_names]
             for dst, res in zip(targets, results, strict=True):

@@ -1,4 +1,4 @@
-"""Print the ptxas figures table of docs/ptx.md: `python -m ptx_kernels.figures` (no GPU needed)."""
+"""Print the ptxas figures table of docs/ptx.md: `python scripts/ptx_figures.py` (no GPU needed)."""
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx

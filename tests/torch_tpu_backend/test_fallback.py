@@ -1,0 +1,132 @@
+"""Fallback granularity: a node the target cannot run goes to the CPU alone; the nodes on either side still
+run on the CTPU; one CtpuFallbackWarning per compiled graph names every CPU op with its reason."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import codegen
+import fx_passes
+import torch_tpu_backend.stats as ctpu_stats
+from fx_passes import CtpuFallbackWarning
+from torch_tpu_backend.dynamo import GraphCompiler
+
+
+def _compile(fn, *xs: torch.Tensor, **options):
+    torch._dynamo.reset()
+    ctpu_stats.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            out = torch.compile(fn, backend="ctpu", options={"cache": False, **options})(*xs)
+    return out, [w for w in caught if issubclass(w.category, CtpuFallbackWarning)]
+
+
+def test_one_unsupported_op_costs_only_itself() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 8)).eval()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return model[1](torch.floor(model[0](x)))
+
+    x = torch.randn(4, 16)
+    out, warns = _compile(f, x)
+    with torch.no_grad():
+        torch.testing.assert_close(out, f(x), rtol=1e-5, atol=1e-5)
+    s = ctpu_stats.last()
+    assert s.kernels_launched == 2, s.as_dict()  # one program on each side of the floor
+    assert dict(s.fallback_ops) == {"aten.floor.default": 1}
+    assert len(warns) == 1
+    assert "aten.floor.default" in str(warns[0].message) and "no CTPU lowering" in str(warns[0].message)
+
+
+def test_two_unsupported_kinds_give_one_warning() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.cumsum(torch.floor(x * 2.0), -1) + torch.ceil(x)
+
+    x = torch.randn(4, 8)
+    out, warns = _compile(f, x)
+    torch.testing.assert_close(out, f(x))
+    assert len(warns) == 1
+    text = str(warns[0].message)
+    assert all(op in text for op in ("floor", "ceil", "cumsum")), text
+    assert ctpu_stats.last().kernels_launched >= 1
+
+
+def test_a_late_refusal_is_found_and_costs_only_its_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node codegen accepts alone but whose graph fails to compile (here: a refusal injected for tanh)
+    is located by bisection; only it goes to the CPU."""
+    real = codegen.compile_graph
+
+    def refuse_tanh(gm, *args, **kwargs):
+        if any(n.target is torch.ops.aten.tanh.default for n in gm.graph.nodes):
+            raise codegen.UnsupportedError("tanh refused for the test")
+        return real(gm, *args, **kwargs)
+
+    monkeypatch.setattr(codegen, "compile_graph", refuse_tanh)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(torch.tanh(x * 3.0) + 1.0) * 2.0
+
+    x = torch.randn(4, 8)
+    out, warns = _compile(f, x)
+    torch.testing.assert_close(out, f(x), rtol=1e-5, atol=1e-6)
+    s = ctpu_stats.last()
+    assert dict(s.fallback_ops) == {"aten.tanh.default": 1} and s.kernels_launched == 2
+    assert len(warns) == 1 and "tanh refused for the test" in str(warns[0].message)
+
+
+def test_every_op_the_partitioner_places_on_the_ctpu_lowers() -> None:
+    """The partitioner asks codegen: a node it places on the CTPU compiles, one it refuses names why."""
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    cases = [
+        (lambda x: torch.floor(x), False), (lambda x: torch.exp(x) + 1.0, True),
+        (lambda x: torch.softmax(x, -1), True), (lambda x: x.sum(0), False), (lambda x: x.sum(-1), True),
+        (lambda x: torch.cumsum(x, -1), False), (lambda x: torch.sort(x, -1).values, False),
+        (lambda x: torch.nn.functional.layer_norm(x, (8,)), True), (lambda x: torch.sign(x), False),
+        (lambda x: torch.where(x > 0, x, 0.0), True), (lambda x: x.amax(-1), True),
+    ]
+    x = torch.randn(4, 8)
+    for fn, expected in cases:
+        gm = make_fx(fn, decomposition_table=core_aten_decompositions(), tracing_mode="fake")(x)
+        gm, report = fx_passes.run_passes(gm, [x], fuse=False, unsupported_reason=codegen.unsupported_reason)
+        placed = not report.partition.fallback
+        assert placed == expected, (fn, report.summary())
+        if placed:
+            codegen.compile_graph(gm, [x])  # must not raise
+        else:
+            assert all(n.meta["ctpu_fallback_reason"] for n in report.partition.fallback)
+
+
+def test_graph_compiler_asks_the_target_and_never_its_name() -> None:
+    """A made-up target that refuses every mul: GraphCompiler places and launches by asking it alone."""
+    from torch_tpu_backend.ctpu_target import CtpuTarget
+    from torch_tpu_backend.options import CompileOptions
+
+    class NoMul(CtpuTarget):
+        def unsupported_reason(self, node: torch.fx.Node) -> str | None:
+            return "no muls here" if node.target is torch.ops.aten.mul.Tensor else super().unsupported_reason(node)
+
+    opts = CompileOptions(cache=False)
+    compiler = GraphCompiler(opts, NoMul(opts))
+
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.exp(x) * y + 1.0
+
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    gm = make_fx(f, decomposition_table=core_aten_decompositions(), tracing_mode="fake")(x, y)
+    ctpu_stats.reset()
+    with pytest.warns(CtpuFallbackWarning, match="no muls here"):
+        run = compiler(gm, [x, y])
+    out = run([x, y])  # the boxed calling convention: one list of arguments
+    torch.testing.assert_close(out, f(x, y))
+    assert dict(ctpu_stats.last().fallback_ops) == {"aten.mul.Tensor": 1}
+    assert ctpu_stats.last().kernels_launched == 2

@@ -1,0 +1,144 @@
+"""The CTPU as a target (runners `sim` and `rtl`): codegen decides what it can lower, compiles a graph
+to an `Executable`, and the runtime launches it on the device, reading ctpu tensors in place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.fx
+
+from device_sim import numerics
+from device_sim.executable import ArgSpec, Executable, pack_input
+from torch_tpu_backend import cache, runtime
+from torch_tpu_backend.dump import GraphDump
+from torch_tpu_backend.options import CompileOptions
+from torch_tpu_backend.target import OutputSpec
+
+log = logging.getLogger("ctpu.backend")
+_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+
+
+class CtpuTarget:
+    """The CTPU on the simulator (`sim`) or the SystemVerilog core (`rtl`)."""
+
+    fuse_elementwise = False  # the MLIR pipeline fuses elementwise chains itself
+
+    def __init__(self, opts: CompileOptions) -> None:
+        self.opts, self.name = opts, opts.target
+
+    def unsupported_reason(self, node: torch.fx.Node) -> str | None:
+        import codegen
+
+        return codegen.unsupported_reason(node)
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str,
+                dump: GraphDump) -> Executable:
+        import codegen
+
+        opts = self.opts
+        precision = opts.matmul_precision or torch.get_float32_matmul_precision()
+        key = cache.make_key(str(gm.graph), signature(example_inputs), opts.config, precision, _constants(gm),
+                             opts.pipeline)
+        exe, hit = cache.cached(cache.cache_dir() if opts.cache else None, key, lambda: codegen.compile_graph(
+            gm, example_inputs, opts.config, matmul_precision=precision, pipeline=opts.pipeline,
+            verify=opts.verify, progress=_progress_logger(name)))
+        log.info("ctpu: %s compiled (%d bundles, cache %s)", name, len(exe.program), "hit" if hit else "miss")
+        for stage, text in exe.stages.items():
+            stem, _, ext = stage.rpartition(".")
+            dump.stage(f"{name}_{stem or ext}", text, ext if stem else "txt")
+        dump.stage(f"{name}_program", exe.program.to_bytes(), "bin")
+        dump.stage(f"{name}_summary", json.dumps(exe.summary, indent=2, default=str), "json")
+        return exe
+
+    def launch(self, exe: Executable, args: Sequence[Any], outputs: Sequence[OutputSpec], name: str) -> list[Any]:
+        return launch_executable(exe, args, outputs, self.name, name)
+
+
+def launch_executable(exe: Executable, tensors: Sequence[Any], outputs: Sequence[OutputSpec], target: str,
+                      name: str) -> list[torch.Tensor]:
+    """Launch on the device of the executable's configuration. ctpu tensors already in its HBM are read in
+    place (their addresses go in the argument table); other inputs are copied into HBM for the launch. The
+    arena lives for the launch. Each output is made as `outputs` says (a ctpu tensor written in HBM, or a
+    CPU tensor)."""
+    device = runtime.get_device(exe.config)
+    allocations: list[int] = []
+    try:
+        input_addrs = []
+        for spec, tensor in zip(exe.inputs, tensors, strict=True):
+            addr = _in_place_address(device, spec, tensor)
+            if addr is None:
+                bits = pack_input(spec, runtime.to_numpy_bits(tensor))
+                addr = device.allocator.alloc(bits.nbytes)
+                allocations.append(addr)
+                device.hbm[addr : addr + bits.nbytes] = bits
+            input_addrs.append(addr)
+        arena = device.allocator.alloc(max(exe.arena_bytes, 1))
+        allocations.append(arena)
+        arrays = device.launch(exe, input_addrs, arena, target=target, name=name)
+    finally:
+        for addr in allocations:
+            device.allocator.release(addr)
+    return [_device_tensor(device, a, o.dtype) if o.device.type == "ctpu" else torch.from_numpy(a).to(o.dtype)
+            for a, o in zip(arrays, outputs, strict=True)]
+
+
+def _in_place_address(device: runtime.CtpuDevice, spec: ArgSpec, tensor: Any) -> int | None:
+    """The HBM address of a ctpu tensor the program can read as it is (same device, dtype, contiguous)."""
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type != "ctpu":
+        return None
+    from torch_tpu_backend.device import memory
+
+    if memory.hbm_device() is not device or not tensor.is_contiguous() or tensor.dtype != _DTYPES.get(spec.dtype):
+        return None
+    return memory.hbm_address(tensor)
+
+
+def _device_tensor(device: runtime.CtpuDevice, values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A new ctpu tensor holding `values` (fp32), written straight into its HBM bytes."""
+    from torch_tpu_backend.device import memory
+
+    out = torch.empty(values.shape, dtype=dtype, device="ctpu")
+    if dtype == torch.bfloat16:
+        bits = numerics.f32_to_bf16_bits(values)
+    else:
+        bits = np.ascontiguousarray(values).astype(str(dtype).removeprefix("torch."), copy=False)
+    addr = memory.hbm_address(out)
+    device.hbm[addr : addr + bits.nbytes] = bits.reshape(-1).view(np.uint8)
+    return out
+
+
+def signature(values: Sequence[Any]) -> tuple[Any, ...]:
+    return tuple((tuple(v.shape), str(v.dtype), tuple(v.stride())) if isinstance(v, torch.Tensor) else repr(v)
+                 for v in values)
+
+
+def _constants(gm: torch.fx.GraphModule) -> bytes:
+    """The bytes of the graph's constant tensors: part of the cache key (weights are not inputs here)."""
+    h = hashlib.sha256()
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = getattr(gm, node.target, None)
+        if isinstance(value, torch.Tensor):
+            h.update(runtime.to_numpy_bits(value).tobytes())
+    return h.digest()
+
+
+def _progress_logger(name: str, every_seconds: float = 5.0) -> Callable[[int, int], None]:
+    """A `compile_graph` progress callback: logs (INFO, logger "ctpu.backend") how many kernels of a graph
+    are compiled, at most every few seconds, so a long compile shows it is moving."""
+    last = time.monotonic()
+
+    def report(done: int, total: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= every_seconds or done == total:
+            last = now
+            log.info("ctpu: %s: %d/%d kernels compiled", name, done, total)
+    return report
