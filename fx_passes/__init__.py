@@ -7,6 +7,7 @@ torch only; nothing of codegen, device_sim or torch_tpu_backend. See docs/fx_pas
 """
 
 from . import ops
+from .decompositions import decomposition_table
 from .errors import CtpuDynamicShapeError, CtpuFallbackWarning, CtpuPassError
 from .fuse import FusedKernel, fuse_elementwise, inline_fused_kernels
 from .groups import FusionGroup, fusion_groups
@@ -25,6 +26,7 @@ __all__ = [
     "Partition",
     "PassReport",
     "Segment",
+    "decomposition_table",
     "fallback_reason",
     "fallback_summary",
     "fuse_elementwise",

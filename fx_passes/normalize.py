@@ -1,7 +1,7 @@
 """Normalisation of the functional core-ATen graph that AOT autograd produces.
 
-Before: the forward graph of `aot_module_simplified(..., decompositions=core_aten_decompositions())`
-(inference, functionalised), every node with a fake `meta["val"]`.
+Before: a graph of `aot_module_simplified(..., decompositions=decomposition_table())` (decompositions.py;
+functionalised), every node with a fake `meta["val"]`.
 
 After (`normalize(gm)`):
 - static shapes: no node carries a SymInt/SymFloat/SymBool (we specialise; a symbolic size raises

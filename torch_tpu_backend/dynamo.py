@@ -36,12 +36,13 @@ MAX_FALLBACK_SEARCHES = 32  # per graph: beyond this, a segment that keeps faili
 def ctpu_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None,
                  **_: Any) -> Callable[..., Any]:
     """The dynamo backend: AOT autograd with core-ATen decompositions around our graph compiler."""
-    from torch._decomp import core_aten_decompositions
     from torch._dynamo.backends.common import aot_autograd
+
+    from fx_passes import decomposition_table  # core ATen, with an SDPA rule that keeps what its backward reads
 
     opts = CompileOptions.resolve(options)
     compiler = GraphCompiler(opts, make_target(opts))
-    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, decompositions=core_aten_decompositions())
+    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, decompositions=decomposition_table())
     return backend(gm, example_inputs)
 
 

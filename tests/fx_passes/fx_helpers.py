@@ -7,11 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch._decomp import core_aten_decompositions
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch.fx import GraphModule
 
-from fx_passes import PassReport, run_passes
+from fx_passes import PassReport, decomposition_table, run_passes
 from fx_passes.ops import is_ctpu_op
 
 # Tolerances of a fused graph against the unfused one: fp32 to rounding; bf16 patterns compute in fp32
@@ -29,8 +28,8 @@ class Traced:
 
 
 def aot_trace(fn: Callable[..., Any], *args: Any, keep_input_mutations: bool = False) -> Traced:
-    """Trace fn the way the ctpu backend sees it: dynamo, then aot_module_simplified with the core-ATen
-    decompositions (inference, static shapes)."""
+    """Trace fn the way the ctpu backend sees it: dynamo, then aot_module_simplified with the backend's
+    decomposition table (core ATen; inference, static shapes)."""
     captured: dict[str, Any] = {}
 
     def fw_compiler(gm: GraphModule, fake_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -47,7 +46,7 @@ def aot_trace(fn: Callable[..., Any], *args: Any, keep_input_mutations: bool = F
             gm,
             example_inputs,
             fw_compiler=fw_compiler,
-            decompositions=core_aten_decompositions(),
+            decompositions=decomposition_table(),
             keep_inference_input_mutations=keep_input_mutations,
         )
 

@@ -8,11 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fx_helpers import aot_trace, passes_verified, run_graph
-from torch._decomp import core_aten_decompositions
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fx_passes import CtpuDynamicShapeError, fusion_groups, run_passes
+from fx_passes import CtpuDynamicShapeError, decomposition_table, fusion_groups, run_passes
 from fx_passes.graph_utils import refresh_meta
 from fx_passes.rewrite import Rewrite, RewritePass
 
@@ -65,7 +64,7 @@ def ctpu_like_backend(gm, example_inputs):
         return fused
 
     return aot_module_simplified(
-        gm, example_inputs, fw_compiler=fw_compiler, decompositions=core_aten_decompositions()
+        gm, example_inputs, fw_compiler=fw_compiler, decompositions=decomposition_table()
     )
 
 

@@ -1,0 +1,95 @@
+"""The decomposition table the ctpu backend hands AOT autograd: the graphs fx_passes expects.
+
+`decomposition_table()` is torch's `core_aten_decompositions()` with one rule replaced:
+`_scaled_dot_product_flash_attention_for_cpu` (what `F.scaled_dot_product_attention` calls on the CPU).
+
+Why: AOT autograd applies decompositions *below* autograd. Autograd records the op's own derivative,
+`_scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, logsumexp, ...)`, and the
+forward op is then decomposed; whatever the decomposition returns is what the backward reads. torch's rule
+(written for export, where nothing is differentiated; Inductor excludes it) returns the attention
+probabilities [B, H, L, S] where the op returns the logsumexp [B, H, L], so the backward silently computed
+wrong gradients from them. A decomposition applied below autograd must return every output the op's
+contract names; the rule here does: (out, logsumexp).
+
+The forward ops are those of torch's rule (ATen's math composite: `q * s`, `k^T * s`, bmm, `+ mask`,
+softmax, bmm), which pattern fusion turns into ctpu::attention; the logsumexp is computed from the same
+scores and is dead code (eliminated) where nothing differentiates it. One difference: the fully-masked-row
+guard of `_safe_softmax` (a `where` over `full_like`) is left out where no row can be fully masked (no mask,
+or the causal one, which always keeps key 0); it changes no value there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+aten = torch.ops.aten
+
+
+def decomposition_table() -> dict[Any, Callable[..., Any]]:
+    """core_aten_decompositions() with the SDPA-for-CPU rule that keeps the op's outputs (module docstring)."""
+    from torch._decomp import core_aten_decompositions
+
+    table = dict(core_aten_decompositions())
+    table[aten._scaled_dot_product_flash_attention_for_cpu.default] = sdpa_flash_for_cpu
+    return table
+
+
+def sdpa_flash_for_cpu(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(out [B, H, L, E] in the op's layout, logsumexp [B, H, L] in the accumulation dtype).
+
+    The math is ATen's `_scaled_dot_product_attention_math` (the sqrt of the scale on each of q and k^T,
+    a causal mask as an additive -inf mask, k and v repeated for grouped-query attention, a softmax that
+    gives 0 on a fully masked row). The logsumexp of such a row is stored as 0, not -inf, as the CPU
+    kernel does: the backward recomputes the probabilities as exp(scores - logsumexp), NaN from -inf.
+    """
+    torch._check(query.is_floating_point(), lambda: f"query must be a float tensor, got {query.dtype}")
+    torch._check(query.dim() == 4 and key.dim() == 4 and value.dim() == 4,
+                 lambda: f"q, k, v must be 4-D, got {query.dim()}, {key.dim()}, {value.dim()}")
+    torch._check(dropout_p == 0.0, lambda: f"dropout probability must be zero, got {dropout_p}")
+    torch._check(query.shape[3] == value.shape[3] and key.shape[3] == value.shape[3],
+                 lambda: "q, k, v should have the same head size")
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    factor = math.sqrt(abs(scale))
+    q = query * (-factor if scale < 0 else factor)
+    if is_causal:
+        torch._check(attn_mask is None, lambda: "_scaled_dot_product_attention: explicit attn_mask and is_causal")
+        keep = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
+        attn_mask = _additive_mask(keep, query.dtype)
+    elif attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = _additive_mask(attn_mask, query.dtype)
+    groups = query.shape[1] // key.shape[1]
+    if groups != 1:
+        key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
+    scores = torch.matmul(q, key.transpose(-2, -1) * factor)
+    if attn_mask is not None:
+        scores = scores + attn_mask
+    # Only an explicit mask can mask a whole row: only then the guard (module docstring).
+    probs = torch.softmax(scores, -1) if attn_mask is None or is_causal else torch._safe_softmax(scores, -1)
+    out = torch.matmul(probs, value)
+    # The layout torch's rule gives the output ([L, B, H, E] in memory, see its comment), so that the
+    # graphs after it (views of the output) are what they were.
+    out = out.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+    acc = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+    lse = torch.logsumexp(scores.to(acc), -1)
+    lse = torch.where(lse == -math.inf, 0.0, lse)
+    return out, lse
+
+
+def _additive_mask(keep: Tensor, dtype: torch.dtype) -> Tensor:
+    """0 where `keep`, -inf elsewhere (ATen's convert_boolean_attn_mask)."""
+    zero = torch.zeros((), dtype=dtype, device=keep.device)
+    return torch.where(keep, zero, torch.full((), -math.inf, dtype=dtype, device=keep.device))

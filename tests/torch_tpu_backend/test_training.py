@@ -1,0 +1,203 @@
+"""Training through torch.compile(backend="ctpu"): loss and gradients match eager (issue 15, item 1).
+
+fp32 at "highest": fp32-accurate matmuls and IEEE (or few-ulp) vector ops, so a gradient differs from
+eager's by summation order only. Each gradient is checked against its largest eager entry:
+max|got - eager| <= 1e-5 * max|eager| (the measure of the report: an error of 2.79 on `embed_tokens`
+against a largest gradient of 0.449, silently). The backward runs partly on the CPU (the SDPA backward
+kernel, ops without a CTPU lowering); that path has to be as correct as the CTPU's.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_tpu_backend.stats as ctpu_stats
+
+GRAD_RTOL = 1e-5
+SDPA_BACKWARD = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    monkeypatch.setenv("CTPU_CACHE_DIR", str(tmp_path / "cache"))
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    torch._dynamo.reset()
+    ctpu_stats.reset()
+    torch.manual_seed(0)
+    yield
+    torch.set_float32_matmul_precision(precision)
+
+
+def assert_grads_close(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+    for g, w, name in zip(got, want, names, strict=True):
+        assert g is not None, f"{name}: no gradient"
+        error, scale = (g - w).abs().max().item(), w.abs().max().item()
+        assert error <= GRAD_RTOL * scale, f"{name}: gradient off by {error:.3g} (largest eager entry {scale:.3g})"
+
+
+def grads_of(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], grad: torch.Tensor
+             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """fn(*inputs) and the gradients of <fn(*inputs), grad> with respect to the inputs."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad)
+    return out.detach(), [t.grad for t in leaves]  # type: ignore[misc]
+
+
+def repeat_kv(kv: torch.Tensor, times: int) -> torch.Tensor:
+    """Hugging Face's repeat_kv: [B, Hkv, S, D] -> [B, Hkv * times, S, D] through expand and reshape."""
+    b, heads, s, d = kv.shape
+    return kv[:, :, None].expand(b, heads, times, s, d).reshape(b, heads * times, s, d)
+
+
+def _sdpa_case(name: str) -> tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...]]:
+    """(fn, (q, k, v)) with B=2, H=4, L=S=7, D=8; grouped-query cases have 2 kv heads."""
+    heads_kv = 2 if name.startswith("gqa") else 4
+    qkv = torch.randn(2, 4, 7, 8), torch.randn(2, heads_kv, 7, 8), torch.randn(2, heads_kv, 7, 8)
+    sdpa = F.scaled_dot_product_attention
+    if name == "causal":
+        return lambda q, k, v: sdpa(q, k, v, is_causal=True), qkv
+    if name == "float_mask":
+        mask = torch.randn(2, 1, 7, 7)
+        return lambda q, k, v: sdpa(q, k, v, attn_mask=mask), qkv
+    if name == "bool_mask":
+        keep = torch.rand(7, 7) > 0.4
+        keep[:, 0] = True
+        return lambda q, k, v: sdpa(q, k, v, attn_mask=keep), qkv
+    if name == "gqa_enable_gqa":
+        return lambda q, k, v: sdpa(q, k, v, is_causal=True, enable_gqa=True), qkv
+    assert name == "gqa_repeated_kv"
+    return lambda q, k, v: sdpa(q, repeat_kv(k, 2), repeat_kv(v, 2), is_causal=True), qkv
+
+
+@pytest.mark.parametrize("case", ["causal", "float_mask", "bool_mask", "gqa_enable_gqa", "gqa_repeated_kv"])
+def test_sdpa_forward_and_backward_match_eager(case: str) -> None:
+    fn, (q, k, v) = _sdpa_case(case)
+    grad = torch.randn(q.shape)
+    want_out, want = grads_of(fn, (q, k, v), grad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the backward kernel of SDPA runs on the CPU, and says so
+        got_out, got = grads_of(torch.compile(fn, backend="ctpu"), (q, k, v), grad)
+    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-5)
+    assert_grads_close(got, want, ["q", "k", "v"])
+    stats = ctpu_stats.last()
+    assert stats.fallback_ops.get(SDPA_BACKWARD) == 1, stats.fallback_ops
+    if case in ("causal", "gqa_enable_gqa"):  # the CTPU computed the output and logsumexp the CPU kernel read
+        assert stats.kernels_launched >= 1, stats.as_dict()
+        assert not {op for op in stats.fallback_ops if op not in (SDPA_BACKWARD, "<built-in function getitem>")}
+
+
+def test_backward_with_ctpu_and_cpu_segments() -> None:
+    """A graph cut in the middle by an op without a CTPU lowering (cumsum, and flip in its backward):
+    both graphs run as CTPU kernels around a CPU segment, and the gradients are eager's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False), torch.nn.SiLU())
+    head = torch.nn.Linear(32, 8, bias=False)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        h = torch.cumsum(model(x), dim=-1)
+        return head(torch.tanh(h) * h)
+
+    params = [*model.parameters(), *head.parameters()]
+    x, grad = torch.randn(4, 16), torch.randn(4, 8)
+
+    def run(f: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+        for p in params:
+            p.grad = None
+        _, (x_grad,) = grads_of(f, (x,), grad)
+        return [x_grad, *(p.grad for p in params)]  # type: ignore[misc]
+
+    want = run(fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = run(torch.compile(fn, backend="ctpu"))
+    assert_grads_close(got, want, ["x", "linear_1", "linear_2"])
+    stats = ctpu_stats.last()
+    assert stats.kernels_launched == 4, stats.as_dict()  # two segments in each graph
+    assert set(stats.fallback_ops) == {"aten.cumsum.default", "aten.flip.default"}, stats.fallback_ops
+
+
+def tiny_llama(attn_implementation: str) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+                      attn_implementation=attn_implementation)
+    return LlamaForCausalLM(cfg).train()
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_tiny_llama_training_step_matches_eager(attn_implementation: str) -> None:
+    """Loss and every parameter's gradient, then the loss after one SGD step on each side."""
+    eager_model = tiny_llama(attn_implementation)
+    model = tiny_llama(attn_implementation)
+    compiled = torch.compile(model, backend="ctpu")
+    ids = torch.randint(0, 128, (2, 9))
+
+    def step(m: torch.nn.Module, params: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        params.zero_grad(set_to_none=True)
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in params.named_parameters()}  # type: ignore[misc]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # much of a training graph still runs on the CPU, and says so
+        want_loss, want = step(eager_model, eager_model)
+        got_loss, got = step(compiled, model)
+        torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=0)
+        assert got.keys() == want.keys()
+        assert_grads_close(list(got.values()), list(want.values()), list(want))
+        for m in (eager_model, model):
+            torch.optim.SGD(m.parameters(), lr=1.0).step()
+        with torch.no_grad():
+            after = compiled(input_ids=ids, labels=ids).loss
+            want_after = eager_model(input_ids=ids, labels=ids).loss
+    assert after < want_loss  # the step was a descent step (it went up, 4.22 -> 6.00, in the report)
+    torch.testing.assert_close(after, want_after, rtol=1e-5, atol=0)
+
+
+class AttentionBlock(torch.nn.Module):
+    """qkv projection, causal SDPA over `heads` heads of `head_dim`, output projection."""
+
+    def __init__(self, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.qkv = torch.nn.Linear(heads * head_dim, 3 * heads * head_dim, bias=False)
+        self.out = torch.nn.Linear(heads * head_dim, heads * head_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim))
+
+
+def test_attention_block_training_on_large() -> None:
+    """A realistic head (2 heads x 64, 17 tokens, odd) on the large configuration: the forward is one CTPU
+    kernel; the backward runs its matmuls on the CTPU and only SDPA's backward kernel on the CPU."""
+    block = AttentionBlock(heads=2, head_dim=64)
+    x, names = torch.randn(1, 17, 128), ["x", "qkv", "out"]
+
+    def run(f: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        block.zero_grad(set_to_none=True)
+        loss, (x_grad,) = grads_of(lambda x: f(x).pow(2).mean(), (x,), torch.tensor(1.0))
+        return loss, [x_grad, *(p.grad for p in block.parameters())]  # type: ignore[misc]
+
+    want_loss, want = run(block)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got_loss, got = run(torch.compile(block, backend="ctpu", options={"config": "large"}))
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=0)
+    assert_grads_close(got, want, names)
+    stats = ctpu_stats.last()
+    assert stats.kernels_launched == 3, stats.as_dict()
+    assert {op for op in stats.fallback_ops if "getitem" not in op} == {SDPA_BACKWARD}, stats.fallback_ops
+
