@@ -37,15 +37,25 @@ def default_config() -> str:
     return os.environ.get("CTPU_CONFIG", "small")
 
 
-class HbmOutOfMemory(RuntimeError):
-    """No free HBM range is large enough. Carries the sizes for the message."""
+def _torch_out_of_memory() -> type[RuntimeError]:
+    import torch  # here, not at the top: the rest of this module imports torch where it is used
+
+    return torch.OutOfMemoryError
+
+
+class HbmOutOfMemory(_torch_out_of_memory()):  # type: ignore[misc]
+    """No free HBM range is large enough. Carries the sizes for the message.
+
+    A `torch.OutOfMemoryError` (itself a RuntimeError), so that running out of HBM reads the same whether a
+    ctpu tensor's allocation or a compiled launch's inputs and workspace hit it, as on any PyTorch device."""
 
 
 class HbmAllocator:
     """First-fit allocator over [reserved, size) with coalescing frees. Addresses are HBM byte offsets.
 
-    Thread-safe, and re-entrant in the one way that happens: a garbage collection inside `alloc` can free
-    a ctpu tensor on the same thread; such a release is deferred until the allocation is done.
+    Thread-safe, and re-entrant in the one way that happens: a garbage collection inside `alloc` or `release`
+    (any new tuple can start one) can free a ctpu tensor on the same thread, which calls `release` again
+    while the free list is half changed; such a release is deferred until the change in progress is done.
     """
 
     def __init__(self, size: int, reserved: int = ALIGN) -> None:
@@ -54,20 +64,30 @@ class HbmAllocator:
         self.used: dict[int, int] = {}
         self.allocated = 0
         self.peak = 0
+        self.ooms = 0
         self._lock = threading.RLock()
-        self._busy = False
+        self._busy = False  # the free list is being changed (only ever true for the thread holding _lock)
         self._deferred: list[int] = []
 
     def alloc(self, nbytes: int) -> int:
         length = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
         with self._lock:
+            if self._busy:  # a finalizer run by a garbage collection inside alloc/release allocated HBM
+                raise RuntimeError("ctpu: HBM allocation while this thread is changing the free list (from a "
+                                   "finalizer run by a garbage collection inside an allocation or a free)")
             self._busy = True
             try:
                 return self._take(nbytes, length)
             finally:
-                self._busy = False
-                while self._deferred:
-                    self._release(self._deferred.pop())
+                self._end_change()
+
+    def _end_change(self) -> None:
+        """Carry out the releases deferred while the free list was changing (more may come meanwhile)."""
+        try:
+            while self._deferred:
+                self._release(self._deferred.pop())
+        finally:
+            self._busy = False
 
     def _take(self, nbytes: int, length: int) -> int:
         for i, (start, free_len) in enumerate(self.free):
@@ -80,6 +100,7 @@ class HbmAllocator:
                 self.allocated += length
                 self.peak = max(self.peak, self.allocated)
                 return start
+        self.ooms += 1
         largest = max((f[1] for f in self.free), default=0)
         raise HbmOutOfMemory(f"CTPU out of memory: tried to allocate {nbytes} bytes; {self.allocated} bytes "
                              f"allocated of {self.size} HBM bytes, largest free block {largest} bytes")
@@ -89,17 +110,22 @@ class HbmAllocator:
             self.peak = self.allocated
 
     def snapshot(self) -> dict[str, int]:
-        """A consistent view: bytes allocated, peak, live blocks and the largest free block."""
+        """A consistent view: bytes allocated, peak, live blocks, the largest free block, failed allocations."""
         with self._lock:
             return {"allocated": self.allocated, "peak": self.peak, "blocks": len(self.used),
-                    "largest_free": max((n for _, n in self.free), default=0), "size": self.size}
+                    "largest_free": max((n for _, n in self.free), default=0), "size": self.size,
+                    "ooms": self.ooms}
 
     def release(self, addr: int) -> None:
         with self._lock:
-            if self._busy:  # mid-allocation on this very thread: free when it is done
+            if self._busy:  # mid-change on this very thread (a garbage collection): free when it is done
                 self._deferred.append(addr)
-            else:
+                return
+            self._busy = True
+            try:
                 self._release(addr)
+            finally:
+                self._end_change()
 
     def _release(self, addr: int) -> None:
         length = self.used.pop(addr)

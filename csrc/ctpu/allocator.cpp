@@ -4,6 +4,15 @@
 // What is allocated is decided in one place only, the runtime's HbmAllocator (Python), which a compiled
 // graph's workspace also allocates from. This allocator therefore calls back into Python (under the GIL)
 // for every allocation and free; it adds the arena base to the HBM offset it gets back.
+//
+// Both calls may come while a Python exception is already set on this thread: when an op raises, the
+// interpreter releases the call's arguments with the error set, so a temporary ctpu argument
+// (`torch.matmul(torch.randn(5, 5, device="ctpu"), torch.randn(3, 3, device="ctpu"))`) is freed right then.
+// Python code must never run with an error set: a builtin that succeeds then raises SystemError after
+// the fact (RLock.__enter__ takes the lock and raises, so the `with` never releases it: the allocator's
+// lock leaked and the next allocation on another thread, e.g. backward's autograd worker, waited
+// forever), and the op's own error is lost ("error return without exception set").
+// `py::error_scope` sets the pending error aside for the call and restores it after.
 #include "ctpu.h"
 
 #include <c10/util/Exception.h>
@@ -40,6 +49,7 @@ void hbm_free(void* ptr) {
   }
   const auto offset = reinterpret_cast<std::uintptr_t>(ptr) - g_base.load();
   py::gil_scoped_acquire gil;
+  py::error_scope pending;  // see the top of this file
   try {
     (*g_free_fn)(offset);
   } catch (py::error_already_set& e) {
@@ -59,6 +69,7 @@ struct HbmArenaAllocator final : c10::Allocator {
     bool oom = false;
     {
       py::gil_scoped_acquire gil;
+      py::error_scope pending;  // see the top of this file
       try {
         offset = (*g_alloc_fn)(nbytes).cast<std::int64_t>();
       } catch (py::error_already_set& e) {

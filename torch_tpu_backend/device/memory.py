@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 DeviceLike = torch.device | str | int | None
 
 _device: CtpuDevice | None = None
-_counts = {"num_alloc": 0, "num_free": 0, "num_ooms": 0}
+_counts = {"num_alloc": 0, "num_free": 0}
 
 
 def hbm_device() -> CtpuDevice:
@@ -43,14 +43,9 @@ def hbm_address(tensor: torch.Tensor) -> int:
 
 
 def _alloc(nbytes: int) -> int:
-    """Called by the C++ allocator (GIL held): an HBM offset for `nbytes`, or torch.OutOfMemoryError."""
-    from torch_tpu_backend.runtime import HbmOutOfMemory
-
-    try:
-        offset = hbm_device().allocator.alloc(nbytes)
-    except HbmOutOfMemory as err:
-        _counts["num_ooms"] += 1
-        raise torch.OutOfMemoryError(str(err)) from None
+    """Called by the C++ allocator (GIL held): an HBM offset for `nbytes`, or runtime.HbmOutOfMemory (a
+    torch.OutOfMemoryError)."""
+    offset = hbm_device().allocator.alloc(nbytes)
     _counts["num_alloc"] += 1
     return offset
 
@@ -103,7 +98,7 @@ def memory_stats(device: DeviceLike = None) -> dict[str, Any]:
         "active.all.current": snap["blocks"],
         "num_alloc": _counts["num_alloc"],
         "num_free": _counts["num_free"],
-        "num_ooms": _counts["num_ooms"],
+        "num_ooms": snap["ooms"],  # tensors' and compiled launches' allocations alike
         "hbm_bytes": snap["size"],
         "largest_free_block": snap["largest_free"],
     }
