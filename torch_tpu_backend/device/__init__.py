@@ -65,6 +65,9 @@ def register() -> None:
         from torch_tpu_backend.device import eager, eager_compiler
 
         eager.set_eager_compiler(eager_compiler.compile_single_op)  # eager ops run as compiled CTPU kernels
+        from torch_tpu_backend import backend_entry
+
+        backend_entry.install()  # "ctpu" registered as dynamo's registry is imported: no thread races for it
         _registered = True
 
 
