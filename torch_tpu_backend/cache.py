@@ -1,7 +1,9 @@
 """The on-disk compile cache: compiled graphs keyed by graph, shapes, configuration and compiler version.
 
-An entry is a pickle behind a header holding its SHA-256; an entry that fails the check or does not
-unpickle is treated as absent (deleted and rebuilt), never as an error.
+An entry is a pickle behind a header holding its SHA-256; an entry that fails the check, does not unpickle,
+or holds another object than the caller expects (`expect=`) is treated as absent (deleted and rebuilt),
+never as an error. A cache directory that cannot be written (a file, a read-only folder) warns once and the
+compiler runs without the cache.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import logging
 import os
 import pickle
 import tempfile
+import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +23,8 @@ from typing import Any
 log = logging.getLogger("ctpu.cache")
 _MAGIC = b"CTPUCACHE1\n"
 _PACKAGES = ("device_sim", "fx_passes", "codegen", "ptx_kernels", "torch_tpu_backend")
+_unusable: set[Path] = set()  # directories already reported as unusable (warned once each)
+_unusable_lock = threading.Lock()
 
 
 def cache_dir() -> Path | None:
@@ -48,7 +54,8 @@ def make_key(*parts: Any) -> str:
     return h.hexdigest()
 
 
-def load(directory: Path | None, key: str) -> Any | None:
+def load(directory: Path | None, key: str, expect: type | tuple[type, ...] = object) -> Any | None:
+    """The value stored under key, or None: absent, unreadable, corrupt, or not an instance of `expect`."""
     if directory is None:
         return None
     path = directory / f"{key}.pkl"
@@ -62,32 +69,58 @@ def load(directory: Path | None, key: str) -> Any | None:
         digest, payload = data[len(_MAGIC):len(_MAGIC) + 64], data[len(_MAGIC) + 64:]
         if hashlib.sha256(payload).hexdigest().encode() != digest:
             raise ValueError("checksum mismatch")
-        return pickle.loads(payload)
+        value = pickle.loads(payload)
+        if not isinstance(value, expect):
+            raise TypeError(f"holds a {type(value).__qualname__}, expected {_type_names(expect)}")
+        return value
     except Exception as e:  # a corrupt entry is a miss, never a failure
         log.warning("ctpu compile cache: ignoring corrupt entry %s (%s); rebuilding", path.name, e)
         path.unlink(missing_ok=True)
         return None
 
 
+def _type_names(expect: type | tuple[type, ...]) -> str:
+    return " or ".join(t.__qualname__ for t in (expect if isinstance(expect, tuple) else (expect,)))
+
+
 def store(directory: Path | None, key: str, value: Any) -> None:
-    if directory is None:
+    if directory is None or directory in _unusable:
         return
     try:
         payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:  # an unpicklable result simply is not cached
         log.info("ctpu compile cache: not caching %s (%s)", key[:12], e)
         return
-    directory.mkdir(parents=True, exist_ok=True)
     data = _MAGIC + hashlib.sha256(payload).hexdigest().encode() + payload
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, directory / f"{key}.pkl")  # atomic: readers never see half an entry
+    tmp: str | None = None
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, directory / f"{key}.pkl")  # atomic: readers never see half an entry
+    except OSError as e:  # not a directory, read-only, full: compile without the cache
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        _report_unusable(directory, e)
 
 
-def cached(directory: Path | None, key: str, build: Callable[[], Any]) -> tuple[Any, bool]:
-    """(value, hit): the cached value for key, or build() stored under it."""
-    value = load(directory, key)
+def _report_unusable(directory: Path, err: OSError) -> None:
+    with _unusable_lock:
+        if directory in _unusable:
+            return
+        _unusable.add(directory)
+    not_a_dir = isinstance(err, NotADirectoryError) or directory.is_file()
+    reason = "not a directory" if not_a_dir else err.strerror or str(err)
+    warnings.warn(f"ctpu compile cache: cannot write to {directory} ({reason}); compiling without "
+                  "the cache (set CTPU_CACHE_DIR to a writable folder, or CTPU_CACHE=0)", RuntimeWarning,
+                  stacklevel=3)
+
+
+def cached(directory: Path | None, key: str, build: Callable[[], Any],
+           expect: type | tuple[type, ...] = object) -> tuple[Any, bool]:
+    """(value, hit): the cached value for key if it is an `expect`, or build() stored under it."""
+    value = load(directory, key, expect)
     if value is not None:
         return value, True
     value = build()
