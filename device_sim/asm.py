@@ -345,7 +345,19 @@ def assemble(text: str, source_name: str = "<asm>") -> Program:
 
 
 def assemble_file(path: str | PathLike[str]) -> Program:
-    return assemble(Path(path).read_text(), source_name=str(path))
+    """Assemble a file; AsmError names it (errors by line, or text that is not UTF-8). OSError (missing,
+    a directory, unreadable) carries the file name."""
+    p = Path(path)
+    return _assemble_bytes(p, p.read_bytes())
+
+
+def _assemble_bytes(p: Path, data: bytes) -> Program:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise AsmError([f"{p}:{line}: not UTF-8 text ({e.reason} at byte {e.start})"]) from None
+    return assemble(text, source_name=str(p))
 
 
 def load_program(path: str | PathLike[str]) -> Program:
@@ -355,11 +367,7 @@ def load_program(path: str | PathLike[str]) -> Program:
     data = p.read_bytes()
     # The suffix wins for assembly: a source may well begin with a label named CTPU.
     if p.suffix in (".s", ".S", ".asm"):
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise AsmError([f"{p}: not UTF-8 text ({e.reason} at byte {e.start})"]) from None
-        return assemble(text, source_name=str(p))
+        return _assemble_bytes(p, data)
     if data.startswith(MAGIC) or p.suffix in (".bin", ".ctpu"):
         return Program.from_bytes(data, source_name=str(p))
     raise ValueError(f"{p}: neither a CTPU binary (it does not start with {MAGIC!r}) "

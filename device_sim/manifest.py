@@ -4,7 +4,7 @@ A manifest is a TOML file beside its program (`gemm.s` -> `gemm.toml`):
 
     [program]
     config = "small"                # the configuration it is written for
-    max_cycles = 3_000_000          # the simulator's cycle limit for it
+    max_cycles = 3_000_000          # the simulator's cycle limit for it (default: default_max_cycles)
     description = "..."
 
     [[inputs]]                      # one per HBM tensor the program reads
@@ -29,13 +29,16 @@ A manifest is a TOML file beside its program (`gemm.s` -> `gemm.toml`):
 
 `run_manifest` sets up HBM, runs the program on a runner (`device_sim.runners`: the simulator, the RTL
 with `target="rtl"`, or an injected one), reads the outputs back and checks each against its references.
-A program without a manifest just runs.
+A program without a manifest just runs. Bad input is a ManifestError naming the manifest and the input or
+output (an unreadable file, a .npy that is not one, an address outside the configuration's HBM); a NaN
+where the reference has NaN, or the same infinity, is a match.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import io
 import time
 import tomllib
 from dataclasses import dataclass, field
@@ -47,10 +50,18 @@ import numpy as np
 from device_sim import numerics, sequences
 from device_sim.asm import load_program
 from device_sim.config import HardwareConfig, get_config
+from device_sim.program import Program
 from device_sim.runners import Runner, SimulatorRunner
+from device_sim.simulator import DEFAULT_MAX_CYCLES, CtpuTrap
 
 REFERENCES_MODULE = "device_sim.programs.references"
 DTYPES = {"f32": np.float32, "bf16": np.uint16, "i32": np.int32}  # the HBM element types
+# The cycle limit of a program that gives none: proportionate to its size, so that a runaway one stops in
+# about a second rather than after DEFAULT_MAX_CYCLES (minutes). The shipped GEMM, the loopiest program,
+# runs ~18,000 cycles a bundle of its code.
+CYCLES_PER_BUNDLE = 20_000
+MIN_MAX_CYCLES = 1_000_000
+_NPY_MAGIC = b"\x93NUMPY"
 
 
 class ManifestError(ValueError):
@@ -91,7 +102,7 @@ class Manifest:
     path: Path
     program: Path
     config: str
-    max_cycles: int
+    max_cycles: int | None  # None: default_max_cycles(program)
     description: str
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
@@ -103,9 +114,20 @@ def _need(table: dict[str, Any], key: str, where: str) -> Any:
     return table[key]
 
 
-def _tensor(t: dict[str, Any], where: str, output: bool) -> TensorSpec:
+def _int(value: Any, what: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ManifestError(f"{where}: {what} must be an integer, got {value!r}")
+    return value
+
+
+def _tensor(t: Any, where: str, output: bool) -> TensorSpec:
+    if not isinstance(t, dict):
+        raise ManifestError(f"{where}: expected a table, got {t!r}")
     name = _need(t, "name", where)
     where = f"{where} '{name}'"
+    shape = _need(t, "shape", where)
+    if not isinstance(shape, list) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+        raise ManifestError(f"{where}: shape must be a list of sizes >= 0, got {shape!r}")
     dtype = _need(t, "dtype", where)
     if dtype not in DTYPES:
         raise ManifestError(f"{where}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -117,9 +139,9 @@ def _tensor(t: dict[str, Any], where: str, output: bool) -> TensorSpec:
             raise ManifestError(f"{cw}: give max_ulp or atol/rtol")
         checks.append(CheckSpec(_need(c, "reference", cw), dict(c.get("params", {})), tol["max_ulp"], tol["atol"],
                                 tol["rtol"], _need(c, "why", cw)))
-    if not output and "init" not in t:
-        raise ManifestError(f"{where}: missing 'init'")
-    return TensorSpec(name, int(_need(t, "hbm_addr", where)), tuple(_need(t, "shape", where)), dtype,
+    if not output and not isinstance(_need(t, "init", where), dict):
+        raise ManifestError(f"{where}: init must be a table, got {t['init']!r}")
+    return TensorSpec(name, _int(_need(t, "hbm_addr", where), "hbm_addr", where), tuple(shape), dtype,
                       dict(t.get("init", {})), tuple(checks))
 
 
@@ -133,15 +155,26 @@ def load_manifest(path: str | Path) -> Manifest:
     if path.suffix != ".toml":
         path = manifest_path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise ManifestError(f"{path}: cannot read the manifest ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ManifestError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except tomllib.TOMLDecodeError as e:
         raise ManifestError(f"{path}: {e}") from None
     prog = data.get("program", {})
     program = path.with_suffix(".s") if "source" not in prog else path.parent / prog["source"]
     inputs = tuple(_tensor(t, f"{path}: input", False) for t in data.get("inputs", []))
     outputs = tuple(_tensor(t, f"{path}: output", True) for t in data.get("outputs", []))
-    return Manifest(path, program, prog.get("config", "small"), int(prog.get("max_cycles", 10**8)),
-                    prog.get("description", ""), inputs, outputs)
+    max_cycles = _int(prog["max_cycles"], "max_cycles", f"{path}: [program]") if "max_cycles" in prog else None
+    return Manifest(path, program, prog.get("config", "small"), max_cycles, prog.get("description", ""), inputs,
+                    outputs)
+
+
+def default_max_cycles(program: Program) -> int:
+    """The cycle limit of a program that gives none: CYCLES_PER_BUNDLE a bundle of its code, at least
+    MIN_MAX_CYCLES, at most the simulator's DEFAULT_MAX_CYCLES."""
+    return min(DEFAULT_MAX_CYCLES, max(MIN_MAX_CYCLES, CYCLES_PER_BUNDLE * len(program)))
 
 
 def make_input(spec: TensorSpec, base: Path) -> np.ndarray:
@@ -150,9 +183,7 @@ def make_input(spec: TensorSpec, base: Path) -> np.ndarray:
     dist = init.get("dist", "normal")
     rng = np.random.default_rng(init.get("seed", 0))
     if dist == "file":
-        values = np.load(base / init["path"])
-        if tuple(values.shape) != spec.shape:
-            raise ManifestError(f"input '{spec.name}': {init['path']} has shape {values.shape}, not {spec.shape}")
+        values = _load_npy(base / _need(init, "path", f"input '{spec.name}': init"), spec)
     elif dist == "normal":
         values = rng.normal(init.get("mean", 0.0), init.get("std", 1.0), spec.shape)
     elif dist == "uniform":
@@ -165,6 +196,32 @@ def make_input(spec: TensorSpec, base: Path) -> np.ndarray:
         return np.asarray(values).astype(np.int32)
     values = np.asarray(values, dtype=np.float32)
     return numerics.round_to_bf16(values) if spec.dtype == "bf16" else values
+
+
+def _load_npy(path: Path, spec: TensorSpec) -> np.ndarray:
+    where = f"input '{spec.name}': {path}"
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ManifestError(f"{where}: cannot read it ({e.strerror or e})") from None
+    if not data.startswith(_NPY_MAGIC):  # else numpy takes it for a pickle, and says so
+        raise ManifestError(f"{where}: not a .npy file (it does not start with {_NPY_MAGIC!r})")
+    try:
+        values = np.load(io.BytesIO(data))  # allow_pickle=False: an object array is refused, never unpickled
+    except (ValueError, EOFError) as e:  # a damaged .npy: numpy says what is wrong, but not about which file
+        raise ManifestError(f"{where}: not a readable .npy file ({e})") from None
+    if not isinstance(values, np.ndarray) or values.dtype.kind not in "biuf":
+        raise ManifestError(f"{where}: not an array of numbers ({getattr(values, 'dtype', type(values).__name__)})")
+    if tuple(values.shape) != spec.shape:
+        raise ManifestError(f"{where}: has shape {values.shape}, not {spec.shape}")
+    return values
+
+
+def _check_hbm_range(spec: TensorSpec, kind: str, config: HardwareConfig, where: Path) -> None:
+    if spec.hbm_addr < 0 or spec.hbm_addr + spec.nbytes > config.hbm_bytes:
+        raise ManifestError(f"{where}: {kind} '{spec.name}': HBM bytes [{spec.hbm_addr:#x}, "
+                            f"{spec.hbm_addr + spec.nbytes:#x}) outside the HBM of the {config.name} "
+                            f"configuration ({config.hbm_bytes:#x} bytes)")
 
 
 def _to_hbm(values: np.ndarray, dtype: str) -> np.ndarray:
@@ -223,6 +280,7 @@ def check_output(name: str, out: np.ndarray, ref: np.ndarray, check: CheckSpec) 
         raise ManifestError(f"reference {check.reference} returned shape {ref.shape} for '{name}' {out.shape}")
     o64, r64 = out.astype(np.float64), ref.astype(np.float64)
     nan_ok = np.isnan(o64) == np.isnan(r64)
+    same = (o64 == r64) | (np.isnan(o64) & np.isnan(r64))  # a match under any tolerance (inf, NaN included)
     finite = np.isfinite(o64) & np.isfinite(r64)
     with np.errstate(all="ignore"):
         abs_err = np.where(finite, np.abs(o64 - r64), np.where(o64 == r64, 0.0, np.inf))
@@ -232,10 +290,12 @@ def check_output(name: str, out: np.ndarray, ref: np.ndarray, check: CheckSpec) 
         ulp = sequences.ulp_error(out, ref)
     else:
         ulp = sequences.ulp_distance(out, ref.astype(np.float32))
-    if check.max_ulp is not None:
-        bad = ~(ulp <= check.max_ulp)
-    else:
-        bad = ~(abs_err <= (check.atol or 0.0) + (check.rtol or 0.0) * np.abs(r64))
+    with np.errstate(invalid="ignore"):  # 0 * inf: a tolerance at an infinite reference
+        if check.max_ulp is not None:
+            bad = ~(ulp <= check.max_ulp)
+        else:
+            bad = ~(abs_err <= (check.atol or 0.0) + (check.rtol or 0.0) * np.abs(r64))
+    bad &= ~same
     bad |= ~nan_ok
     return CheckResult(name, check.reference, not bad.any(), check.tolerance(), check.why,
                        float(abs_err.max(initial=0.0)), float(np.nan_to_num(rel_err, nan=np.inf).max(initial=0.0)),
@@ -258,23 +318,43 @@ def run_manifest(program_path: str | Path, target: str = "sim", config: str | Ha
     cfg = get_config(config if config is not None else (manifest.config if manifest else "small"))
     if runner is None:
         runner = make_runner(target, cfg)
-    limit = max_cycles or (manifest.max_cycles if manifest else 10**8)
     program = load_program(program_path)
+    if max_cycles is not None:
+        limit, source = max_cycles, "the one given (--max-cycles)"
+    elif manifest is not None and manifest.max_cycles is not None:
+        limit, source = manifest.max_cycles, f"max_cycles in {mpath}"
+    else:
+        limit = default_max_cycles(program)
+        source = (f"the default for a program of {len(program)} bundle(s) that sets no max_cycles "
+                  f"({CYCLES_PER_BUNDLE:,} cycles a bundle, at least {MIN_MAX_CYCLES:,})")
 
-    values = {t.name: make_input(t, mpath.parent) for t in (manifest.inputs if manifest else ())}
+    ins, outs = (manifest.inputs, manifest.outputs) if manifest else ((), ())
+    for kind, specs in (("input", ins), ("output", outs)):
+        for t in specs:
+            _check_hbm_range(t, kind, cfg, mpath)
+    try:
+        values = {t.name: make_input(t, mpath.parent) for t in ins}
+    except ManifestError as e:
+        raise ManifestError(f"{mpath}: {e}") from None
     hbm = np.zeros(cfg.hbm_bytes, dtype=np.uint8)
-    for t in manifest.inputs if manifest else ():
+    for t in ins:
         data = np.ascontiguousarray(_to_hbm(values[t.name], t.dtype)).view(np.uint8).reshape(-1)
         hbm[t.hbm_addr : t.hbm_addr + data.size] = data
     started = time.perf_counter()
-    stats = runner.run(program, hbm, {}, limit).as_dict()
+    try:
+        stats = runner.run(program, hbm, {}, limit).as_dict()
+    except CtpuTrap as trap:
+        if trap.reason.startswith("cycle limit"):
+            trap.add_note(f"the limit, {limit:,} cycles, is {source}; set another with --max-cycles (ctpu run) "
+                          "or max_cycles in the manifest")
+        raise
     stats["run_seconds"] = time.perf_counter() - started
     if runner.name == "rtl" and stats.get("wall_seconds"):
         stats["rtl_cycles_per_second"] = stats["cycles"] / stats["wall_seconds"]
 
     refs = importlib.import_module(REFERENCES_MODULE)
     outputs, checks = {}, []
-    for spec in manifest.outputs if manifest else ():
+    for spec in outs:
         raw = hbm[spec.hbm_addr : spec.hbm_addr + spec.nbytes].view(DTYPES[spec.dtype]).reshape(spec.shape)
         out = _from_hbm(raw.copy(), spec.dtype)
         outputs[spec.name] = out

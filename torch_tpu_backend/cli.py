@@ -2,9 +2,10 @@
 
     ctpu asm FILE.s -o FILE.bin          assemble
     ctpu disasm FILE.bin [-o FILE.s]     disassemble
-    ctpu run PROGRAM [--target sim|rtl] [--config small|large] [--json]
+    ctpu run PROGRAM [--target sim|rtl] [--config small|large] [--max-cycles N] [--json]
                                          run a .s or binary; a manifest beside it (PROGRAM.toml) supplies
                                          inputs and checks outputs against their numpy references
+                                         (exit 1 if a check fails)
     ctpu demo                            the main job: the shipped GEMM, checked, with its MXU utilization,
                                          then the tiny Llama compiled with backend="ctpu", checked vs eager
     ctpu llama [--target sim] [--dtype float32|bfloat16] [--layers 2] [--hidden 64] [--vocab 128] [--tokens 8]
@@ -12,6 +13,10 @@
     ctpu bench [--models-only]           benchmarks (JSON): compiled GEMM utilization vs the hand-written one,
                                          bundles / cycles / ops per bundle per graph, whole models (Llama)
     ctpu isa                             the instruction table, as markdown
+
+Bad input (a file that is missing, a directory or not text, malformed assembly, a broken binary or manifest,
+a trap, HBM exhausted) is one line on stderr naming the file (and line or bundle), exit status 2; never a
+traceback.
 """
 
 from __future__ import annotations
@@ -127,7 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("program")
     r.add_argument("--target", choices=["sim", "rtl"], default="sim")
     r.add_argument("--config", choices=["small", "large"], default=None, help="default: the manifest's, else small")
-    r.add_argument("--max-cycles", type=int, default=None)
+    r.add_argument("--max-cycles", type=_positive, default=None,
+                   help="the cycle limit (default: max_cycles in the manifest, else 20,000 cycles a bundle of the "
+                   "program, at least 1,000,000)")
     r.add_argument("--json", action="store_true", help="print the statistics and checks as JSON")
     r.set_defaults(fn=_cmd_run)
 
@@ -162,16 +169,42 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
+def _bad_input(err: Exception) -> bool:
+    """What the user's input caused (reported in one line), as against a bug in ctpu (a traceback)."""
     from device_sim.asm import AsmError
     from device_sim.program import BinaryFormatError
     from device_sim.simulator import CtpuTrap
 
+    kinds: tuple[type[Exception], ...] = (AsmError, BinaryFormatError, CtpuTrap, OSError, ValueError)
+    torch = sys.modules.get("torch")  # imported by the commands that run models; `ctpu asm` never imports it
+    if torch is not None:
+        kinds += (torch.OutOfMemoryError,)
+    return isinstance(err, kinds)
+
+
+def _message(err: Exception) -> str:
+    if isinstance(err, OSError) and err.filename is not None:
+        text = f"{err.filename}: {(err.strerror or str(err)).lower()}"
+    else:
+        text = str(err)
+    return "; ".join([text, *getattr(err, "__notes__", ())])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (AsmError, BinaryFormatError, CtpuTrap, FileNotFoundError, ValueError) as e:
-        print(f"ctpu {args.command}: error: {e}", file=sys.stderr)
+    except Exception as e:
+        if not _bad_input(e):
+            raise
+        print(f"ctpu {args.command}: error: {_message(e)}", file=sys.stderr)
         return 2
 
 

@@ -17,6 +17,17 @@ def run_asm(text: str, hbm: dict[int, np.ndarray] | None = None, config: str = "
     return sim, sim.run()
 
 
+# A program copying 8 f32 from HBM 0x0 to HBM 0x100 (for manifests: input at 0, output at 0x100).
+COPY = """
+    li s1, 8 ; li s2, 8
+    lih s1, 1 ; li s3, 0x100
+    dma.ld s0, s0, s1, s2, f0
+    wait f0
+    dma.st s3, s0, s1, s2, f1
+    halt
+"""
+
+
 # A program template applying one vector op to vregs loaded from HBM (operands at 0x0, 0x1000, 0x2000;
 # result stored at 0x3000). Bundles are spaced so every latency has elapsed before the next read.
 VECTOR_OP = """

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from sim_helpers import COPY
 
 from device_sim import manifest as mf
 from device_sim.asm import load_program
@@ -89,16 +90,6 @@ def test_manifest_errors(tmp_path: Path) -> None:
                    '[[outputs.checks]]\nreference = "x"\nwhy = "?"\n')
     with pytest.raises(mf.ManifestError, match="max_ulp or atol"):
         mf.load_manifest(bad)
-
-
-COPY = """
-    li s1, 8 ; li s2, 8
-    lih s1, 1 ; li s3, 0x100
-    dma.ld s0, s0, s1, s2, f0
-    wait f0
-    dma.st s3, s0, s1, s2, f1
-    halt
-"""
 
 
 def test_run_manifest_with_file_input_and_injected_runner(tmp_path: Path) -> None:
