@@ -316,16 +316,61 @@ def _mean(e: MlirEmitter, x: TValue, dims: Any, keepdim: bool = False, dtype: An
     return e.elementwise([s, float(x.shape[-1])], lambda v, w: w.op("arith.divf", v[0], v[1]), dtype=x.dtype)
 
 
+# Rows whose sum of squares overflows fp32 are summed again scaled by SQ_SCALE: their largest |x| is
+# >= 2^64 / sqrt(n), so the scaled squares neither overflow (n < 2^32) nor lose what matters to underflow.
+SQ_SCALE = 2.0**-80
+SQ_UNSCALE = 2.0**80  # applied twice: 2^160 is not an fp32 value
+
+
+def _row_mean(e: MlirEmitter, x: TValue) -> TValue:
+    """mean over the last dim (keepdim) that cannot overflow: sum(x 2^-p) (2^p / n) with 2^p >= n. The
+    scaling is exact, so rows that did not overflow get the same bits as sum(x) / n."""
+    n = x.shape[-1]
+    p = 2.0 ** math.ceil(math.log2(max(n, 1)))
+    scaled = e.elementwise([x], lambda v, w: w.op("arith.mulf", v[0], w.const(1.0 / p)), dtype="f32")
+    return e.elementwise([e.reduce_last(scaled, "sum", True)], lambda v, w: w.op("arith.mulf", v[0], w.const(p / n)),
+                         dtype="f32")
+
+
+def _centered_sums(e: MlirEmitter, x: TValue, mean: TValue | None) -> tuple[TValue, TValue]:
+    """(sum((x - mean)^2), sum(((x - mean) SQ_SCALE)^2)) over the last dim (keepdim); mean None: 0. The
+    scaled deviations are formed as x SQ_SCALE - mean SQ_SCALE, finite even where x - mean overflows."""
+    ops = [x] if mean is None else [x, mean]
+
+    def dev(v: list[str], w: BodyWriter, scale: float) -> str:
+        if scale == 1.0:
+            return v[0] if mean is None else w.op("arith.subf", v[0], v[1])
+        xs = w.op("arith.mulf", v[0], w.const(scale))
+        return xs if mean is None else w.op("arith.subf", xs, w.op("arith.mulf", v[1], w.const(scale)))
+
+    return tuple(e.reduce_last(e.elementwise(ops, lambda v, w, s=s: _square(dev(v, w, s), w), dtype="f32"), "sum", True)
+                 for s in (1.0, SQ_SCALE))  # type: ignore[return-value]
+
+
+def _overflowed(ss: str, w: BodyWriter) -> str:
+    """i1: the sum of squares is not finite (it overflowed, or the row holds inf or NaN)."""
+    return w.cmp("uge", ss, w.const(math.inf))
+
+
 @_reg(aten.var.correction)
 def _var(e: MlirEmitter, x: TValue, dims: Any = None, correction: float | None = None,
          keepdim: bool = False) -> TValue:
+    """Stable at extreme magnitudes: the mean cannot overflow (_row_mean), and a row whose sum of squared
+    deviations overflows takes its scaled sum (the variance itself may still be finite)."""
     _last_dim_only(x, dims)
     n = x.shape[-1]
-    mean = _mean(e, x, [-1], keepdim=True)
-    sq = e.elementwise([x, mean], lambda v, w: _square(w.op("arith.subf", v[0], v[1]), w), dtype="f32")
     denom = float(max(n - (1 if correction is None else correction), 0))
-    return e.elementwise([e.reduce_last(sq, "sum", keepdim), denom], lambda v, w: w.op("arith.divf", v[0], v[1]),
-                         dtype=x.dtype)
+    ss, ss2 = _centered_sums(e, x, _row_mean(e, x))
+
+    def var(v: list[str], w: BodyWriter) -> str:
+        plain = w.op("arith.divf", v[0], w.const(denom))
+        scaled = w.op("arith.divf", v[1], w.const(denom))
+        for _ in range(2):
+            scaled = w.op("arith.mulf", scaled, w.const(SQ_UNSCALE))
+        return w.select(_overflowed(v[0], w), scaled, plain)
+
+    out = e.elementwise([ss, ss2], var, dtype=x.dtype)
+    return out if keepdim else e.reshape(out, x.shape[:-1])
 
 
 def _square(x: str, w: BodyWriter) -> str:
@@ -343,13 +388,22 @@ def _softmax(e: MlirEmitter, x: TValue, dim: int, half_to_float: bool = False) -
 
 
 def _layer_norm(e: MlirEmitter, x: TValue, weight: TValue | None, bias: TValue | None, eps: float) -> TValue:
+    """(x - mean) rsqrt(var + eps) [* w] [+ b], stable at extreme magnitudes: the mean cannot overflow, and a
+    row whose sum of squared deviations overflows is normalised from its deviations scaled by SQ_SCALE
+    (layer norm is scale invariant; eps SQ_SCALE^2 underflows to 0, as it is negligible there)."""
     n = float(x.shape[-1])
-    mean = e.elementwise([e.reduce_last(x, "sum", True), n], lambda v, w: w.op("arith.divf", v[0], v[1]))
-    xc = e.elementwise([x, mean], lambda v, w: w.op("arith.subf", v[0], v[1]), dtype="f32")
-    var = e.elementwise([e.reduce_last(e.elementwise([xc], lambda v, w: w.op("arith.mulf", v[0], v[0])), "sum", True),
-                         n], lambda v, w: w.op("arith.divf", v[0], v[1]))
-    rstd = e.elementwise([var, eps], lambda v, w: w.op("math.rsqrt", w.op("arith.addf", v[0], v[1])))
-    y = e.elementwise([xc, rstd], lambda v, w: w.op("arith.mulf", v[0], v[1]), dtype="f32")
+    mean = _row_mean(e, x)
+    ss, ss2 = _centered_sums(e, x, mean)
+
+    def normalise(v: list[str], w: BodyWriter) -> str:
+        xv, m, ss_, ss2_ = v
+        plain = w.op("arith.mulf", w.op("arith.subf", xv, m),
+                     w.op("math.rsqrt", w.op("arith.addf", w.op("arith.divf", ss_, w.const(n)), w.const(eps))))
+        dev = w.op("arith.subf", w.op("arith.mulf", xv, w.const(SQ_SCALE)), w.op("arith.mulf", m, w.const(SQ_SCALE)))
+        scaled = w.op("arith.mulf", dev, w.op("math.rsqrt", w.op("arith.divf", ss2_, w.const(n))))
+        return w.select(_overflowed(ss_, w), scaled, plain)
+
+    y = e.elementwise([x, mean, ss, ss2], normalise, dtype="f32")
     if weight is not None:
         y = e.elementwise([y, weight], lambda v, w: w.op("arith.mulf", v[0], v[1]), dtype="f32")
     if bias is not None:
@@ -365,12 +419,22 @@ def _native_layer_norm(e: MlirEmitter, x: TValue, shape: Any, weight: Any, bias:
 
 
 def _rms_norm(e: MlirEmitter, x: TValue, weight: TValue | None, eps: float) -> TValue:
-    sq = e.elementwise([x], lambda v, w: w.op("arith.mulf", v[0], v[0]), dtype="f32")
-    ms = e.elementwise([e.reduce_last(sq, "sum", True), float(x.shape[-1])],
-                       lambda v, w: w.op("arith.divf", v[0], v[1]))
-    rstd = e.elementwise([ms, eps], lambda v, w: w.op("math.rsqrt", w.op("arith.addf", v[0], v[1])))
-    ops = [x, rstd] + ([weight] if weight is not None else [])
-    return e.elementwise(ops, lambda v, w: _product(v, w), dtype=x.dtype)
+    """x rsqrt(mean(x^2) + eps) [* w]; a row whose sum of squares overflows is normalised from x SQ_SCALE
+    (eps SQ_SCALE^2 underflows to 0, as it is negligible there)."""
+    n = float(x.shape[-1])
+    ss, ss2 = _centered_sums(e, x, None)
+
+    def normalise(v: list[str], w: BodyWriter) -> str:
+        xv, ss_, ss2_ = v[:3]
+        plain = w.op("arith.mulf", xv,
+                     w.op("math.rsqrt", w.op("arith.addf", w.op("arith.divf", ss_, w.const(n)), w.const(eps))))
+        scaled = w.op("arith.mulf", w.op("arith.mulf", xv, w.const(SQ_SCALE)),
+                      w.op("math.rsqrt", w.op("arith.divf", ss2_, w.const(n))))
+        y = w.select(_overflowed(ss_, w), scaled, plain)
+        return _product([y, *v[3:]], w)
+
+    ops = [x, ss, ss2] + ([weight] if weight is not None else [])
+    return e.elementwise(ops, normalise, dtype=x.dtype)
 
 
 def _product(v: list[str], w: BodyWriter) -> str:

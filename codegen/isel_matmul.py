@@ -10,8 +10,18 @@ Layout (N = lanes = MXU size). For one batch and one m-tile of Mt rows:
 B tiles, C tiles and their flags are double-buffered across n-tiles, so the MXU streams back to back.
 
 fp32 operands follow `torch.get_float32_matmul_precision()`: each is split in vmem into bf16 parts
-(hi = bf(x), mid = bf(x - hi), lo = bf(x - hi - mid), with `vcvt.bf` and `vsub.f`) and the cross products
-are accumulated, smallest first: "highest" 6 passes, "high" 3, "medium" 1. bf16 operands run 1 pass.
+(hi = bf(x), mid = bf(x - hi), lo = bf(x - hi - mid), with `vcvt.bf` and `vsub.f`; `_split` says how hi
+avoids rounding a finite x near the fp32 maximum to inf) and the cross products are accumulated, smallest
+first: "highest" 6 passes, "high" 3, "medium" 1. bf16 operands run 1 pass.
+
+IEEE specials survive the split. The residuals are finite-only (inf - inf never happens), and inf or NaN
+must never meet a zero part of the other operand (inf * 0 = NaN) where fp32 would multiply it by a
+nonzero value: so the parts that hold a non-finite x are chosen by the passes they take part in.
+- With room in vmem for one more region per operand (`_layout`), hi is finite-only too and the hi x hi
+  pass reads `hi_full` instead, which holds x itself where x is not finite: every product is then the
+  IEEE one (up to bf16's range: a partner below 2^-133 is 0 in bf16, so inf times it is NaN).
+- Otherwise the last residual part (lo, or mid for "high") carries x, the only part that meets nothing
+  but the other operand's hi: inf times a finite value is right, but inf x inf at the same k is NaN.
 """
 
 from __future__ import annotations
@@ -23,10 +33,14 @@ from codegen.kernels import LoweringError, MatmulKernel, View
 from codegen.mir import ZERO, Reg
 
 PASSES = {  # (part of A, part of B), accumulated in this order (small terms first)
-    "highest": [(2, 0), (1, 1), (0, 2), (1, 0), (0, 1), (0, 0)],
-    "high": [(1, 0), (0, 1), (0, 0)],
-    "medium": [(0, 0)],
+    "highest": [("lo", "hi"), ("mid", "mid"), ("hi", "lo"), ("mid", "hi"), ("hi", "mid"), ("hi_full", "hi_full")],
+    "high": [("mid", "hi"), ("hi", "mid"), ("hi_full", "hi_full")],
+    "medium": [("hi_full", "hi_full")],
 }
+RESIDUALS = {"highest": ("mid", "lo"), "high": ("mid",), "medium": ()}
+HI16 = 0xFFFF0000  # the bits of a bf16 value in an fp32 word
+BF16_FINITE_MAX = 0x7F7F7FFF  # the largest fp32 that rounds to a finite bf16 (0x7f7f, 3.39e38)
+SIGN = 0x80000000
 F_B, F_ST, F_A, F_MXU = 0, 2, 4, 8
 UNROLL_SPLIT_CHUNKS = 4  # splits of up to this many chunks of 8 vmem rows are unrolled, longer ones loop
 UNROLL_BATCHES = 2  # batched matmuls of more batches run a batch loop
@@ -45,17 +59,15 @@ def lower_matmul(ctx: KernelContext, k: MatmulKernel) -> None:
         if v.strides[-1] != 1:
             raise LoweringError(f"matmul operand {what} is not contiguous along its last dim: {v.strides}")
     precision = "medium" if a.dtype == "bf16" and bm.dtype == "bf16" else ctx.matmul_precision
-    passes = PASSES[precision]
-    parts = 1 + max(max(p) for p in passes)
     L = ctx.lanes
     KT, NT = -(-K // L), -(-Nn // L)
-    b_rows = 2 * parts * (KT * L + 8)
-    budget = ctx.vmem_free() - b_rows - 64
-    mt = min(-(-M // 8) * 8, max(8, (budget // (parts * KT + 2)) // 8 * 8), 512)
-    divisors = [d for d in range(8, mt + 1, 8) if M % d == 0 and 2 * d >= mt]
-    mt = divisors[-1] if divisors else mt  # no tail m-tile: less code
-    if parts * KT * mt + 2 * mt + b_rows + 32 > ctx.vmem_free():
+    names, mt = _layout(precision, M, KT, L, ctx.vmem_free())
+    if mt is None:
         raise LoweringError(f"matmul {M}x{K}x{Nn} does not fit vmem (K too large for one tile)")
+    parts = len(names)
+    index = {name: i for i, name in enumerate(names)}
+    index.setdefault("hi", 0)  # no separate hi: the in-place region is hi (and hi_full is hi)
+    passes = [(index[pa], index[pb]) for pa, pb in PASSES[precision]]
     a_parts = [ctx.region(KT * mt, f"a{q}_") for q in range(parts)]
     b_raw = [ctx.region(KT * L, "braw") for _ in range(2)]
     b_parts = [b_raw] + [[ctx.region(KT * L, f"b{q}_") for _ in range(2)] for q in range(1, parts)]
@@ -66,7 +78,7 @@ def lower_matmul(ctx: KernelContext, k: MatmulKernel) -> None:
             row = KT * L - 8
             ctx.b.emit("vst", None, (zero, ctx.b.const(0)), imm=r.row + row, mem=(r.mem(row, row + 8, True),))
     m_tiles = [(m0, min(mt, M - m0)) for m0 in range(0, M, mt)]
-    tiles = (a_parts, b_raw, b_parts, c_tiles, passes, KT, NT)
+    tiles = (a_parts, b_raw, b_parts, c_tiles, passes, KT, NT, "hi" in names[1:])
     b = ctx.b
     if B > UNROLL_BATCHES:  # batches as a runtime loop: pointer registers at each batch's A, B and C
         pa, pb, pc = b.sreg(), b.sreg(), b.sreg()
@@ -123,7 +135,7 @@ def _esize(v: View) -> int:
 
 def _m_tile(ctx: KernelContext, k: MatmulKernel, rows: int, a_at: _At, b_at: _At, c_at: _At,
             a_parts: list[Region], b_raw: list[Region], b_parts: list[list[Region]], c_tiles: list[Region],
-            passes: list[tuple[int, int]], KT: int, NT: int) -> None:
+            passes: list[tuple[int, int]], KT: int, NT: int, hi_full: bool) -> None:
     """One m-tile (`rows` rows of A and C) against all of B: A loaded and split once, B and C tiles
     double-buffered across the n-tiles."""
     b = ctx.b
@@ -151,7 +163,7 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, rows: int, a_at: _At, b_at: _At
         b.emit("wait", flag=ctx.flag(F_B + p))
         weights = [b_raw[p]] + [parts[p] for parts in b_parts[1:]]
         if len(weights) > 1:
-            _split(ctx, weights, KT * L)
+            _split(ctx, weights, KT * L, hi_full)
         if wait_store:
             b.emit("wait", flag=ctx.flag(F_ST + p))
         commands = [(qa, qb, kt) for qa, qb in passes for kt in range(KT)]
@@ -171,7 +183,7 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, rows: int, a_at: _At, b_at: _At
         ctx.dma(True, a.dtype, a_addr(kt * L), a_parts[0], kt * mt, rows, min(L, K - kt * L), a.strides[-2], F_A)
     b.emit("wait", flag=ctx.flag(F_A))
     if len(a_parts) > 1:
-        _split(ctx, a_parts, KT * mt)
+        _split(ctx, a_parts, KT * mt, hi_full)
     # tiles 2 .. 2 * pairs + 1 run as a loop over pairs (buffers and flags alternate with constant names;
     # the B and C addresses are pointer registers): their neighbours' loads and stores are full tiles
     pairs = max(0, (NT - 4) // 2) if NT - 4 >= 2 * MIN_N_TILE_PAIRS else 0
@@ -201,20 +213,67 @@ def _store_c(ctx: KernelContext, tile: Region, addr: Reg, rows: int, cols: int, 
     ctx.dma(False, c.dtype, addr, tile, 0, rows, cols, c.strides[-2], F_ST + p)
 
 
-def _split(ctx: KernelContext, parts: list[Region], rows: int) -> None:
-    """parts[0] holds fp32 values; rewrite it and fill parts[1:] with the bf16 split (hi, mid, lo). Short
-    regions are unrolled; longer ones run a chunk loop (code size independent of the operand's size)."""
+def _layout(precision: str, M: int, KT: int, L: int, free: int) -> tuple[list[str], int | None]:
+    """The part regions of each operand, in order (the first is the raw values' region, rewritten in place),
+    and the m-tile rows: a separate finite-only hi next to hi_full when that costs no m-tile rows (module
+    docstring), else hi in place carrying nothing non-finite. mt None: K is too large for vmem."""
+    def rows_for(parts: int) -> int | None:
+        b_rows = 2 * parts * (KT * L + 8)
+        budget = free - b_rows - 64
+        mt = min(-(-M // 8) * 8, max(8, (budget // (parts * KT + 2)) // 8 * 8), 512)
+        divisors = [d for d in range(8, mt + 1, 8) if M % d == 0 and 2 * d >= mt]
+        mt = divisors[-1] if divisors else mt  # no tail m-tile: less code
+        return mt if parts * KT * mt + 2 * mt + b_rows + 32 <= free else None
+
+    names = ["hi_full", *RESIDUALS[precision]]
+    mt = rows_for(len(names))
+    if len(names) > 1 and mt is not None and rows_for(len(names) + 1) == mt:
+        return [*names, "hi"], mt
+    return names, mt
+
+
+def _split(ctx: KernelContext, parts: list[Region], rows: int, hi_full: bool) -> None:
+    """parts[0] holds fp32 values x; rewrite it in place and fill the other parts with the bf16 split
+    (module docstring): with `hi_full`, parts = [hi_full, mid, (lo,) hi]; without, [hi, mid, (lo)] with
+    the last part carrying non-finite x. Short regions are unrolled; longer ones run a chunk loop (code
+    size independent of the operand's size).
+
+    With a lo part the split is exact whichever way hi is rounded, so hi is x truncated to bf16 (one op,
+    never inf for finite x); with mid alone ("high") hi is rounded to nearest, which halves the dropped
+    mid x mid term, after clamping x to ±BF16_FINITE_MAX. The region written in place is the one stored
+    first: the next chunk's load waits for it."""
     b = ctx.b
+    residuals = parts[1:-1] if hi_full else parts[1:]
+    exact = len(residuals) > 1
 
     def chunk(off: Reg, r: int = 0) -> None:
+        def store(v: Reg, region: Region) -> None:
+            b.emit("vst", None, (v, off), imm=region.row + r, mem=(row_mem(region, off, r, 8, write=True),))
+
         x = b.vreg()
         b.emit("vld", x, (off,), imm=parts[0].row + r, mem=(row_mem(parts[0], off, r, 8),))
-        rest = x
-        for q, region in enumerate(parts):
+        zero = b.vconst(0.0)
+        if exact:
+            hi = b.vop("vand", x, b.vconst_bits(HI16))  # ±inf stay ±inf, a NaN may become inf
+            if hi_full:
+                store(b.vop("vsel", b.vop("vcmp.eq.f", x, x), hi, x), parts[0])
+            rest = b.vop("vsub.f", x, hi)  # exact for finite x, NaN for ±inf and NaN
+            finite = b.vop("vcmp.eq.f", rest, rest)
+        else:
+            clamped = b.vop("vmin.f", b.vop("vmax.f", x, b.vconst_bits(SIGN | BF16_FINITE_MAX)),
+                            b.vconst_bits(BF16_FINITE_MAX))  # NaN stays NaN, ±inf become finite
+            finite = b.vop("vcmp.eq.f", b.vop("vsub.f", x, x), zero)
+            if hi_full:  # the MXU rounds `clamped` to hi itself
+                store(b.vop("vsel", finite, clamped, x), parts[0])
+            hi = b.vop("vcvt.bf", clamped)
+            rest = b.vop("vsub.f", x, hi)  # exact for finite x
+        store(b.vop("vsel", finite, hi, zero), parts[-1] if hi_full else parts[0])
+        for q, region in enumerate(residuals):
             part = b.vop("vcvt.bf", rest)
-            if q + 1 < len(parts):
+            if q + 1 < len(residuals):
                 rest = b.vop("vsub.f", rest, part)
-            b.emit("vst", None, (part, off), imm=region.row + r, mem=(row_mem(region, off, r, 8, write=True),))
+            carrier = not hi_full and q + 1 == len(residuals)
+            store(b.vop("vsel", finite, part, x if carrier else zero), region)
 
     chunks = -(-rows // 8)
     if chunks <= UNROLL_SPLIT_CHUNKS:

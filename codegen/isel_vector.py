@@ -26,10 +26,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from codegen.builder import Builder
 from codegen.isel_common import KernelContext, Region, chunk_loop, row_mem
 from codegen.kernels import ESIZE, FillKernel, GenericKernel, LoweringError, Operand, ScalarProgram, View
-from codegen.math_seqs import vexp, vrecip, vrsqrt, vsqrt, vtanh
+from codegen.math_seqs import vdivide, vexp, vrecip, vrsqrt, vsqrt, vtanh
 from codegen.mir import Reg
 
 MAX_TILE_VMEM_ROWS = 512  # vmem rows of one operand's tile (64 chunks): keeps double buffering useful
@@ -398,7 +400,19 @@ def _binary(op: str) -> Callable[[Builder, list[Reg]], Reg]:
 
 
 def _divide(b: Builder, a: list[Reg]) -> Reg:
-    return b.vop("vmul.f", a[0], vrecip(b, a[1]))
+    return vdivide(b, a[0], a[1])
+
+
+def _reciprocal_constant(c: object) -> float | None:
+    """fp32(1 / c) for a constant divisor c whose reciprocal is a normal fp32 value, else None. x * fp32(1/c)
+    is within 1 ulp of x / c (exact for powers of two), closer and much shorter than the divide sequence."""
+    if not isinstance(c, (int, float)) or isinstance(c, bool):
+        return None
+    c32 = np.float32(c)
+    if not np.isfinite(c32) or c32 == 0:
+        return None
+    inv = np.float32(1.0 / np.float64(c32))
+    return float(inv) if np.isfinite(inv) and abs(inv) >= 2.0**-126 else None
 
 
 VECTOR_OPS: dict[str, Callable[[Builder, list[Reg]], Reg]] = {
@@ -430,8 +444,11 @@ def evaluate(b: Builder, body: ScalarProgram, env: dict[str, Reg], result: str) 
             values[name] = b.vconst(c)
             return values[name]
         op, ops = producer[name]
-        if op == "arith.divf" and ops[0] in body.constants and body.constants[ops[0]] == 1.0:
+        if op == "arith.divf" and body.constants.get(ops[0]) == 1.0:
             values[name] = vrecip(b, get(ops[1]))
+            return values[name]
+        if op == "arith.divf" and (inv := _reciprocal_constant(body.constants.get(ops[1]))) is not None:
+            values[name] = b.vop("vmul.f", get(ops[0]), b.vconst(inv))
             return values[name]
         fn = VECTOR_OPS.get(op)
         if fn is None:

@@ -17,8 +17,10 @@ Sequences (ulp figures are measured by tests/device_sim/test_sequences.py and li
 - `exp`: clamp to [-104, 89], n = round(x log2e) by the 1.5*2^23 magic add, r = x - n ln2 in two
   Cody-Waite parts, e^r = 1 + r + r^2 P(r) with P a degree-4 near-minimax polynomial (Horner), times 2^n
   built on the exponent field in two halves (so subnormal results round once and overflow gives inf).
-- `reciprocal`: 0x7ef311c3 - bits(|d|) estimate, two Newton steps y(2 - d y) and a corrective one
-  y + y(1 - d y), specials by selects.
+- `reciprocal`, `divide`: 0x7ef311c3 - bits(|d|) estimate, two Newton steps y(2 - d y) and a corrective
+  one y + y(1 - d y), specials by selects; d outside [2^-126, 2^126] is first scaled by an exact power of
+  two s, and the result (1 or a, times y) scaled back by s, so the whole fp32 range is covered (a caller
+  that knows d is inside may skip the scaling: softmax_row).
 - `rsqrt`: 0x5f3759df - bits(x)/2 estimate (subnormal x pre-scaled by 2^24), two Newton steps
   y(1.5 - (x/2) y^2), then one corrective step y + y (0.5 - (x/2) y^2); specials by selects.
 - `softmax_row`, `rmsnorm_row`: one row held in one vreg (8 sublanes x N lanes).
@@ -128,12 +130,18 @@ _SEMANTICS: dict[str, Callable[..., np.ndarray]] = {
     "vcmp.le.f": lambda a, b: _mask(_f(a) <= _f(b)),
     "vadd.i": lambda a, b: a + b,
     "vsub.i": lambda a, b: a - b,
+    "vmul.i": lambda a, b: a * b,
     "vand": lambda a, b: a & b,
     "vor": lambda a, b: a | b,
     "vxor": lambda a, b: a ^ b,
     "vshl": lambda a, b: a << (b & 31),
     "vshr": lambda a, b: a >> (b & 31),
     "vsra": lambda a, b: (_i(a) >> _i(b & 31)).view(np.uint32),
+    "vcmp.eq.i": lambda a, b: _mask(a == b),
+    "vcmp.lt.i": lambda a, b: _mask(_i(a) < _i(b)),
+    "vcvt.i2f": lambda a: _i(a).astype(np.float32).view(np.uint32),
+    "vcvt.f2i": lambda a: numerics.f32_to_i32(_f(a)).view(np.uint32),
+    "vcvt.bf": lambda a: numerics.round_to_bf16(_f(a)).view(np.uint32),
     "vsel": lambda m, a, b: np.where(m != 0, a, b),
     "vred.sum.l": _red(-1, "sum"),
     "vred.max.l": _red(-1, "max"),
@@ -196,29 +204,60 @@ def exp_seq(b: SeqBuilder, x: str) -> str:
     return b.op("vmul.f", b.op("vmul.f", y, e1), e2)
 
 
-# ---- reciprocal ----------------------------------------------------------------------------------
+# ---- reciprocal and division ---------------------------------------------------------------------
 RCP_MAGIC = 0x7EF311C3
 RCP_NEWTON_STEPS = 3
+RCP_TINY, RCP_BIG = 2.0**-126, 2.0**126  # the core's domain; outside it d is scaled by a power of two
+RCP_UP, RCP_DOWN = 2.0**24, 2.0**-4  # subnormal d * 2^24 >= 2^-125; |d| > 2^126 times 2^-4 is < 2^124
 
 
-def reciprocal_seq(b: SeqBuilder, d: str) -> str:
-    """1/d: 19 vector ops. <= 1.3 ulp for |d| in [2^-126, 2^126]; 1/±0 = ±inf, 1/±inf = ±0, NaN -> NaN.
+def _reciprocal_core(b: SeqBuilder, d: str, full_range: bool = True) -> tuple[str, str | None]:
+    """(y, s) with y ~ 1/(d s), s a power of two that puts d s in the core's domain (None: s = 1).
 
-    |d| > 2^126 (a subnormal result) flushes to ±0; subnormal d (a result above 2^126) is outside the
-    sequence's domain (its estimate is not within Newton's reach) and is not used by our programs.
+    The core, 19 ops: 0x7ef311c3 - bits(|d|) estimate (relative error <= 12% for |d| in [2^-126, 2^126]),
+    two Newton steps y (2 - d y) and a corrective one y + y (1 - d y); ±0 -> ±inf and |d| > 2^126 -> ±0
+    by selects, NaN propagates. With `full_range` (6 more ops) subnormal d, whose estimate would be out of
+    Newton's reach, is first scaled up by 2^24, and |d| > 2^126, whose reciprocal is subnormal, down by
+    2^-4: exact scalings that leave only ±inf beyond 2^126. Without it d must be 0, ±inf, NaN or in
+    [2^-126, 2^126] in magnitude (a softmax row's sum, in [1, n], is).
     """
     absmask, magic = b.const("ABS_MASK", 0x7FFFFFFF), b.const("RCP_MAGIC", RCP_MAGIC)
     two, zero = b.const("TWO", 2.0), b.const("ZERO", 0.0)
-    inf, big = b.const("INF", 0x7F800000), b.const("RCP_BIG", 2.0**126)
+    inf, big = b.const("INF", 0x7F800000), b.const("RCP_BIG", RCP_BIG)
+    one = b.const("ONE", 1.0)
+    s = None
+    if full_range:
+        ad = b.op("vand", d, absmask)
+        s = b.op("vsel", b.op("vcmp.lt.f", ad, b.const("RCP_TINY", RCP_TINY)), b.const("RCP_UP", RCP_UP), one)
+        s = b.op("vsel", b.op("vcmp.lt.f", big, ad), b.const("RCP_DOWN", RCP_DOWN), s)
+        d = b.op("vmul.f", d, s)  # exact; 0, ±inf and NaN stay themselves
     ad = b.op("vand", d, absmask)
     sign = b.op("vxor", d, ad)  # the sign bit alone: also ±0.0
-    y = b.op("vor", b.op("vsub.i", magic, ad), sign)  # estimate with d's sign, rel. error <= 12%
+    y = b.op("vor", b.op("vsub.i", magic, ad), sign)  # estimate with d's sign
     for _ in range(RCP_NEWTON_STEPS - 1):  # y (2 - d y): the error squares each step; NaN propagates
         y = b.op("vmul.f", y, b.op("vsub.f", two, b.op("vmul.f", d, y)))
     # the last step as a correction, y + y (1 - d y), so its own rounding touches only the small term
-    y = b.op("vadd.f", y, b.op("vmul.f", y, b.op("vsub.f", b.const("ONE", 1.0), b.op("vmul.f", d, y))))
+    y = b.op("vadd.f", y, b.op("vmul.f", y, b.op("vsub.f", one, b.op("vmul.f", d, y))))
     y = b.op("vsel", b.op("vcmp.eq.f", ad, zero), b.op("vor", inf, sign), y)
-    return b.op("vsel", b.op("vcmp.lt.f", big, ad), sign, y)
+    return b.op("vsel", b.op("vcmp.lt.f", big, ad), sign, y), s
+
+
+def reciprocal_seq(b: SeqBuilder, d: str, full_range: bool = True) -> str:
+    """1/d: 26 vector ops, <= 1.3 ulp over the whole fp32 range (subnormal results and overflow to ±inf
+    included: one rounding, y * s); 1/±0 = ±inf, 1/±inf = ±0, NaN -> NaN. `full_range=False`: the 19-op
+    core alone, for d known to be 0, ±inf, NaN or of magnitude in [2^-126, 2^126]."""
+    y, s = _reciprocal_core(b, d, full_range)
+    return y if s is None else b.op("vmul.f", y, s)
+
+
+def divide_seq(b: SeqBuilder, a: str, d: str) -> str:
+    """a / d = (a y) s with (y, s) the scaled reciprocal of d: 27 vector ops, < 3 ulp over the whole fp32
+    range (measured 2.07). a y cannot overflow unless the quotient does (s >= 1 when |d| is small, and |a / d| <= 4 when
+    s < 1), and it underflows only where the quotient does; IEEE specials: x/±0 = ±inf, 0/0 = inf/inf =
+    NaN, x/±inf = ±0."""
+    y, s = _reciprocal_core(b, d)
+    assert s is not None
+    return b.op("vmul.f", b.op("vmul.f", a, y), s)
 
 
 # ---- rsqrt ---------------------------------------------------------------------------------------
@@ -260,7 +299,7 @@ def softmax_row(b: SeqBuilder, x: str) -> str:
     with b.tagged("sum"):
         s = b.op("vred.sum.s", b.op("vred.sum.l", e))
     with b.tagged("rcp"):
-        r = reciprocal_seq(b, s)
+        r = reciprocal_seq(b, s, full_range=False)  # s in [1, n]: the core's domain
     with b.tagged("out"):
         return b.op("vmul.f", e, r)
 
@@ -291,6 +330,20 @@ def _unary(build: Callable[[SeqBuilder, str], str]) -> Callable[[np.ndarray], np
 exp = _unary(exp_seq)
 reciprocal = _unary(reciprocal_seq)
 rsqrt = _unary(rsqrt_seq)
+
+
+def _divide_model() -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    b = SeqBuilder()
+    out = divide_seq(b, b.input("a"), b.input("d"))
+
+    def run(a: np.ndarray, d: np.ndarray) -> np.ndarray:
+        return evaluate(b, {"a": a, "d": d}, [out])[0]
+    run.__doc__ = divide_seq.__doc__
+    run.builder = b  # type: ignore[attr-defined]
+    return run
+
+
+divide = _divide_model()
 
 
 def rows_as_vregs(x: np.ndarray, lanes: int) -> np.ndarray:

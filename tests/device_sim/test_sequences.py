@@ -21,7 +21,7 @@ def _normal_floats(n: int, lo_bits: int = 0x00800000, hi_bits: int = 0x7F800000)
 
 
 def test_ops_are_ctpu_vector_instructions() -> None:
-    for fn in (sequences.exp, sequences.reciprocal, sequences.rsqrt):
+    for fn in (sequences.exp, sequences.reciprocal, sequences.rsqrt, sequences.divide):
         for op in fn.builder.ops:
             assert isa.BY_MNEMONIC[op.mnemonic].unit is isa.Unit.VECTOR
 
@@ -50,21 +50,50 @@ def test_exp_special_values() -> None:
     assert list(y[1:]) == [np.inf, 0.0, 1.0, 1.0, np.inf, np.inf, 0.0, 0.0]
 
 
-def test_reciprocal_within_1p3_ulp_over_normal_range() -> None:
-    d = np.concatenate([_normal_floats(2_000_000, 0x00800000, 0x7E800000),
-                        np.arange(0x3F800000, 0x40000000, 16, dtype=np.uint32).view(np.float32)])
+def test_reciprocal_within_1p3_ulp_over_the_whole_range() -> None:
+    d = np.concatenate([_normal_floats(2_000_000, 1, 0x7F800000),  # subnormal d (results up to inf) included
+                        np.arange(0x3F800000, 0x40000000, 16, dtype=np.uint32).view(np.float32),
+                        np.arange(0x7E800000, 0x7F800000, 64, dtype=np.uint32).view(np.float32)])  # subnormal 1/d
     for sign in (1, -1):
-        err = sequences.ulp_error(sequences.reciprocal(sign * d), sign / d.astype(np.float64))
+        with np.errstate(divide="ignore", over="ignore"):
+            err = sequences.ulp_error(sequences.reciprocal(sign * d), sign / d.astype(np.float64))
         assert err.max() < 1.3, f"max {err.max():.3f} ulp at d = {d[err.argmax()]!r}"
 
 
 def test_reciprocal_exact_on_powers_of_two_and_special_values() -> None:
-    p = np.float32(2.0) ** np.arange(-126, 127, dtype=np.float32)
-    assert np.array_equal(sequences.reciprocal(p), (1 / p.astype(np.float64)).astype(np.float32))
-    d = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 2.0**127], np.float32)
+    p = np.float32(2.0) ** np.arange(-149, 128, dtype=np.float32)  # subnormal d and subnormal 1/d included
+    with np.errstate(over="ignore"):
+        assert np.array_equal(sequences.reciprocal(p), (1 / p.astype(np.float64)).astype(np.float32))
+    d = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 2.0**127, -3e38, 1e-45, -1e-40], np.float32)
     y = sequences.reciprocal(d)
-    assert list(y[:4]) == [np.inf, -np.inf, 0.0, 0.0] and np.signbit(y[3])
-    assert np.isnan(y[4]) and y[5] == 0.0  # |d| > 2^126: the subnormal result flushes to zero (documented)
+    assert list(y[:4]) == [np.inf, -np.inf, 0.0, 0.0] and np.signbit(y[3]) and np.isnan(y[4])
+    assert y[5] == np.float32(2.0**-127) and y[6] == np.float32(-1 / 3e38)  # subnormal results, not 0
+    assert list(y[7:]) == [np.inf, -np.inf]  # regression (issue 16): 1/subnormal was NaN
+
+
+def test_divide_within_3_ulp_over_the_whole_range() -> None:
+    """a * y, y within 1.3 ulp of 1/d: up to 2.6 ulp of q where q's significand is larger than y's, plus
+    the rounding of the product (measured: 2.07)."""
+    a = _normal_floats(1_000_000, 1, 0x7F800000) * RNG.choice(np.float32([-1, 1]), 1_000_000)
+    d = _normal_floats(1_000_000, 1, 0x7F800000)
+    near = d * RNG.uniform(0.5, 2, d.size).astype(np.float32)  # quotients near 1, at every magnitude
+    for num in (a, near):
+        with np.errstate(all="ignore"):
+            err = sequences.ulp_error(sequences.divide(num, d), num.astype(np.float64) / d.astype(np.float64))
+        assert err.max() < 3.0, f"max {err.max():.3f} ulp at {num[err.argmax()]!r} / {d[err.argmax()]!r}"
+
+
+def test_divide_special_values_as_ieee() -> None:
+    v = np.array([0.0, -0.0, 1e-45, -1e-40, 1.0, -2.5, 3e38, -3.4028235e38, np.inf, -np.inf, np.nan], np.float32)
+    a, d = (m.ravel() for m in np.meshgrid(v, v))
+    with np.errstate(all="ignore"):
+        want = a / d
+    got = sequences.divide(a, d)
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    ok = np.isnan(want) | (sequences.ulp_distance(got, want) <= 2)
+    assert ok.all(), list(zip(a[~ok], d[~ok], got[~ok], want[~ok], strict=True))
+    assert np.array_equal(np.signbit(got[want == 0]), np.signbit(want[want == 0]))
+    assert sequences.divide(np.float32(3e38), np.float32(3e38)) == 1.0  # was 0: 1/d flushed to zero
 
 
 def test_rsqrt_within_1p3_ulp_including_subnormals() -> None:
@@ -91,16 +120,17 @@ def test_ulp_measures() -> None:
 
 # ---- the simulator runs the same op list bit for bit ---------------------------------------------
 def _straight_line(b: SeqBuilder, out: str) -> str:
-    """A CTPU program: x from vmem rows 0..7, the sequence one op per bundle with its latency waited
-    out, the result to rows 8..15. Constants are built with li/lih/vbcast; vregs are reused after a
-    value's last read."""
+    """A CTPU program: input i from vmem rows 8i..8i+7, the sequence one op per bundle with its latency
+    waited out, the result to the 8 rows after the inputs. Constants are built with li/lih/vbcast; vregs
+    are reused after a value's last read."""
     lines, regs = [], {}
     free = list(range(31, -1, -1))
     for name, bits in b.consts.items():
         regs[name] = free.pop()
         lines += [f"li s1, {bits & 0xFFFF}", f"lih s1, {bits >> 16}", f"vbcast v{regs[name]}, s1", "nop"]
-    regs["x"] = free.pop()
-    lines += [f"vld v{regs['x']}, s0, 0", "nop"]
+    for i, name in enumerate(b.inputs):
+        regs[name] = free.pop()
+        lines += [f"vld v{regs[name]}, s0, {8 * i}", "nop"]
     last = {s: i for i, op in enumerate(b.ops) for s in op.srcs}
     for i, op in enumerate(b.ops):
         srcs = [f"v{regs[s]}" for s in op.srcs]
@@ -110,23 +140,41 @@ def _straight_line(b: SeqBuilder, out: str) -> str:
         regs[op.dst] = free.pop()
         lines.append(f"{op.mnemonic} v{regs[op.dst]}, " + ", ".join(srcs))
         lines += ["nop"] * (isa.BY_MNEMONIC[op.mnemonic].latency - 1)
-    lines += [f"vst v{regs[out]}, s0, 8", "halt"]
+    lines += [f"vst v{regs[out]}, s0, {8 * len(b.inputs)}", "halt"]
     return "\n".join(lines)
+
+
+SPECIALS = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, 2.0**-149, 2.0**-126, 2.0**127, 88.7, -103.9,
+                     3e38, -3e38, 0.5, 1e-30, -1e-40, 3.4028235e38, 1e10, -7.5e-39], np.float32)
+
+
+def run_on_simulator(fn, *inputs: np.ndarray) -> np.ndarray:
+    """Run a sequence model's op list (fn.builder) as a straight-line program on the simulator, on
+    inputs of 64 values each (one vreg), and return the result's bits."""
+    b = fn.builder
+    program = assemble(_straight_line(b, b.ops[-1].dst), "sequence.s")
+    sim = Simulator("small")
+    sim.load(program)
+    for i, x in enumerate(inputs):
+        sim.vmem[8 * i:8 * i + 8] = np.asarray(x, np.float32).reshape(8, 8).view(np.uint32)
+    sim.run()
+    n = len(inputs)
+    return sim.vmem[8 * n:8 * n + 8].copy().reshape(-1)
+
+
+def _values(n: int) -> np.ndarray:
+    return np.concatenate([SPECIALS, RNG.normal(0, 30, 44).astype(np.float32),
+                           _normal_floats(n, 1, 0x7F800000), -_normal_floats(n, 1, 0x7F800000)])
 
 
 @pytest.mark.parametrize("fn", [sequences.exp, sequences.reciprocal, sequences.rsqrt],
                          ids=["exp", "reciprocal", "rsqrt"])
 def test_simulator_matches_numpy_model(fn) -> None:
-    b = fn.builder
-    program = assemble(_straight_line(b, b.ops[-1].dst), "sequence.s")
-    specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, 2.0**-149, 2.0**-126, 2.0**127,
-                         88.7, -103.9, 3e38, -3e38, 0.5, 1e-30], np.float32)
-    values = np.concatenate([specials, RNG.normal(0, 30, 48).astype(np.float32),
-                             _normal_floats(64, 1, 0x7F800000), -_normal_floats(64, 1, 0x7F800000)])
-    for chunk in values.reshape(-1, 8, 8):
-        sim = Simulator("small")
-        sim.load(program)
-        sim.vmem[0:8] = chunk.view(np.uint32)
-        sim.run()
-        got = sim.vmem[8:16].copy()
-        assert np.array_equal(got, fn(chunk).view(np.uint32)), chunk
+    for chunk in _values(64).reshape(-1, 64):
+        assert np.array_equal(run_on_simulator(fn, chunk), fn(chunk).view(np.uint32).reshape(-1)), chunk
+
+
+def test_simulator_matches_divide_model() -> None:
+    a, d = _values(64), RNG.permutation(_values(64))
+    for x, y in zip(a.reshape(-1, 64), d.reshape(-1, 64), strict=True):
+        assert np.array_equal(run_on_simulator(sequences.divide, x, y), sequences.divide(x, y).view(np.uint32))
