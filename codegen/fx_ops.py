@@ -334,16 +334,21 @@ def _row_mean(e: MlirEmitter, x: TValue) -> TValue:
 
 def _centered_sums(e: MlirEmitter, x: TValue, mean: TValue | None) -> tuple[TValue, TValue]:
     """(sum((x - mean)^2), sum(((x - mean) SQ_SCALE)^2)) over the last dim (keepdim); mean None: 0. The
-    scaled deviations are formed as x SQ_SCALE - mean SQ_SCALE, finite even where x - mean overflows."""
+    scaled deviations are formed as x SQ_SCALE - mean SQ_SCALE, finite even where x - mean overflows.
+
+    With a mean each square is max(d d, 0) (the same value, NaN included): a reduction whose body is the
+    product of two values computed from two operands reads as a contraction to the kernel reader, which
+    would run it on the MXU as one 1 x K x 1 matmul per row (and fail for long rows)."""
     ops = [x] if mean is None else [x, mean]
 
-    def dev(v: list[str], w: BodyWriter, scale: float) -> str:
-        if scale == 1.0:
-            return v[0] if mean is None else w.op("arith.subf", v[0], v[1])
-        xs = w.op("arith.mulf", v[0], w.const(scale))
-        return xs if mean is None else w.op("arith.subf", xs, w.op("arith.mulf", v[1], w.const(scale)))
+    def square(v: list[str], w: BodyWriter, scale: float) -> str:
+        xv = v[0] if scale == 1.0 else w.op("arith.mulf", v[0], w.const(scale))
+        if mean is None:
+            return _square(xv, w)
+        m = v[1] if scale == 1.0 else w.op("arith.mulf", v[1], w.const(scale))
+        return w.op("arith.maximumf", _square(w.op("arith.subf", xv, m), w), w.const(0.0))
 
-    return tuple(e.reduce_last(e.elementwise(ops, lambda v, w, s=s: _square(dev(v, w, s), w), dtype="f32"), "sum", True)
+    return tuple(e.reduce_last(e.elementwise(ops, lambda v, w, s=s: square(v, w, s), dtype="f32"), "sum", True)
                  for s in (1.0, SQ_SCALE))  # type: ignore[return-value]
 
 

@@ -252,9 +252,9 @@ def reciprocal_seq(b: SeqBuilder, d: str, full_range: bool = True) -> str:
 
 def divide_seq(b: SeqBuilder, a: str, d: str) -> str:
     """a / d = (a y) s with (y, s) the scaled reciprocal of d: 27 vector ops, < 3 ulp over the whole fp32
-    range (measured 2.07). a y cannot overflow unless the quotient does (s >= 1 when |d| is small, and |a / d| <= 4 when
-    s < 1), and it underflows only where the quotient does; IEEE specials: x/±0 = ±inf, 0/0 = inf/inf =
-    NaN, x/±inf = ±0."""
+    range (measured 2.07). a y cannot overflow unless the quotient does (s >= 1 when |d| is small, and
+    |a / d| <= 4 when s < 1), and it underflows only where the quotient does; IEEE specials: x/±0 = ±inf,
+    0/0 = inf/inf = NaN, x/±inf = ±0."""
     y, s = _reciprocal_core(b, d)
     assert s is not None
     return b.op("vmul.f", b.op("vmul.f", a, y), s)

@@ -92,7 +92,9 @@ _INT_OPS = {
     "arith.extui": lambda x: x & 1, "arith.extsi": lambda x: x,
 }
 _CMP = {"eq": torch.eq, "ne": torch.ne, "slt": torch.lt, "sle": torch.le, "sgt": torch.gt, "sge": torch.ge,
-        "oeq": torch.eq, "une": torch.ne, "olt": torch.lt, "ole": torch.le, "ogt": torch.gt, "oge": torch.ge}
+        "oeq": torch.eq, "une": torch.ne, "olt": torch.lt, "ole": torch.le, "ogt": torch.gt, "oge": torch.ge,
+        "uge": lambda a, b: ~torch.lt(a, b), "ugt": lambda a, b: ~torch.le(a, b),  # unordered: NaN is true
+        "ule": lambda a, b: ~torch.gt(a, b), "ult": lambda a, b: ~torch.ge(a, b)}
 
 
 def _scalar_op(name: str, vals: list) -> torch.Tensor:

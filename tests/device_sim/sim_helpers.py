@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from device_sim import isa
 from device_sim.asm import assemble
+from device_sim.sequences import SeqBuilder
 from device_sim.simulator import RunStats, Simulator
 
 
@@ -58,3 +60,45 @@ def vector_op(op: str, a: np.ndarray, b: np.ndarray | None = None, c: np.ndarray
         return np.zeros((8, 8), np.uint32) if x is None else np.ascontiguousarray(x).reshape(8, 8).view(np.uint32)
     sim, _ = run_asm(VECTOR_OP.replace("{OP}", op), {0: bits(a), 0x1000: bits(b), 0x2000: bits(c)})
     return sim.read_hbm(0x3000, (8, 8), np.uint32)
+
+
+def sequence_program(b: SeqBuilder, out: str) -> str:
+    """A CTPU program running the op list of a sequence (device_sim.sequences.SeqBuilder): input i from
+    vmem rows 8i..8i+7, one op per bundle with its latency waited out, the result to the 8 rows after the
+    inputs. A constant is built (li/lih/vbcast) into a spare vreg just before each op that reads it;
+    vregs are reused after a value's last read."""
+    lines: list[str] = []
+    regs: dict[str, int] = {}
+    free = list(range(31, -1, -1))
+    for i, name in enumerate(b.inputs):
+        regs[name] = free.pop()
+        lines += [f"vld v{regs[name]}, s0, {8 * i}", "nop"]
+    last = {s: i for i, op in enumerate(b.ops) for s in op.srcs}
+    for i, op in enumerate(b.ops):
+        temps = []
+        for s in dict.fromkeys(op.srcs):
+            if s in b.consts:
+                bits = b.consts[s]
+                regs[s] = free.pop()
+                temps.append(s)
+                lines += [f"li s1, {bits & 0xFFFF}", f"lih s1, {bits >> 16}", f"vbcast v{regs[s]}, s1", "nop"]
+        srcs = [f"v{regs[s]}" for s in op.srcs]
+        for s in dict.fromkeys(op.srcs):
+            if s in temps or (last[s] == i and s != out):
+                free.append(regs.pop(s))
+        regs[op.dst] = free.pop()
+        lines.append(f"{op.mnemonic} v{regs[op.dst]}, " + ", ".join(srcs))
+        lines += ["nop"] * (isa.BY_MNEMONIC[op.mnemonic].latency - 1)
+    lines += [f"vst v{regs[out]}, s0, {8 * len(b.inputs)}", "halt"]
+    return "\n".join(lines)
+
+
+def run_sequence(b: SeqBuilder, out: str, *inputs: np.ndarray, config: str = "small") -> np.ndarray:
+    """Run a sequence's op list on the simulator on inputs of one vreg each (8 x lanes values); return the
+    result's bits, flat."""
+    sim = Simulator(config)
+    sim.load(assemble(sequence_program(b, out), "sequence.s"))
+    for i, x in enumerate(inputs):
+        sim.vmem[8 * i:8 * i + 8] = np.asarray(x, np.float32).reshape(8, -1).view(np.uint32)
+    sim.run()
+    return sim.vmem[8 * len(inputs):8 * len(inputs) + 8].copy().reshape(-1)

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from sim_helpers import run_sequence
 
 from device_sim import isa, sequences
-from device_sim.asm import assemble
-from device_sim.sequences import SeqBuilder
-from device_sim.simulator import Simulator
 
 RNG = np.random.default_rng(1234)
 
@@ -119,47 +117,13 @@ def test_ulp_measures() -> None:
 
 
 # ---- the simulator runs the same op list bit for bit ---------------------------------------------
-def _straight_line(b: SeqBuilder, out: str) -> str:
-    """A CTPU program: input i from vmem rows 8i..8i+7, the sequence one op per bundle with its latency
-    waited out, the result to the 8 rows after the inputs. Constants are built with li/lih/vbcast; vregs
-    are reused after a value's last read."""
-    lines, regs = [], {}
-    free = list(range(31, -1, -1))
-    for name, bits in b.consts.items():
-        regs[name] = free.pop()
-        lines += [f"li s1, {bits & 0xFFFF}", f"lih s1, {bits >> 16}", f"vbcast v{regs[name]}, s1", "nop"]
-    for i, name in enumerate(b.inputs):
-        regs[name] = free.pop()
-        lines += [f"vld v{regs[name]}, s0, {8 * i}", "nop"]
-    last = {s: i for i, op in enumerate(b.ops) for s in op.srcs}
-    for i, op in enumerate(b.ops):
-        srcs = [f"v{regs[s]}" for s in op.srcs]
-        for s in set(op.srcs):
-            if last[s] == i and s not in b.consts and s != out:
-                free.append(regs[s])
-        regs[op.dst] = free.pop()
-        lines.append(f"{op.mnemonic} v{regs[op.dst]}, " + ", ".join(srcs))
-        lines += ["nop"] * (isa.BY_MNEMONIC[op.mnemonic].latency - 1)
-    lines += [f"vst v{regs[out]}, s0, {8 * len(b.inputs)}", "halt"]
-    return "\n".join(lines)
-
-
 SPECIALS = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, 2.0**-149, 2.0**-126, 2.0**127, 88.7, -103.9,
                      3e38, -3e38, 0.5, 1e-30, -1e-40, 3.4028235e38, 1e10, -7.5e-39], np.float32)
 
 
 def run_on_simulator(fn, *inputs: np.ndarray) -> np.ndarray:
-    """Run a sequence model's op list (fn.builder) as a straight-line program on the simulator, on
-    inputs of 64 values each (one vreg), and return the result's bits."""
-    b = fn.builder
-    program = assemble(_straight_line(b, b.ops[-1].dst), "sequence.s")
-    sim = Simulator("small")
-    sim.load(program)
-    for i, x in enumerate(inputs):
-        sim.vmem[8 * i:8 * i + 8] = np.asarray(x, np.float32).reshape(8, 8).view(np.uint32)
-    sim.run()
-    n = len(inputs)
-    return sim.vmem[8 * n:8 * n + 8].copy().reshape(-1)
+    """The sequence of a numpy model (fn.builder) run on the simulator: the result's bits."""
+    return run_sequence(fn.builder, fn.builder.ops[-1].dst, *inputs)
 
 
 def _values(n: int) -> np.ndarray:
