@@ -316,8 +316,8 @@ def _mean(e: MlirEmitter, x: TValue, dims: Any, keepdim: bool = False, dtype: An
     return e.elementwise([s, float(x.shape[-1])], lambda v, w: w.op("arith.divf", v[0], v[1]), dtype=x.dtype)
 
 
-# Rows whose sum of squares overflows fp32 are summed again scaled by SQ_SCALE: their largest |x| is
-# >= 2^64 / sqrt(n), so the scaled squares neither overflow (n < 2^32) nor lose what matters to underflow.
+# A row whose sum of squares overflows fp32 is summed again scaled by SQ_SCALE: its largest |x| is at least
+# 2^64 / sqrt(n), so the scaled squares neither overflow (n < 2^32) nor lose what matters to underflow.
 SQ_SCALE = 2.0**-80
 SQ_UNSCALE = 2.0**80  # applied twice: 2^160 is not an fp32 value
 
@@ -332,29 +332,52 @@ def _row_mean(e: MlirEmitter, x: TValue) -> TValue:
                          dtype="f32")
 
 
-def _centered_sums(e: MlirEmitter, x: TValue, mean: TValue | None) -> tuple[TValue, TValue]:
-    """(sum((x - mean)^2), sum(((x - mean) SQ_SCALE)^2)) over the last dim (keepdim); mean None: 0. The
-    scaled deviations are formed as x SQ_SCALE - mean SQ_SCALE, finite even where x - mean overflows.
+Deviation = Callable[[list[str], BodyWriter, float], str]
 
-    With a mean each square is max(d d, 0) (the same value, NaN included): a reduction whose body is the
-    product of two values computed from two operands reads as a contraction to the kernel reader, which
-    would run it on the MXU as one 1 x K x 1 matmul per row (and fail for long rows)."""
-    ops = [x] if mean is None else [x, mean]
 
-    def square(v: list[str], w: BodyWriter, scale: float) -> str:
+def _deviation(centered: bool) -> Deviation:
+    """(x - mean) scale from the body values [x, mean] (or x scale from [x]), as x scale - mean scale: finite
+    even where x - mean overflows."""
+    def dev(v: list[str], w: BodyWriter, scale: float) -> str:
         xv = v[0] if scale == 1.0 else w.op("arith.mulf", v[0], w.const(scale))
-        if mean is None:
-            return _square(xv, w)
+        if not centered:
+            return xv
         m = v[1] if scale == 1.0 else w.op("arith.mulf", v[1], w.const(scale))
-        return w.op("arith.maximumf", _square(w.op("arith.subf", xv, m), w), w.const(0.0))
-
-    return tuple(e.reduce_last(e.elementwise(ops, lambda v, w, s=s: square(v, w, s), dtype="f32"), "sum", True)
-                 for s in (1.0, SQ_SCALE))  # type: ignore[return-value]
+        return w.op("arith.subf", xv, m)
+    return dev
 
 
-def _overflowed(ss: str, w: BodyWriter) -> str:
-    """i1: the sum of squares is not finite (it overflowed, or the row holds inf or NaN)."""
-    return w.cmp("uge", ss, w.const(math.inf))
+def _sum_squares(e: MlirEmitter, ops: list[TValue], dev: Deviation) -> TValue:
+    """sum(dev^2) over the last dim (keepdim). Each term is max(d d, 0) (the same value, NaN included): a
+    reduction of the product of two values computed from two operands reads as a contraction to the
+    kernel reader, which would run it on the MXU as a 1 x K x 1 matmul per row."""
+    def term(v: list[str], w: BodyWriter) -> str:
+        d = dev(v, w, 1.0)
+        sq = _square(d, w)
+        return w.op("arith.maximumf", sq, w.const(0.0)) if len(ops) > 1 else sq
+    return e.reduce_last(e.elementwise(ops, term, dtype="f32"), "sum", True)
+
+
+def _flagged_sum_squares(e: MlirEmitter, ops: list[TValue], ss: TValue, dev: Deviation) -> TValue:
+    """One statistic per row (keepdim), Q: `ss` (= sum(dev(1)^2)) again where that is finite, else
+    -sum(dev(SQ_SCALE)^2). Q < 0 flags the scaled sum, so a consumer reads one column, not two; the terms
+    of the plain rows are ss's (same order, same bits)."""
+    def term(v: list[str], w: BodyWriter) -> str:
+        scaled = w.op("arith.negf", _square(dev(v[:-1], w, SQ_SCALE), w))
+        return w.select(w.cmp("uge", v[-1], w.const(math.inf)), scaled, _square(dev(v[:-1], w, 1.0), w))
+    return e.reduce_last(e.elementwise([*ops, ss], term, dtype="f32"), "sum", True)
+
+
+def _row_sum_squares(e: MlirEmitter, x: TValue, mean: TValue | None) -> TValue:
+    """Q (_flagged_sum_squares) of x - mean (mean None: of x)."""
+    ops = [x] if mean is None else [x, mean]
+    dev = _deviation(mean is not None)
+    return _flagged_sum_squares(e, ops, _sum_squares(e, ops, dev), dev)
+
+
+def _scaled(q: str, w: BodyWriter) -> str:
+    """i1: the statistic is a scaled sum (Q < 0)."""
+    return w.cmp("olt", q, w.const(0.0))
 
 
 @_reg(aten.var.correction)
@@ -365,16 +388,14 @@ def _var(e: MlirEmitter, x: TValue, dims: Any = None, correction: float | None =
     _last_dim_only(x, dims)
     n = x.shape[-1]
     denom = float(max(n - (1 if correction is None else correction), 0))
-    ss, ss2 = _centered_sums(e, x, _row_mean(e, x))
 
     def var(v: list[str], w: BodyWriter) -> str:
-        plain = w.op("arith.divf", v[0], w.const(denom))
-        scaled = w.op("arith.divf", v[1], w.const(denom))
+        scaled = w.op("arith.divf", w.op("arith.negf", v[0]), w.const(denom))
         for _ in range(2):
             scaled = w.op("arith.mulf", scaled, w.const(SQ_UNSCALE))
-        return w.select(_overflowed(v[0], w), scaled, plain)
+        return w.select(_scaled(v[0], w), scaled, w.op("arith.divf", v[0], w.const(denom)))
 
-    out = e.elementwise([ss, ss2], var, dtype=x.dtype)
+    out = e.elementwise([_row_sum_squares(e, x, _row_mean(e, x))], var, dtype=x.dtype)
     return out if keepdim else e.reshape(out, x.shape[:-1])
 
 
@@ -394,21 +415,27 @@ def _softmax(e: MlirEmitter, x: TValue, dim: int, half_to_float: bool = False) -
 
 def _layer_norm(e: MlirEmitter, x: TValue, weight: TValue | None, bias: TValue | None, eps: float) -> TValue:
     """(x - mean) rsqrt(var + eps) [* w] [+ b], stable at extreme magnitudes: the mean cannot overflow, and a
-    row whose sum of squared deviations overflows is normalised from its deviations scaled by SQ_SCALE
-    (layer norm is scale invariant; eps SQ_SCALE^2 underflows to 0, as it is negligible there)."""
+    row whose sum of squared deviations overflows is normalised from its deviations scaled by SQ_SCALE,
+    x SQ_SCALE - mean SQ_SCALE (layer norm is scale invariant; eps SQ_SCALE^2 underflows to 0 there).
+
+    The deviations are one tensor, read by the flagged sum of squares and by the output (two consumers:
+    not fused into either), so the output kernel reads one column (Q), as wide rows need."""
     n = float(x.shape[-1])
     mean = _row_mean(e, x)
-    ss, ss2 = _centered_sums(e, x, mean)
+    centered = _deviation(True)
+    ss = _sum_squares(e, [x, mean], centered)
+    dev = e.elementwise([x, mean, ss], lambda v, w: w.select(w.cmp("uge", v[2], w.const(math.inf)),
+                                                             centered(v, w, SQ_SCALE), centered(v, w, 1.0)),
+                        dtype="f32")
+    q = _flagged_sum_squares(e, [dev], ss, lambda v, w, scale: v[0])  # dev is scaled already where it must be
 
     def normalise(v: list[str], w: BodyWriter) -> str:
-        xv, m, ss_, ss2_ = v
-        plain = w.op("arith.mulf", w.op("arith.subf", xv, m),
-                     w.op("math.rsqrt", w.op("arith.addf", w.op("arith.divf", ss_, w.const(n)), w.const(eps))))
-        dev = w.op("arith.subf", w.op("arith.mulf", xv, w.const(SQ_SCALE)), w.op("arith.mulf", m, w.const(SQ_SCALE)))
-        scaled = w.op("arith.mulf", dev, w.op("math.rsqrt", w.op("arith.divf", ss2_, w.const(n))))
-        return w.select(_overflowed(ss_, w), scaled, plain)
+        d, q = v
+        ms = w.select(_scaled(q, w), w.op("arith.divf", w.op("arith.negf", q), w.const(n)),
+                      w.op("arith.addf", w.op("arith.divf", q, w.const(n)), w.const(eps)))
+        return w.op("arith.mulf", d, w.op("math.rsqrt", ms))
 
-    y = e.elementwise([x, mean, ss, ss2], normalise, dtype="f32")
+    y = e.elementwise([dev, q], normalise, dtype="f32")
     if weight is not None:
         y = e.elementwise([y, weight], lambda v, w: w.op("arith.mulf", v[0], v[1]), dtype="f32")
     if bias is not None:
@@ -425,20 +452,18 @@ def _native_layer_norm(e: MlirEmitter, x: TValue, shape: Any, weight: Any, bias:
 
 def _rms_norm(e: MlirEmitter, x: TValue, weight: TValue | None, eps: float) -> TValue:
     """x rsqrt(mean(x^2) + eps) [* w]; a row whose sum of squares overflows is normalised from x SQ_SCALE
-    (eps SQ_SCALE^2 underflows to 0, as it is negligible there)."""
+    (eps SQ_SCALE^2 underflows to 0 there)."""
     n = float(x.shape[-1])
-    ss, ss2 = _centered_sums(e, x, None)
 
     def normalise(v: list[str], w: BodyWriter) -> str:
-        xv, ss_, ss2_ = v[:3]
+        xv, q = v[:2]
         plain = w.op("arith.mulf", xv,
-                     w.op("math.rsqrt", w.op("arith.addf", w.op("arith.divf", ss_, w.const(n)), w.const(eps))))
+                     w.op("math.rsqrt", w.op("arith.addf", w.op("arith.divf", q, w.const(n)), w.const(eps))))
         scaled = w.op("arith.mulf", w.op("arith.mulf", xv, w.const(SQ_SCALE)),
-                      w.op("math.rsqrt", w.op("arith.divf", ss2_, w.const(n))))
-        y = w.select(_overflowed(ss_, w), scaled, plain)
-        return _product([y, *v[3:]], w)
+                      w.op("math.rsqrt", w.op("arith.divf", w.op("arith.negf", q), w.const(n))))
+        return _product([w.select(_scaled(q, w), scaled, plain), *v[2:]], w)
 
-    ops = [x, ss, ss2] + ([weight] if weight is not None else [])
+    ops = [x, _row_sum_squares(e, x, None)] + ([weight] if weight is not None else [])
     return e.elementwise(ops, normalise, dtype=x.dtype)
 
 
