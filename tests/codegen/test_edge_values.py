@@ -23,6 +23,8 @@ import torch.nn.functional as F
 
 import torch_tpu_backend.device as ctpu_device
 import torch_tpu_backend.stats as ctpu_stats
+from codegen import math_seqs, trig_seqs
+from device_sim import sequences
 from device_sim.sequences import ulp_distance, ulp_error
 from fx_passes import CtpuFallbackWarning
 
@@ -32,6 +34,9 @@ MAX = torch.finfo(torch.float32).max
 EDGES = [0.0, -0.0, 1e-45, -1e-45, 1e-40, -1e-40, 1.1754942e-38, -1.1754944e-38, math.inf, -math.inf, math.nan,
          MAX, -MAX, 1.7e38, -3e38, 1e30, -1e20, 1e10, -1e10, 4096.5, -88.8, -87.5, 88.72, 89.0, -104.0, 20.0,
          -9.5, 2.0, 1.0, -1.0, 0.5, -0.25, 1e-7, -3e-20, math.pi / 2, 100.0]
+# and 28 random fp32 bit patterns of both signs (every binade equally likely)
+RANDOM = np.random.default_rng(16).integers(0, 0xFF800000, 28, dtype=np.int64).astype(np.uint32)
+RANDOM = RANDOM[(RANDOM & 0x7F800000) != 0x7F800000].view(np.float32).tolist()
 # op -> (function, ulp bound against float64; None: a composite judged by rtol / atol against CPU torch)
 UNARY: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], float | None]] = {
     "exp": (torch.exp, 1.0), "log": (torch.log, 1.0), "sin": (torch.sin, 1.0), "cos": (torch.cos, 1.0),
@@ -39,7 +44,8 @@ UNARY: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], float | None]] = 
     "reciprocal": (torch.reciprocal, 1.3), "one_over": (lambda x: 1 / x, 1.3), "div_const": (lambda x: x / 3.0, 1.0),
     "div_self": (lambda x: x / (x * 0.75), 3.0), "neg": (torch.neg, 0.0), "abs": (torch.abs, 0.0),
     "relu": (torch.relu, 0.0), "sigmoid": (torch.sigmoid, 3.0), "silu": (F.silu, None), "gelu": (F.gelu, None),
-    "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), None),
+    "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), None), "square": (lambda x: x**2, 0.5),
+    "pow_minus_half": (lambda x: x**-0.5, 1.3), "clamp": (lambda x: x.clamp(-1.5, 2.0), 0.0),
 }
 
 
@@ -54,7 +60,7 @@ def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
 
 
 def _edges() -> torch.Tensor:
-    return torch.tensor(EDGES, dtype=torch.float32).reshape(1, -1)
+    return torch.tensor(EDGES + RANDOM, dtype=torch.float32).reshape(1, -1)
 
 
 def _eager(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
@@ -108,6 +114,18 @@ def test_unary_edges_compiled() -> None:
     outs = _compiled(lambda x: tuple(fn(x) for fn, _ in UNARY.values()), x)
     for (name, (fn, bound)), got in zip(UNARY.items(), outs, strict=True):  # type: ignore[arg-type]
         check(name, got, fn(x), fn(x.double()), bound)
+
+
+def test_kernels_compute_the_sequences_bit_for_bit() -> None:
+    """The eager kernels of the sequence ops give exactly the bits of the sequences' numpy models (the same
+    op lists, emitted through instruction selection, scheduling and register allocation)."""
+    x = _edges()
+    models = {torch.exp: sequences.exp, torch.log: math_seqs.log, torch.sin: trig_seqs.sin, torch.cos: trig_seqs.cos,
+              torch.reciprocal: sequences.reciprocal, torch.rsqrt: sequences.rsqrt, torch.sqrt: math_seqs.sqrt,
+              torch.tanh: math_seqs.tanh, torch.erf: math_seqs.erf}
+    for op, model in models.items():
+        got = _eager(op, x).numpy().view(np.uint32)
+        assert np.array_equal(got, model(x.numpy()).view(np.uint32)), op.__name__
 
 
 def test_division_edges_eager_and_compiled() -> None:
@@ -198,3 +216,13 @@ def test_norms_at_extreme_magnitudes_compiled() -> None:
         assert torch.equal(torch.isnan(g), torch.isnan(r)), (g, r)
         fin = torch.isfinite(r)
         torch.testing.assert_close(g[fin], r[fin], rtol=1e-5, atol=1e-6)
+
+
+def test_softmax_rows_with_specials() -> None:
+    """max-subtracted softmax: a row holding +inf or NaN, or all -inf, is NaN (as on the CPU); ±MAX and
+    subnormal rows are exact."""
+    x = torch.tensor([[math.inf, 1.0, 2, 3], [-math.inf] * 4, [math.nan, 0, 1, 2], [MAX, -MAX, 0, MAX],
+                      [1e-45, -1e-45, 0, 1e-40], [-math.inf, 0, 1, -math.inf], [88.0, -88.0, 89.0, 0]])
+    cpu = torch.softmax(x, -1)
+    for got in (_eager(lambda t: torch.softmax(t, -1), x), _compiled(lambda t: torch.softmax(t, -1), x)):
+        check("softmax", got, cpu, torch.softmax(x.double(), -1), 3.0)  # type: ignore[arg-type]
