@@ -4,6 +4,8 @@ final HBM, registers, vmem, statistics and cycle count as on the simulator, and 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -49,3 +51,25 @@ def test_compiled_models_match_the_simulator_and_eager() -> None:
         with torch.no_grad():
             ref = fn(x).float().numpy()
         np.testing.assert_allclose(out.reshape(ref.shape), ref, rtol=tol, atol=tol)
+
+
+def test_edge_values_match_the_simulator() -> None:
+    """The math sequences on ±0, subnormals, ±inf, NaN, the largest finite values and huge arguments
+    (tests/codegen/test_edge_values.py), division of every pair of them and an fp32 matmul holding
+    infinities end with the same bits on the RTL as on the simulator."""
+    from test_edge_values import UNARY, _edges
+
+    x = _edges()
+    d = x.flip(-1).contiguous()
+    a = x.reshape(8, -1).clone()
+    a[0, :3] = torch.tensor([math.inf, -math.inf, math.nan])
+
+    def fn(x: torch.Tensor, d: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (*(f(x) for f, _ in UNARY.values()), x / d, a @ a.T.clamp(-1e30, 1e30))
+
+    gm, args = capture(fn, x, d, a)
+    gm, _ = fx_passes.run_passes(gm, args)
+    cg = compile_graph(fx_passes.inline_fused_kernels(gm), args, matmul_precision="highest")
+    hbm, _, _, regs = stage(cg, [t.detach().numpy() for t in args])
+    (report,) = diff_batch([RtlJob(cg.program, hbm, args=regs)], ["edge values"])
+    assert report.ok, report.summary()
