@@ -26,6 +26,7 @@ nonzero value: so the parts that hold a non-finite x are chosen by the passes th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from codegen.isel_common import KernelContext, Region, chunk_loop, row_mem
@@ -72,11 +73,8 @@ def lower_matmul(ctx: KernelContext, k: MatmulKernel) -> None:
     b_raw = [ctx.region(KT * L, "braw") for _ in range(2)]
     b_parts = [b_raw] + [[ctx.region(KT * L, f"b{q}_") for _ in range(2)] for q in range(1, parts)]
     c_tiles = [ctx.region(mt, "c") for _ in range(2)]
-    if K % L:  # weight rows past K must be zero (the DMA never writes them)
-        zero = ctx.b.vconst(0.0)
-        for r in b_raw:
-            row = KT * L - 8
-            ctx.b.emit("vst", None, (zero, ctx.b.const(0)), imm=r.row + row, mem=(r.mem(row, row + 8, True),))
+    if K % L:  # weight rows K .. KT * L must be zero: the DMA never writes them, and 0 x stale NaN / inf is NaN
+        _zero_rows(ctx, b_raw, K // 8 * 8, KT * L)
     m_tiles = [(m0, min(mt, M - m0)) for m0 in range(0, M, mt)]
     tiles = (a_parts, b_raw, b_parts, c_tiles, passes, KT, NT, "hi" in names[1:])
     b = ctx.b
@@ -275,12 +273,29 @@ def _split(ctx: KernelContext, parts: list[Region], rows: int, hi_full: bool) ->
             carrier = not hi_full and q + 1 == len(residuals)
             store(b.vop("vsel", finite, part, x if carrier else zero), region)
 
-    chunks = -(-rows // 8)
+    _chunks(ctx, -(-rows // 8), chunk, "split")
+
+
+def _zero_rows(ctx: KernelContext, regions: list[Region], lo: int, hi: int) -> None:
+    """Zero rows lo .. hi (multiples of 8) of each region."""
+    b = ctx.b
+    zero = b.vconst(0.0)
+    for region in regions:
+        def chunk(off: Reg, r: int = 0, region: Region = region) -> None:
+            b.emit("vst", None, (zero, off), imm=region.row + lo + r,
+                   mem=(row_mem(region, off, lo + r, 8, write=True),))
+
+        _chunks(ctx, (hi - lo) // 8, chunk, "zero")
+
+
+def _chunks(ctx: KernelContext, chunks: int, chunk: Callable[..., None], hint: str) -> None:
+    """chunk(off, r) over `chunks` chunks of 8 vmem rows: unrolled (constant addresses) up to
+    UNROLL_SPLIT_CHUNKS, else a chunk loop (code size independent of the row count)."""
     if chunks <= UNROLL_SPLIT_CHUNKS:
         for c in range(chunks):
             chunk(ZERO, 8 * c)
     else:
-        chunk_loop(b, chunks, chunk, "split")
+        chunk_loop(ctx.b, chunks, chunk, hint)
 
 
 def _mxu(ctx: KernelContext, a_parts: list[Region], weights: list[Region], c_tile: Region,

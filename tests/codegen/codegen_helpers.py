@@ -1,6 +1,9 @@
-"""Shared helpers: trace a function to a core-ATen FX graph, compile it, run it on the simulator."""
+"""Shared helpers: trace a function to a core-ATen FX graph, compile it, run it on the simulator (also on
+vmem poisoned with NaN at every kernel's start)."""
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
@@ -8,8 +11,10 @@ from torch._decomp import core_aten_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from codegen import compile_graph
-from device_sim.executable import Executable, run_fresh
+from codegen.isel_common import SPILL_ROWS, table_rows
+from device_sim.executable import Executable, read_output, run_fresh, stage
 from device_sim.runners import SimulatorRunner
+from device_sim.simulator import Simulator
 
 
 def trace(fn, *xs: torch.Tensor) -> torch.fx.GraphModule:
@@ -25,3 +30,36 @@ def compile_and_run(fn, *xs: torch.Tensor, config: str = "small", **options) -> 
     ref = list(ref) if isinstance(ref, (tuple, list)) else [ref]
     cg.last_stats = stats  # type: ignore[attr-defined]
     return outs, [r.float().numpy() for r in ref], cg
+
+
+POISON_BITS = 0x7FC00001  # a quiet NaN: what a vmem row no one wrote may hold on the device
+
+
+def run_with_poisoned_vmem(exe: Executable, inputs: list[np.ndarray]) -> list[np.ndarray]:
+    """Run `exe` on a fresh simulator that overwrites all of vmem but the argument table with NaN as each
+    kernel starts. A kernel owns vmem (isel_common: nothing lives from one kernel into the next), so a
+    correct program gives the same bits as on a zeroed vmem; a kernel that reads a row it never wrote
+    (in the plain run: zeros, or whatever the kernels before it left there) now computes with NaN."""
+    hbm, addrs, arena, regs = stage(exe, inputs)
+    sim = Simulator(exe.hardware)
+    sim.m.hbm = hbm
+    sim.load(exe.program)
+    # the program is the entry, the kernels in order, then the exit's one `halt` bundle
+    assert sim.decoded[-1].halts
+    sizes = [k["bundles"] for k in exe.summary["kernels"]]
+    starts = [len(exe.program) - 1 - sum(sizes[i:]) for i in range(len(sizes))]
+    args = (SPILL_ROWS, SPILL_ROWS + table_rows(len(exe.inputs) + 1, exe.hardware.lanes))
+    poisoned: set[int] = set()
+
+    def poison(m, op, t, pc: int) -> None:
+        if pc not in poisoned:  # once per kernel (no loop starts at a kernel's first bundle, but be sure)
+            poisoned.add(pc)
+            table = m.vmem[args[0]:args[1]].copy()
+            m.vmem[:] = POISON_BITS
+            m.vmem[args[0]:args[1]] = table
+
+    for pc in starts:
+        sim.decoded[pc].ops.insert(0, (functools.partial(poison, pc=pc), None))
+    sim.run(regs)
+    assert len(poisoned) == len(starts)
+    return [read_output(hbm, v, addrs, arena) for v in exe.outputs]
