@@ -93,21 +93,24 @@ def lower_generic(ctx: KernelContext, k: GenericKernel) -> None:
     # operand addresses are pointer registers (code size independent of it), the others are unrolled
     d, looped = _longest(groups) if groups else (0, 1)
     looped = looped if looped > UNROLL_CHUNKS else 1
+    buffers: TileBuffers | None = None
     for g_index in _multi_index(groups[:d] + groups[d + 1:] if looped > 1 else groups):
         if looped > 1:
             g_index = (*g_index[:d], 0, *g_index[d:])
         base = [sum(i * s for i, s in zip(g_index, st, strict=False)) for st in strides]
         streams = [Stream(v, rs, v.offset + bo, "row" if st[-1] == 1 else "col", arg)
                    for v, rs, bo, st, arg in zip(views, row_strides, base, strides, body_args, strict=True)]
+        if buffers is None:  # groups run one after another and share one set of tiles (vmem is not freed)
+            buffers = _tile_buffers(ctx, k, streams, rows, P)
         if looped == 1:
-            _tile_loop(ctx, k, streams, rows, C, P)
+            _tile_loop(ctx, k, streams, buffers, rows, C, P)
             continue
         for s in streams:
             s.base_reg = ctx.b.sreg()
             ctx.b.emit("addi", s.base_reg, (ctx.hbm_addr(s.view, s.base),), imm=0)
 
-        def group(streams: list[Stream] = streams) -> None:
-            _tile_loop(ctx, k, streams, rows, C, P)
+        def group(streams: list[Stream] = streams, buffers: TileBuffers = buffers) -> None:
+            _tile_loop(ctx, k, streams, buffers, rows, C, P)
             for s, st in zip(streams, strides, strict=True):
                 if st[d]:
                     ctx.b.addi(s.base_reg, st[d] * ESIZE[s.view.dtype], s.base_reg)
@@ -202,21 +205,44 @@ def _choose_tile_rows(ctx: KernelContext, k: GenericKernel, streams: list[Stream
     return t
 
 
-def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], rows: int, C: int, P: int) -> None:
+@dataclass(frozen=True)
+class TileBuffers:
+    """The vmem of a generic's tile loop: T rows a tile, double-buffered tiles of each loaded stream (in
+    stream order; None for the output of a map), the broadcast row layout of each column stream, the output
+    tiles."""
+
+    tile_rows: int
+    tiles: list[tuple[Region, Region] | None]
+    expanded: list[Region | None]
+    out: tuple[Region, Region]
+
+
+def _tile_buffers(ctx: KernelContext, k: GenericKernel, streams: list[Stream], rows: int, P: int) -> TileBuffers:
+    out = streams[-1]
+    tile_rows = _choose_tile_rows(ctx, k, streams, rows, P)
+    tiles: list[tuple[Region, Region] | None] = []
+    expanded: list[Region | None] = []
+    for s in streams:
+        per_row = P if s.kind == "row" else 1
+        loaded = s is not out or k.reduction  # a reduction reads its output's initial value
+        tiles.append((ctx.region(tile_rows * per_row + 8, "in"), ctx.region(tile_rows * per_row + 8, "in"))
+                     if loaded else None)
+        expanded.append(ctx.region(tile_rows * P + 8, "bcast") if s.kind == "col" and s is not out else None)
+    out_rows = tile_rows * (1 if k.reduction else P) + 8
+    return TileBuffers(tile_rows, tiles, expanded, (ctx.region(out_rows, "out"), ctx.region(out_rows, "out")))
+
+
+def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buffers: TileBuffers, rows: int,
+               C: int, P: int) -> None:
     """Double-buffered tiles of T rows: tile i waits for its loads (flag F_LD + i % 2), issues the loads of
     tile i + 1, waits for the store of tile i - 2 (F_ST + i % 2), computes, and stores. Pairs of full tiles
     run in a runtime loop; the last one or two tiles follow it (the last tile may be partial)."""
     b = ctx.b
     out = streams[-1]
     loads = streams[:-1] + ([out] if k.reduction else [])  # a reduction reads its output's initial value
-    tile_rows = _choose_tile_rows(ctx, k, streams, rows, P)
-    for s in loads:
-        per_row = P if s.kind == "row" else 1
-        s.tiles = (ctx.region(tile_rows * per_row + 8, "in"), ctx.region(tile_rows * per_row + 8, "in"))
-        if s.kind == "col" and s is not out:
-            s.expanded = ctx.region(tile_rows * P + 8, "bcast")
-    out_rows = tile_rows * (1 if k.reduction else P) + 8
-    out_tiles = (ctx.region(out_rows, "out"), ctx.region(out_rows, "out"))
+    tile_rows, out_tiles = buffers.tile_rows, buffers.out
+    for s, tiles, expanded in zip(streams, buffers.tiles, buffers.expanded, strict=True):
+        s.tiles, s.expanded = tiles, expanded
     sizes = [min(tile_rows, rows - t0) for t0 in range(0, rows, tile_rows)]
     for s in loads:
         s.ptr = b.sreg()

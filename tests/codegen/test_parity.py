@@ -58,6 +58,15 @@ def test_views_and_permutes() -> None:
                      x[:, 1:4] - 1.0), x)
 
 
+def test_unrolled_groups_share_their_tiles() -> None:
+    """Grouped-query attention's repeat of K / V at 61 tokens: outer dims [4, 2] that do not merge into the
+    row dim run as 8 unrolled groups of 61 rows (2 vmem rows each on `small`). Each group allocated its own
+    double-buffered tiles, sized to what vmem had left, and the later groups did not fit (issue 16: the
+    Llama of hidden 128 on `small` fell back to the CPU at 61 .. 64 tokens)."""
+    x = torch.randn(61, 4, 16)
+    check(lambda x: x.permute(1, 0, 2)[:, None].expand(4, 2, 61, 16) * 2.0, x)
+
+
 @pytest.mark.parametrize("shape", [(5, 12, 7), (9, 3, 17), (16, 16, 16)])
 def test_mm_highest(shape) -> None:
     m, k, n = shape
