@@ -1,5 +1,5 @@
-"""Shared helpers: trace a function to a core-ATen FX graph, compile it, run it on the simulator (also on
-vmem poisoned with NaN at every kernel's start)."""
+"""Shared helpers: trace a function (or capture a model as the backend sees it) to a core-ATen FX graph,
+compile it, run it on the simulator (also on vmem poisoned with NaN at every kernel's start)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,27 @@ from device_sim.simulator import Simulator
 
 def trace(fn, *xs: torch.Tensor) -> torch.fx.GraphModule:
     return make_fx(fn, decomposition_table=core_aten_decompositions())(*xs)
+
+
+def capture(fn, *inputs: torch.Tensor) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
+    """The core-ATen graph dynamo + AOT autograd make of `fn` (what the ctpu backend receives), with the
+    real tensors it is called with (parameters lifted to inputs)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    box: dict[str, object] = {}
+
+    def fw(gm: torch.fx.GraphModule, _: object):
+        box["gm"] = gm
+
+        def run(*args: torch.Tensor):
+            box["args"] = list(args)
+            return gm(*args)
+        return run
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(fn, backend=aot_autograd(fw_compiler=fw, decompositions=core_aten_decompositions()))(*inputs)
+    return box["gm"], box["args"]  # type: ignore[return-value]
 
 
 def compile_and_run(fn, *xs: torch.Tensor, config: str = "small", **options) -> tuple[list[np.ndarray],

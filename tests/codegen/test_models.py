@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from codegen_helpers import capture
 
 from codegen import compile_graph
 from codegen.fx_ops import emit_module
@@ -27,28 +28,6 @@ from codegen.kernels import (
 from codegen.mlir_pipeline import run_pipeline
 from device_sim.executable import run_fresh
 from device_sim.runners import SimulatorRunner
-
-
-def capture(fn, *inputs: torch.Tensor) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
-    """The core-ATen graph dynamo + AOT autograd make of `fn` (what the ctpu backend receives), with the
-    real tensors it is called with (parameters lifted to inputs)."""
-    from torch._decomp import core_aten_decompositions
-    from torch._dynamo.backends.common import aot_autograd
-
-    box: dict[str, object] = {}
-
-    def fw(gm: torch.fx.GraphModule, _: object):
-        box["gm"] = gm
-
-        def run(*args: torch.Tensor):
-            box["args"] = list(args)
-            return gm(*args)
-        return run
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(fn, backend=aot_autograd(fw_compiler=fw, decompositions=core_aten_decompositions()))(*inputs)
-    return box["gm"], box["args"]  # type: ignore[return-value]
 
 
 def compile_model(fn, *inputs: torch.Tensor, **options) -> tuple[list[np.ndarray], np.ndarray]:
