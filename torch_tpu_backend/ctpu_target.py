@@ -49,7 +49,7 @@ class CtpuTarget:
                              opts.pipeline)
         exe, hit = cache.cached(cache.cache_dir() if opts.cache else None, key, lambda: codegen.compile_graph(
             gm, example_inputs, opts.config, matmul_precision=precision, pipeline=opts.pipeline,
-            verify=opts.verify, progress=_progress_logger(name)))
+            verify=opts.verify, progress=_progress_logger(name)), expect=Executable)
         log.info("ctpu: %s compiled (%d bundles, cache %s)", name, len(exe.program), "hit" if hit else "miss")
         for stage, text in exe.stages.items():
             stem, _, ext = stage.rpartition(".")

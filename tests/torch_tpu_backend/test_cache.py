@@ -51,6 +51,28 @@ def test_entry_holding_another_object_is_ignored_and_rebuilt(tmp_path: Path) -> 
     assert cache.load(tmp_path, key, expect=(list, str)) is None and not (tmp_path / f"{key}.pkl").exists()
 
 
+def test_compile_survives_cache_entries_of_another_kind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every entry the compiler writes is swapped for a well-formed entry of another object: the next
+    compile ignores them, rebuilds, and computes the right answer."""
+    import torch
+
+    monkeypatch.setenv("CTPU_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CTPU_CACHE", raising=False)
+    x = torch.randn(4, 8)
+
+    def run() -> torch.Tensor:
+        torch._dynamo.reset()
+        return torch.compile(lambda t: (t * 2).exp(), backend="ctpu")(x)
+
+    run()
+    entries = sorted(tmp_path.glob("*.pkl"))
+    assert entries
+    for path in entries:
+        cache.store(tmp_path, path.stem, "not an executable")
+    torch.testing.assert_close(run(), (x * 2).exp())
+    assert not any(cache.load(tmp_path, p.stem) == "not an executable" for p in entries)
+
+
 @pytest.fixture
 def fresh_unusable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cache, "_unusable", set())
