@@ -246,18 +246,27 @@ class MlirEmitter:
         return self.generic([x], maps, init, ["parallel"] * rank, lambda a, w: a[0])
 
     def reshape(self, x: TValue, shape: tuple[int, ...]) -> TValue:
+        """Through the flat 1-d view: collapse to it, expand from it (a 0-d tensor is a rank change of []
+        groups: expanded from / collapsed into tensor<1x..>)."""
         shape = tuple(int(s) for s in shape)
         if shape == x.shape:
             return x
         flat = x
-        if len(x.shape) != 1:
+        if not x.shape:
+            flat = TValue(self.fresh(), (1,), x.dtype)
+            self.lines.append(f"{flat.name} = tensor.expand_shape {x.name} [] output_shape [1] : {x.type} into "
+                              f"{flat.type}")
+        elif len(x.shape) != 1:
             flat = TValue(self.fresh(), (math.prod(x.shape),), x.dtype)
-            groups = f"[[{', '.join(str(i) for i in range(len(x.shape)))}]]" if x.shape else "[]"
+            groups = f"[[{', '.join(str(i) for i in range(len(x.shape)))}]]"
             self.lines.append(f"{flat.name} = tensor.collapse_shape {x.name} {groups} : {x.type} into {flat.type}")
         if len(shape) == 1:
             return flat
         out = TValue(self.fresh(), shape, x.dtype)
-        groups = f"[[{', '.join(str(i) for i in range(len(shape)))}]]" if shape else "[]"
+        if not shape:
+            self.lines.append(f"{out.name} = tensor.collapse_shape {flat.name} [] : {flat.type} into {out.type}")
+            return out
+        groups = f"[[{', '.join(str(i) for i in range(len(shape)))}]]"
         dims = ", ".join(str(s) for s in shape)
         self.lines.append(f"{out.name} = tensor.expand_shape {flat.name} {groups} output_shape [{dims}] : "
                           f"{flat.type} into {out.type}")

@@ -33,7 +33,6 @@ from device_sim.isa import (
     BY_MNEMONIC,
     NOP,
     NUM_FLAGS,
-    NUM_SLOTS,
     NUM_SREGS,
     NUM_VREGS,
     SLOTS,
@@ -45,7 +44,7 @@ from device_sim.isa import (
     Slot,
     Unit,
     decode_slot,
-    encode_slot,
+    encode_bundle,
 )
 from device_sim.program import MAGIC, Bundle, Program
 
@@ -313,16 +312,15 @@ class _Assembler:
             parsed = self.instruction(stmt)
             if parsed is not None and parsed[0] is not NOP:
                 by_unit.setdefault(parsed[0].unit, []).append((stmt, *parsed))
-        words = [0] * NUM_SLOTS
+        placed = []
         for unit, items in by_unit.items():
             slots = SLOTS_OF_UNIT[unit]
             if len(items) > len(slots):
                 plural = "s" if len(slots) != 1 else ""
                 self.error(items[len(slots)][0].line, f"bundle has {len(items)} {unit.value} instructions; "
                                                       f"the CTPU has {len(slots)} {unit.value} slot{plural}")
-            for slot, (_, ins, values) in zip(slots, items, strict=False):  # extra items were reported above
-                words[slot.index] = encode_slot(ins, values)
-        return tuple(words)
+            placed += [(ins, values) for _, ins, values in items[:len(slots)]]  # extra items were reported above
+        return encode_bundle(placed)
 
     def run(self, text: str) -> Program:
         self.read(text)

@@ -353,6 +353,22 @@ def encode_slot(ins: Instr, values: dict[str, int]) -> int:
     return word
 
 
+def encode_bundle(instrs: list[tuple[Instr, dict[str, int]]]) -> tuple[int, ...]:
+    """One bundle's slot words: each instruction in its unit's next free slot, in order (nops leave zeros)."""
+    words = [0] * NUM_SLOTS
+    taken: dict[Unit, int] = {}
+    for ins, values in instrs:
+        if ins is NOP:
+            continue
+        slots, k = SLOTS_OF_UNIT[ins.unit], taken.get(ins.unit, 0)
+        if k >= len(slots):
+            raise EncodingError(f"bundle has {k + 1} {ins.unit.value} instructions; the CTPU has {len(slots)} "
+                                f"{ins.unit.value} slot{'s' if len(slots) != 1 else ''}")
+        taken[ins.unit] = k + 1
+        words[slots[k].index] = encode_slot(ins, values)
+    return tuple(words)
+
+
 def decode_slot(word: int, slot: Slot) -> tuple[Instr, dict[str, int]]:
     """Decode one slot word; raises EncodingError for an unknown opcode, wrong slot or reserved bits."""
     opcode = (word >> OPCODE_LO) & 0xFF

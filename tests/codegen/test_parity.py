@@ -228,3 +228,12 @@ def test_more_inputs_than_scalar_registers() -> None:
 
     cg = check(f, *xs, rtol=1e-5, atol=1e-5)
     assert cg.summary["launch"]["argument_table"][-1] == "arena" and len(cg.summary["launch"]["argument_table"]) == 41
+
+
+def test_zero_dim_values_reshape_both_ways() -> None:
+    """A 0-d element (w[i, j]) broadcast into a row, and a 0-d value reshaped back up: tensor<1x..> <-> tensor<>
+    rank changes (the 0-d side used to be written as the wrong reshape: an internal compiler error)."""
+    x, w = torch.randn(8, 24), torch.randn(24, 16)
+    check(lambda x, w: torch.sin(x).sum(-1) + w[0, 0], x, w, rtol=1e-5, atol=1e-5)
+    check(lambda x, w: x.sum(-1, keepdim=True) * w[3, 2] + x, x, w, rtol=1e-5, atol=1e-5)
+    check(lambda x, w: (x[1, 2] * w).reshape(1, 384).reshape(24, 16), x, w)
