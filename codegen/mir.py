@@ -64,6 +64,7 @@ class MInstr:
     target: str | None = None
     mem: tuple[Mem, ...] = ()
     comment: str = ""
+    reload: bool = False  # a spill reload or rematerialization: the scheduler issues it just in time
 
     @property
     def info(self) -> isa.Instr:

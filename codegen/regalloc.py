@@ -211,8 +211,6 @@ def allocate(func: Function, bundles: dict[str, list[list[MInstr]]]) -> tuple[di
     files = {k: _RegisterFile([r for r in regs if r not in func.pinned]) for k, regs in ALLOCATABLE.items()}
     assignment: dict[Reg, Reg] = {}
     spills: list[Reg] = []
-    # lih reads its own destination (it keeps the low half), so a constant built by li + lih stays put
-    pinned_values = {i.dst for b in func.blocks for i in b.instrs if i.op == "lih"}
     for cur in order:
         rf = files[cur.reg.kind]
         clash = {p: rf.conflicts(p, cur) for p in rf.regs}
@@ -223,18 +221,15 @@ def allocate(func: Function, bundles: dict[str, list[list[MInstr]]]) -> tuple[di
             rf.assign(best, cur)
             continue
         single = [(p, next(iter(c))) for p, c in clash.items() if len(c) == 1]
-        single = [(p, v) for p, v in single if v not in pinned_values]
         if single:
             p, victim = max(single, key=lambda pv: intervals[pv[1]].end - intervals[pv[1]].start)
-            if intervals[victim].end - intervals[victim].start > cur.end - cur.start or cur.reg in pinned_values:
+            if intervals[victim].end - intervals[victim].start > cur.end - cur.start:
                 spills.append(victim)
                 rf.remove(p, victim)
                 del assignment[victim]
                 assignment[cur.reg] = p
                 rf.assign(p, cur)
                 continue
-        if cur.reg in pinned_values:
-            raise RuntimeError(f"register allocation: no {cur.reg.kind} register can be spilled")
         spills.append(cur.reg)
     return assignment, spills
 
@@ -322,7 +317,7 @@ def insert_spills(func: Function, spills: list[Reg], next_id: int) -> int:
             for i, r in enumerate(uses):
                 if r in remat:
                     uses[i] = fresh(r.kind)
-                    out.append(dataclasses.replace(remat[r], dst=uses[i], comment="fill"))
+                    out.append(dataclasses.replace(remat[r], dst=uses[i], comment="fill", reload=True))
                 elif r in slot_of:
                     out.extend(_fill(r, slot_of[r], fresh, uses, i))
             ins.uses = tuple(uses)
@@ -367,8 +362,8 @@ def _fill(r: Reg, slot: int, fresh, uses: list[Reg], i: int) -> list[MInstr]:
     if r.kind == "v":
         new = fresh("v")
         uses[i] = new
-        return [MInstr("vld", new, (zero,), imm=slot, mem=_mem(slot, False), comment="fill")]
+        return [MInstr("vld", new, (zero,), imm=slot, mem=_mem(slot, False), comment="fill", reload=True)]
     v, new = fresh("v"), fresh("s")
     uses[i] = new
-    return [MInstr("vld", v, (zero,), imm=slot, mem=_mem(slot, False), comment="fill"),
-            MInstr("vext", new, (v,), imm=0, comment="fill")]
+    return [MInstr("vld", v, (zero,), imm=slot, mem=_mem(slot, False), comment="fill", reload=True),
+            MInstr("vext", new, (v,), imm=0, comment="fill", reload=True)]

@@ -123,7 +123,7 @@ def schedule_block(instrs: list[MInstr]) -> list[list[MInstr]]:
     deps = build_deps(instrs)
     first, times = _list_schedule(instrs, deps, [0] * len(instrs))
     has_pred = {d.succ for d in deps}
-    late = [i not in has_pred or instrs[i].comment == "fill" for i in range(len(instrs))]
+    late = [i not in has_pred or instrs[i].reload for i in range(len(instrs))]
     succs: dict[int, list[Dep]] = defaultdict(list)
     for d in deps:
         succs[d.pred].append(d)
