@@ -29,7 +29,7 @@ from codegen.builder import Builder
 from codegen.errors import CapacityError
 from codegen.fx_ops import emit_module
 from codegen.isel_common import SPILL_ROWS, KernelContext, Region, table_rows
-from codegen.isel_gather import lower_gather, lower_iota
+from codegen.isel_gather import lower_gather, lower_iota, lower_scatter
 from codegen.isel_matmul import lower_matmul
 from codegen.isel_vector import lower_fill, lower_generic
 from codegen.kernels import (
@@ -39,7 +39,9 @@ from codegen.kernels import (
     IotaKernel,
     Kernel,
     KernelGraph,
+    LoweringError,
     MatmulKernel,
+    ScatterKernel,
     View,
     describe,
     read_function,
@@ -104,6 +106,8 @@ def _views(k: Kernel) -> list[View]:
         return [k.output]
     if isinstance(k, GatherKernel):
         return [k.table, k.ids.view, k.output]
+    if isinstance(k, ScatterKernel):
+        return [k.dest, k.indices, k.updates]
     return [k.a, k.b, k.c]
 
 
@@ -144,7 +148,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tenso
     clock = _Clock()
     stages: dict[str, str] = {"fx.txt": gm.print_readable(print_output=False) if hasattr(gm, "print_readable")
                               else str(gm.graph)}
-    text, _, _ = emit_module(gm, example_inputs)
+    text, _, user_results = emit_module(gm, example_inputs)
     clock.lap("fx_to_mlir")
     pipeline = run_pipeline(text)
     for name, ir_text in pipeline.stages:
@@ -152,6 +156,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tenso
     clock.lap("mlir_passes")
     with pipeline.context:
         graph = read_function(pipeline.module)
+    mutated = _mutated_inputs(graph, len(user_results))
     graph.kernels = _drop_matmul_fills(graph.kernels)
     stages["kernels.txt"] = describe(graph)
     placements, arena_bytes = plan_memory(graph)
@@ -178,7 +183,22 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tenso
                "launch": {"s1": "arena", "argument_table": [*graph.arguments, "arena"]},
                "buffers": {n: dataclasses.asdict(p) for n, p in placements.items()},
                "outputs": [dataclasses.asdict(v) for v in graph.results], "compile_seconds": clock.laps}
-    return Executable(cfg.name, mc.program, inputs, outputs, arena_bytes, stages, summary)
+    summary["mutated_inputs"] = [graph.arguments[i] for i in mutated]
+    return Executable(cfg.name, mc.program, inputs, outputs, arena_bytes, stages, summary, mutated)
+
+
+def _mutated_inputs(graph: KernelGraph, n_outputs: int) -> list[int]:
+    """The inputs the program writes (the emitter returns their new values after the `n_outputs` outputs),
+    dropped from `graph.results`. Bufferization made each such value its input's whole buffer; anything else
+    would be a mutation the caller never sees, so it is refused."""
+    mutated = []
+    for v in graph.results[n_outputs:]:
+        buf = graph.buffers[v.buffer]
+        if buf.kind != "input" or v.offset != 0 or v.shape != buf.shape or not _dense(v):
+            raise LoweringError(f"an input mutation was not bufferized into its input: {v}")
+        mutated.append(buf.index)
+    graph.results = graph.results[:n_outputs]
+    return mutated
 
 
 def _output_view(v: View, p: BufferPlacement, arguments: list[str]) -> OutputView:
@@ -228,6 +248,8 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
             lower_gather(ctx, k)
         elif isinstance(k, IotaKernel):
             lower_iota(ctx, k)
+        elif isinstance(k, ScatterKernel):
+            lower_scatter(ctx, k)
         else:
             lower_matmul(ctx, k)
         ctx.end()
@@ -249,5 +271,7 @@ def _kind(k: Kernel) -> str:
         return "gather"
     if isinstance(k, IotaKernel):
         return "iota"
+    if isinstance(k, ScatterKernel):
+        return "scatter"
     return "reduction" if k.reduction else "elementwise"
 

@@ -237,6 +237,90 @@ def _embedding(e: MlirEmitter, weight: TValue, ids: TValue, padding_idx: int = -
     return e.gather_rows(weight, ids)
 
 
+@_reg(aten.index_put.default)
+def _index_put(e: MlirEmitter, x: TValue, indices: Any, values: Any, accumulate: bool = False) -> TValue:
+    """x[:, .., idx, ...] = values with one 1-D index tensor at dim d (index_copy, a KV cache update): the
+    rows at the T runtime positions, as one scatter into x whose index rows are (i_0, .., i_{d-1},
+    position), a negative position counted from the end as torch does; the kernel traps on a position
+    outside [0, S) (the launch fails, as eager raises)."""
+    if accumulate:
+        raise UnsupportedOp("index_put with accumulate=True (a scatter-add)")
+    given = [(d, t) for d, t in enumerate(indices) if t is not None]
+    if len(given) != 1 or not isinstance(given[0][1], TValue):
+        raise UnsupportedOp(f"index_put with {len(given)} index tensors (one, x[.., idx, ..] = v, is supported)")
+    d, idx = given[0]
+    if idx.dtype != "i32" or len(idx.shape) != 1:
+        raise UnsupportedOp(f"index_put with a {idx.type} index (a 1-D integer tensor is supported)")
+    if not isinstance(values, TValue) or values.dtype != x.dtype:
+        raise UnsupportedOp(f"index_put of {getattr(values, 'type', values)} values into a {x.type}")
+    lead, size, rest = x.shape[:d], x.shape[d], x.shape[d + 1:]
+    n_rows = idx.shape[0]
+    target = (*lead, n_rows, *rest)
+    if values.shape != target:
+        try:
+            torch.broadcast_shapes(values.shape, target)
+        except RuntimeError:
+            raise UnsupportedOp(f"index_put of {values.type} values into rows {list(target)}") from None
+        values = _broadcast_to(e, values, target)
+    # one index row per updated row: (i_0, .., i_{d-1}, position); x itself is the scatter's destination
+    # (a reshaped view of it would make bufferization copy the whole tensor)
+    rank = d + 2
+    ident = _affine_ids(rank)
+    init = e.empty((*lead, n_rows, d + 1), "i32")
+
+    def body(args: list[str], w: BodyWriter) -> str:
+        w.dtype = "i32"
+        i = [w.index(k) for k in range(rank)]
+        pos = args[0]
+        wrapped = w.op("arith.addi", pos, w.const_int(size), dtype="i32")
+        out = w.select(w.cmp("slt", pos, w.const_int(0), "i32"), wrapped, pos, "i32")  # torch's x[-1]
+        for k in range(d):
+            out = w.select(w.cmp("eq", i[-1], w.const_int(k), "i32"), i[k], out, "i32")
+        return out
+
+    pairs = e.generic([idx], [f"affine_map<({', '.join(f'd{k}' for k in range(rank))}) -> (d{d})>", ident], init,
+                      ["parallel"] * rank, body)
+    n = math.prod(lead) * n_rows
+    return e.scatter_rows(x, e.reshape(pairs, (n, d + 1)), e.reshape(values, (n, *rest)))
+
+
+def _affine_ids(rank: int) -> str:
+    dims = ", ".join(f"d{k}" for k in range(rank))
+    return f"affine_map<({dims}) -> ({dims})>"
+
+
+def _broadcast_to(e: MlirEmitter, x: TValue, shape: tuple[int, ...]) -> TValue:
+    """x expanded to `shape` by a copy (bits kept: no conversion through f32)."""
+    lead = len(shape) - len(x.shape)
+    return e.copy_map(x, shape, ["0" if s == 1 and shape[lead + i] != 1 else f"d{lead + i}"
+                                 for i, s in enumerate(x.shape)])
+
+
+@_reg(aten.copy_.default)
+def _copy_(e: MlirEmitter, dst: TValue, src: Any, non_blocking: bool = False) -> TValue:
+    """An input mutation (AOT autograd's trailing `copy_(input, new value)`): the new value is written
+    into the input's own buffer, in place (the caller's tensor sees it; the runtime copies it back when
+    the input was staged), and is the copy_'s value."""
+    if dst not in e.arguments:
+        raise UnsupportedOp("copy_ into a value that is not a graph input")
+    index = e.arguments.index(dst)
+    if any(i == index for i, _ in e.mutations):
+        raise UnsupportedOp(f"input {index} is mutated twice")
+    if not isinstance(src, TValue):
+        src = e.fill(float(src), dst.shape, dst.dtype)
+    if src.dtype != dst.dtype:
+        src = e.elementwise([src], lambda v, w: v[0], dtype=dst.dtype, shape=src.shape)
+    if src.shape != dst.shape:
+        try:
+            torch.broadcast_shapes(src.shape, dst.shape)
+        except RuntimeError:
+            raise UnsupportedOp(f"copy_ of a {src.type} into a {dst.type}") from None
+        src = _broadcast_to(e, src, dst.shape)
+    out = e.materialize(src, dst)
+    e.mutations.append((index, out))
+    return out
+
+
 @_reg(aten.cat.default)
 def _cat(e: MlirEmitter, tensors: Any, dim: int = 0) -> TValue:
     parts = [t for t in tensors if isinstance(t, TValue) and math.prod(t.shape) > 0]
@@ -679,7 +763,7 @@ def emit_module(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]
     """Returns (module text, argument values, result values) for the graph."""
     e = MlirEmitter()
     env: dict[torch.fx.Node, object] = {}
-    args: list[TValue] = []
+    args = e.arguments
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, example in zip(placeholders, example_inputs, strict=True):
         if example.dtype not in DTYPES:
@@ -704,7 +788,8 @@ def emit_module(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]
         elif node.op != "placeholder":
             raise UnsupportedOp(f"FX node {node.name}: op kind {node.op} (call_module: lower FusedKernel "
                                 f"submodules by inlining them first)")
-    return e.module(args, results), args, results
+    # the mutated inputs' new values are returned after the outputs: bufferized, each is its input's buffer
+    return e.module(args, [*results, *(v for _, v in e.mutations)]), args, results
 
 
 def unsupported_reason(node: torch.fx.Node) -> str | None:
@@ -720,6 +805,7 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
     e = MlirEmitter()
     try:
         env = {n: _standin(e, n) for n in node.all_input_nodes}
+        e.arguments.extend(v for n, v in env.items() if n.op == "placeholder" and isinstance(v, TValue))
         lower_node(e, node, env)
     except UnsupportedOp as err:
         return str(err)

@@ -149,6 +149,8 @@ class MlirEmitter:
     def __init__(self) -> None:
         self.lines: list[str] = []
         self._n = 0
+        self.arguments: list[TValue] = []  # the function's arguments: the only values `copy_` may write
+        self.mutations: list[tuple[int, TValue]] = []  # (argument index, its new value), from copy_ nodes
 
     def fresh(self) -> str:
         self._n += 1
@@ -299,6 +301,31 @@ class MlirEmitter:
 
         maps = [_affine(rank, [f"d{i}" for i in range(rank - 1)]), _affine(rank, [f"d{i}" for i in range(rank)])]
         return self.generic([ids], maps, init, ["parallel"] * rank, body)
+
+    def scatter_rows(self, dest: TValue, indices: TValue, updates: TValue) -> TValue:
+        """dest with dest[indices[i, 0], .., indices[i, k - 1], ...] = updates[i, ...] for every row i
+        (`iree_linalg_ext.scatter`, dimension_map [0, k), rows written in order: a repeated index keeps the
+        last row). A value like any other: one-shot-bufferize writes dest's buffer in place when nothing
+        reads the old value later (else it copies it first), and the kernel reader makes a ScatterKernel."""
+        depth = indices.shape[-1]
+        dims = ", ".join(str(i) for i in range(depth))
+        out = TValue(self.fresh(), dest.shape, dest.dtype)
+        u, o = self.fresh(), self.fresh()
+        self.lines.append(f"{out.name} = iree_linalg_ext.scatter dimension_map = [{dims}] unique_indices(false) "
+                          f"ins({updates.name}, {indices.name} : {updates.type}, {indices.type}) "
+                          f"outs({dest.name} : {dest.type}) {{")
+        self.lines.append(f"^bb0({u}: {dest.dtype}, {o}: {dest.dtype}):")
+        self.lines.append(f"  iree_linalg_ext.yield {u} : {dest.dtype}")
+        self.lines.append(f"}} -> {out.type}")
+        return out
+
+    def materialize(self, src: TValue, dest: TValue) -> TValue:
+        """src written into dest's buffer (`bufferization.materialize_in_destination`): after bufferization
+        the result IS dest's buffer, in place when src was computed there, else through a copy."""
+        out = TValue(self.fresh(), dest.shape, dest.dtype)
+        self.lines.append(f"{out.name} = bufferization.materialize_in_destination {src.name} in {dest.name} : "
+                          f"({src.type}, {dest.type}) -> {out.type}")
+        return out
 
     def extract_slice(self, x: TValue, dim: int, start: int, end: int) -> TValue:
         shape = (*x.shape[:dim], end - start, *x.shape[dim + 1:])

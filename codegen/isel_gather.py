@@ -9,6 +9,16 @@ Gather, for chunks of T rows of the output (outer index i, D columns, P = ceil(D
    the T x D chunk to the dense output.
 Out-of-range ids are not checked here: they address outside the table (the simulator traps on HBM bounds).
 
+Scatter (in place, the KV cache update), for chunks of T rows of the updates (k index components each):
+1. one DMA brings the T index rows (k int32 lanes each) into vmem rows 0..T-1, one the T update rows;
+2. per row, `vext` moves each component to a scalar; `sltu` against the dim's size checks it (a negative
+   position was already wrapped by the emitter), `mul` + `add` make the destination row's HBM address;
+   an out-of-range row gets 2^31 added, so its DMA traps on the HBM bound (nothing silent; the rows
+   before it in the same launch are written);
+3. one `dma.st` per row writes it. bf16 rows of an even length move as 32-bit words, so every bit
+   pattern (NaN payloads included) is copied exactly; rows are written in order, so a repeated index keeps
+   the last row.
+
 Iota: `viota` (sublane * N + lane) plus the chunk base, stored to vmem, one DMA out (a 1 x n row).
 """
 
@@ -17,7 +27,7 @@ from __future__ import annotations
 import math
 
 from codegen.isel_common import KernelContext
-from codegen.kernels import ESIZE, GatherKernel, IotaKernel, LoweringError
+from codegen.kernels import ESIZE, GatherKernel, IotaKernel, LoweringError, ScatterKernel
 
 F_IDS, F_ROWS, F_OUT = 0, 1, 2
 
@@ -58,6 +68,67 @@ def lower_gather(ctx: KernelContext, k: GatherKernel) -> None:
         out_addr = ctx.hbm_addr(k.output, k.output.offset + c0 * cols)
         ctx.dma(False, k.output.dtype, out_addr, data_region, 0, n, cols, cols, F_OUT)
         b.emit("wait", flag=ctx.flag(F_OUT))
+
+
+def lower_scatter(ctx: KernelContext, k: ScatterKernel) -> None:
+    b, n_lanes = ctx.b, ctx.lanes
+    rows, depth = k.indices.shape
+    if depth > n_lanes:
+        raise LoweringError(f"scatter with {depth} index components (at most {n_lanes})")
+    dtype, cols, unit = _row_words(k)
+    p = -(-cols // n_lanes)
+    chunk = max(8, min(rows, (ctx.vmem_free() // 2 - 16) // (p + 1)) // 8 * 8)
+    idx_region = ctx.region(chunk + 8, "idx")
+    data_region = ctx.region(chunk * p + 8, "rows")
+    esize = ESIZE[k.dest.dtype]
+    dest_base = ctx.hbm_addr(k.dest, k.dest.offset)
+    for c0 in range(0, rows, chunk):
+        n = min(chunk, rows - c0)
+        b.new_scope()
+        idx_addr = ctx.hbm_addr(k.indices, k.indices.offset + c0 * k.indices.strides[0])
+        ctx.dma(True, "i32", idx_addr, idx_region, 0, n, depth, k.indices.strides[0], F_IDS)
+        upd_addr = ctx.hbm_addr(k.updates, k.updates.offset + c0 * k.updates.strides[0])
+        ctx.dma(True, dtype, upd_addr, data_region, 0, n, cols, k.updates.strides[0] // unit, F_ROWS)
+        b.emit("wait", flag=ctx.flag(F_IDS))
+        b.emit("wait", flag=ctx.flag(F_ROWS))
+        zero = b.const(0)
+        sizes = [b.const(k.dest.shape[j]) for j in range(depth)]
+        strides = [b.const(k.dest.strides[j] * esize) for j in range(depth)]
+        for g in range(0, n, 8):
+            v = b.vreg()
+            b.emit("vld", v, (zero,), imm=idx_region.row + g, mem=(idx_region.mem(g, g + 8),))
+            for i in range(g, min(g + 8, n)):
+                addr, valid = dest_base, None
+                for j in range(depth):
+                    ix = b.sreg()
+                    b.emit("vext", ix, (v,), imm=(i - g) * n_lanes + j)
+                    ok = b.sreg()
+                    b.emit("sltu", ok, (ix, sizes[j]))  # 0 <= ix < size (a negative ix is a huge unsigned)
+                    if valid is not None:
+                        b.emit("and", ok, (ok, valid))
+                    valid = ok
+                    off, nxt = b.sreg(), b.sreg()
+                    b.emit("mul", off, (ix, strides[j]))
+                    b.emit("add", nxt, (addr, off))
+                    addr = nxt
+                assert valid is not None
+                trap, out = b.sreg(), b.sreg()
+                b.emit("xori", trap, (valid,), imm=1)
+                b.emit("shli", trap, (trap,), imm=31)
+                b.emit("add", out, (addr, trap))
+                ctx.dma(False, dtype, out, data_region, i * p, 1, cols, cols, F_OUT)
+        b.emit("wait", flag=ctx.flag(F_OUT))
+
+
+def _row_words(k: ScatterKernel) -> tuple[str, int, int]:
+    """(DMA dtype, columns a row, elements a column): bf16 rows of an even length whose every address is
+    4-byte aligned move as int32 words (exact bits; a bf16 DMA would canonicalize NaN payloads)."""
+    depth = k.indices.shape[1]
+    cols = math.prod(k.dest.shape[depth:])
+    if k.dest.dtype != "bf16":
+        return k.dest.dtype, cols, 1
+    even = [cols, k.dest.offset, k.updates.offset, k.updates.strides[0], *k.dest.strides[:depth]]
+    return ("i32", cols // 2, 2) if all(x % 2 == 0 for x in even) else ("bf16", cols, 1)
 
 
 def _flat_index(i: int, dims: tuple[int, ...]) -> tuple[int, ...]:

@@ -70,6 +70,10 @@ def lower_generic(ctx: KernelContext, k: GenericKernel) -> None:
     sizes = list(k.sizes) or [1]
     operands = [*k.inputs, k.output]
     strides = [list(o.iter_strides) or [0] for o in operands]
+    if sizes[-1] == 1:  # one element a row (a 0-d tensor, a size-1 last dim): its stride is meaningless
+        for st in strides[:-1]:
+            st[-1] = 1
+        strides[-1][-1] = 0 if k.reduction else 1
     views = [o.view for o in operands]
     # transposed operands (stride along the row neither 0 nor 1) are copied into row order first
     for i, st in enumerate(strides[:-1]):

@@ -119,7 +119,19 @@ class GatherKernel:
     text: str = ""
 
 
-Kernel = GenericKernel | FillKernel | MatmulKernel | IotaKernel | GatherKernel
+@dataclass
+class ScatterKernel:
+    """dest[indices[i, 0], .., indices[i, k - 1], ...] = updates[i, ...] for the rows i in order, in place
+    (`iree_linalg_ext.scatter`, dimension_map [0, k)): `indices` is [N, k] int32, `updates` [N, slice...]
+    with the slice the trailing dims of `dest`, contiguous in both."""
+
+    dest: View
+    indices: View
+    updates: View
+    text: str = ""
+
+
+Kernel = GenericKernel | FillKernel | MatmulKernel | IotaKernel | GatherKernel | ScatterKernel
 
 
 @dataclass
@@ -145,6 +157,8 @@ def describe(g: KernelGraph) -> str:
             lines.append(f"{i}: fill {k.value} -> {_v(k.output)}")
         elif isinstance(k, GatherKernel):
             lines.append(f"{i}: gather rows of {_v(k.table)} by {_v(k.ids.view)} -> {_v(k.output)}")
+        elif isinstance(k, ScatterKernel):
+            lines.append(f"{i}: scatter rows of {_v(k.updates)} by {_v(k.indices)} into {_v(k.dest)}")
         else:
             lines.append(f"{i}: iota -> {_v(k.output)}")
     lines.append(f"results: {', '.join(_v(v) for v in g.results)}")
@@ -216,6 +230,8 @@ def read_function(module: ir.Module) -> KernelGraph:
             body = ScalarProgram(["%in", "%out"], [], ["%in"], {})
             g.kernels.append(GenericKernel(dst.shape, False, [Operand(src, src.strides)], Operand(dst, dst.strides),
                                            body, str(op)))
+        elif name == "iree_linalg_ext.scatter":
+            g.kernels.append(_scatter(op, views))
         elif name == "func.return":
             g.results = [views[o.get_name()] for o in op.operands]
         elif name == "memref.dealloc":
@@ -223,6 +239,30 @@ def read_function(module: ir.Module) -> KernelGraph:
         else:
             raise LoweringError(f"MLIR op {name} has no CTPU lowering:\n{op}")
     return g
+
+
+def _scatter(op: ir.Operation, views: dict[str, View]) -> ScatterKernel:
+    """An in-place row scatter (the emitter's `scatter_rows`); anything else it could mean is refused."""
+    updates, indices, dest = (views[o.get_name()] for o in op.operands)
+    depth = indices.shape[-1] if len(indices.shape) == 2 else 0
+    dims = list(ir.DenseI64ArrayAttr(op.attributes["dimension_map"]))
+    body = op.regions[0].blocks[0]
+    yielded = [o.get_name() for o in list(body.operations)[-1].operands]
+    if (dims != list(range(depth)) or indices.dtype != "i32" or yielded != [body.arguments[0].get_name()]
+            or updates.shape != (indices.shape[0], *dest.shape[depth:])
+            or not _dense_rows(dest, depth) or not _dense_rows(updates, 1)):
+        raise LoweringError(f"scatter that is not an in-place copy of dense rows at leading indices:\n{op}")
+    return ScatterKernel(dest, indices, updates, str(op).splitlines()[0])
+
+
+def _dense_rows(v: View, lead: int) -> bool:
+    """Whether the dims of `v` from `lead` on are contiguous (row-major, stride 1 last)."""
+    expected = 1
+    for size, stride in reversed(list(zip(v.shape[lead:], v.strides[lead:], strict=True))):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def constant_value(attr: ir.Attribute) -> float:
@@ -456,6 +496,8 @@ def _written(k: Kernel) -> str:
         return k.output.view.buffer
     if isinstance(k, MatmulKernel):
         return k.c.buffer
+    if isinstance(k, ScatterKernel):
+        return k.dest.buffer
     return k.output.buffer
 
 

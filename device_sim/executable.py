@@ -68,6 +68,7 @@ class Executable:
     arena_bytes: int
     stages: dict[str, str] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
+    mutated_inputs: list[int] = field(default_factory=list)  # inputs the program writes in place (by index)
 
     @property
     def hardware(self) -> HardwareConfig:

@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from device_sim import numerics
-from device_sim.executable import ArgSpec, Executable, pack_input
+from device_sim.executable import ArgSpec, Executable, OutputView, pack_input, read_output
 from torch_tpu_backend import cache, runtime
 from torch_tpu_backend.dump import GraphDump
 from torch_tpu_backend.options import CompileOptions
@@ -71,23 +71,35 @@ def launch_executable(exe: Executable, tensors: Sequence[Any], outputs: Sequence
     device = runtime.get_device(exe.config)
     allocations: list[int] = []
     try:
-        input_addrs = []
-        for spec, tensor in zip(exe.inputs, tensors, strict=True):
+        input_addrs, staged = [], set()
+        for i, (spec, tensor) in enumerate(zip(exe.inputs, tensors, strict=True)):
             addr = _in_place_address(device, spec, tensor)
             if addr is None:
                 bits = pack_input(spec, runtime.to_numpy_bits(tensor))
                 addr = device.allocator.alloc(bits.nbytes)
                 allocations.append(addr)
+                staged.add(i)
                 device.hbm[addr : addr + bits.nbytes] = bits
             input_addrs.append(addr)
         arena = device.allocator.alloc(max(exe.arena_bytes, 1))
         allocations.append(arena)
         arrays = device.launch(exe, input_addrs, arena, target=target, name=name)
+        for i in getattr(exe, "mutated_inputs", ()):  # an input the program wrote in a staged copy: copy it back
+            if i in staged:
+                _copy_back(device, exe.inputs[i], input_addrs[i], tensors[i])
     finally:
         for addr in allocations:
             device.allocator.release(addr)
     return [_device_tensor(device, a, o.dtype) if o.device.type == "ctpu" else torch.from_numpy(a).to(o.dtype)
             for a, o in zip(arrays, outputs, strict=True)]
+
+
+def _copy_back(device: runtime.CtpuDevice, spec: ArgSpec, addr: int, tensor: torch.Tensor) -> None:
+    """The program wrote input `tensor` in its staged HBM copy: the caller's tensor gets the new values."""
+    strides = tuple(int(np.prod(spec.shape[i + 1:])) for i in range(len(spec.shape)))
+    values = read_output(device.hbm, OutputView(spec.shape, strides, 0, spec.dtype, spec.nbytes, input=0), [addr], 0)
+    with torch.no_grad():
+        tensor.copy_(torch.from_numpy(values))
 
 
 def _in_place_address(device: runtime.CtpuDevice, spec: ArgSpec, tensor: Any) -> int | None:

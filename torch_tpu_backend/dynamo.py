@@ -42,7 +42,11 @@ def ctpu_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], option
 
     opts = CompileOptions.resolve(options)
     compiler = GraphCompiler(opts, make_target(opts))
-    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, decompositions=decomposition_table())
+    # keep_inference_input_mutations: an inference graph writes its mutated inputs itself (trailing
+    # `copy_(input, value)` nodes, a KV cache update in place), instead of returning the whole new value
+    # for AOT's wrapper to copy back on the CPU every call
+    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, decompositions=decomposition_table(),
+                           keep_inference_input_mutations=True)
     return backend(gm, example_inputs)
 
 

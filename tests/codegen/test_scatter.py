@@ -1,0 +1,177 @@
+"""index_put / index_copy_ as an in-place row scatter (the KV cache update): the graph AOT autograd gives
+the backend (keep_inference_input_mutations: a trailing `copy_(input, value)`), compiled and run on the
+simulator; the input's HBM bytes after the launch must be eager's, bit for bit, rows not written included."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch._decomp import core_aten_decompositions
+
+import codegen
+from codegen.kernels import ScatterKernel
+from device_sim import numerics
+from device_sim.executable import launch, stage
+from device_sim.runners import SimulatorRunner
+
+
+def _capture(fn, *inputs: torch.Tensor) -> tuple[torch.fx.GraphModule, list, list[int]]:
+    """(the graph the backend receives, its example inputs, where each of `inputs` is among its inputs)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    box: dict[str, object] = {}
+
+    def fw(gm: torch.fx.GraphModule, examples: list):
+        box["gm"], box["examples"] = gm, examples
+
+        def run(*args: torch.Tensor):
+            box["args"] = list(args)
+            return gm(*args)
+        return run
+
+    torch._dynamo.reset()
+    copies = [x.clone() for x in inputs]
+    with torch.no_grad():
+        torch.compile(fn, backend=aot_autograd(fw_compiler=fw, decompositions=core_aten_decompositions(),
+                                               keep_inference_input_mutations=True))(*copies)
+    args: list[torch.Tensor] = box["args"]  # type: ignore[assignment]
+    order = [next(i for i, a in enumerate(args) if a is c) for c in copies]
+    return box["gm"], box["examples"], order  # type: ignore[return-value]
+
+
+def _numpy(x: torch.Tensor) -> np.ndarray:
+    return x.view(torch.int16).numpy().view(np.uint16) if x.dtype == torch.bfloat16 else x.numpy()
+
+
+def _bits(x: torch.Tensor) -> np.ndarray:
+    return x.view(torch.int16).numpy() if x.dtype == torch.bfloat16 else x.view(torch.int32).numpy()
+
+
+def _run(fn, cache: torch.Tensor, *rest: torch.Tensor) -> tuple[np.ndarray, list[np.ndarray], codegen.Executable]:
+    """(the cache's bits in HBM after the launch, the outputs, the executable)."""
+    gm, examples, order = _capture(fn, cache, *rest)
+    exe = codegen.compile_graph(gm, examples, "small", verify=True)
+    given = (cache, *rest)
+    hbm, addrs, arena, _ = stage(exe, [_numpy(given[order.index(i)]) for i in range(len(given))])
+    outs, _ = launch(exe, SimulatorRunner("small"), hbm, addrs, arena)
+    assert exe.mutated_inputs == [order[0]]
+    flat = hbm[addrs[order[0]]: addrs[order[0]] + cache.numel() * cache.element_size()]
+    return flat.view(np.int16 if cache.dtype == torch.bfloat16 else np.int32).reshape(cache.shape), outs, exe
+
+
+def _index_copy(cache: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+    cache.index_copy_(2, pos, vals)
+    return cache.sum(-1)  # reads the updated cache
+
+
+@pytest.mark.parametrize("positions", [[0], [10], [7, 2, 9], [3, 0, 10, 5, 1, 8, 6, 4]],
+                         ids=["first", "last", "unsorted", "eight"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scatter_writes_exactly_the_new_rows_in_place(positions: list[int], dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(len(positions))
+    cache = torch.randn(2, 3, 11, 16, generator=g).to(dtype)  # B=2, H=3 (every leading index is exercised)
+    vals = torch.randn(2, 3, len(positions), 16, generator=g).to(dtype)
+    vals[0, 0, 0, :6] = torch.tensor([float("inf"), -float("inf"), float("nan"), -0.0, 1e-40, 3.3e38])
+    if dtype == torch.float32:  # a NaN with a payload and a subnormal: bits copied, never computed
+        vals.view(torch.int32)[1, 2, -1, 3] = 0x7FC12345
+    else:
+        vals.view(torch.int16)[1, 2, -1, 3] = 0x7FC5
+    pos = torch.tensor(positions)
+    got, outs, exe = _run(_index_copy, cache, pos, vals)
+    expected = cache.clone()
+    ref = _index_copy(expected, pos, vals)
+    np.testing.assert_array_equal(got, _bits(expected))  # new rows bit-exact, every other row untouched
+    np.testing.assert_allclose(outs[0], ref.float().numpy(), rtol=1e-5 if dtype == torch.float32 else 3e-2,
+                               equal_nan=True)  # the reader saw the updated cache
+    assert len(exe.outputs) == 1 and _kernel_kinds(exe).count("scatter") == 1
+
+
+def _kernel_kinds(exe: codegen.Executable) -> list[str]:
+    return [k["kind"] for k in exe.summary["kernels"]]
+
+
+def test_the_cache_is_written_in_place_not_copied() -> None:
+    """The only writes to the cache's buffer are the scatter's rows: no kernel copies the whole cache."""
+    cache, pos, vals = torch.randn(1, 2, 64, 16), torch.tensor([5]), torch.randn(1, 2, 1, 16)
+    gm, examples, order = _capture(_index_copy, cache, pos, vals)
+    exe = codegen.compile_graph(gm, examples, "small")
+    arg = f"%arg{order[0]}"
+    lines = exe.stages["kernels.txt"].splitlines()
+    assert next(line for line in lines if "scatter rows" in line).split(" into ")[1].startswith(arg)
+    assert not any(line.split("->")[-1].strip().startswith(arg) for line in lines if "elementwise" in line)
+
+
+def test_negative_position_counts_from_the_end_like_torch() -> None:
+    def assign(cache: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+        cache[:, :, pos] = vals  # index_put: a negative index counts from the end
+        return cache.sum(-1)
+
+    cache, pos, vals = torch.randn(1, 2, 11, 16), torch.tensor([-1, -11]), torch.randn(1, 2, 2, 16)
+    got, _, _ = _run(assign, cache, pos, vals)
+    expected = cache.clone()
+    assign(expected, pos, vals)
+    np.testing.assert_array_equal(got, _bits(expected))
+
+
+@pytest.mark.parametrize("position", [11, -12])
+def test_out_of_range_position_traps_instead_of_writing_elsewhere(position: int) -> None:
+    cache, vals = torch.randn(1, 2, 11, 16), torch.randn(1, 2, 1, 16)
+    with pytest.raises(Exception, match="out of bounds"):
+        _run(_index_copy, cache, torch.tensor([position]), vals)
+
+
+def test_index_put_on_dim_0_and_a_scalar_counter() -> None:
+    """x[idx] = v (dim 0, no leading dims) and an in-place scalar counter (StaticCache's cumulative_length)."""
+    def fn(x: torch.Tensor, n: torch.Tensor, idx: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        x[idx] = v
+        n.add_(3)
+        return x * 2.0
+
+    given = (torch.randn(6, 8), torch.tensor(4), torch.tensor([4, 1]), torch.randn(2, 8))
+    gm, examples, order = _capture(fn, *given)
+    exe = codegen.compile_graph(gm, examples, "small")
+    hbm, addrs, arena, _ = stage(exe, [given[order.index(i)].numpy() for i in range(4)])
+    outs, _ = launch(exe, SimulatorRunner("small"), hbm, addrs, arena)
+    ex, en = given[0].clone(), given[1].clone()
+    ref = fn(ex, en, given[2], given[3])
+    x_at, n_at = addrs[order[0]], addrs[order[1]]
+    np.testing.assert_array_equal(hbm[x_at: x_at + 6 * 8 * 4].view(np.float32).reshape(6, 8), ex.numpy())
+    assert int(hbm[n_at: n_at + 4].view(np.int32)[0]) == 7
+    np.testing.assert_array_equal(outs[0], ref.numpy())
+    assert sorted(exe.mutated_inputs) == sorted(order[:2])
+
+
+def test_unsupported_index_put_forms_are_refused_with_a_reason() -> None:
+    def accumulate(x: torch.Tensor, idx: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten.index_put.default(x, [idx], v, True)
+
+    def two_indices(x: torch.Tensor, idx: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten.index_put.default(x, [idx, idx], v[:, 0])
+
+    x, idx, v = torch.randn(6, 8), torch.tensor([1, 2]), torch.randn(2, 8)
+    for fn, reason in ((accumulate, "accumulate=True"), (two_indices, "2 index tensors")):
+        gm = torch.fx.experimental.proxy_tensor.make_fx(fn)(x, idx, v)
+        node = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.index_put.default)
+        assert reason in (codegen.unsupported_reason(node) or "")
+
+
+def test_scatter_kernel_reads_iree_scatter_after_bufferization() -> None:
+    from codegen.fx_ops import emit_module
+    from codegen.kernels import read_function
+    from codegen.mlir_pipeline import run_pipeline
+
+    gm, examples, order = _capture(_index_copy, torch.randn(1, 2, 11, 16), torch.tensor([3]),
+                                   torch.randn(1, 2, 1, 16))
+    text, _, outputs = emit_module(gm, examples)
+    assert "iree_linalg_ext.scatter" in text and "bufferization.materialize_in_destination" in text
+    assert len(outputs) == 1  # the cache's new value is returned after the outputs, as a mutation
+    result = run_pipeline(text)
+    with result.context:
+        g = read_function(result.module)
+    (k,) = [k for k in g.kernels if isinstance(k, ScatterKernel)]
+    assert k.dest.buffer == g.arguments[order[0]] and k.indices.shape == (2, 3) and k.updates.shape == (2, 16)
+
+
+def test_bf16_rows_move_as_words_so_nan_payloads_survive() -> None:
+    assert numerics.f32_to_bf16_bits(np.array([np.float32(np.nan)]))[0] != 0x7FC5  # a bf16 DMA would change it
