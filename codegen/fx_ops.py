@@ -491,10 +491,20 @@ def _square(x: str, w: BodyWriter) -> str:
 def _softmax(e: MlirEmitter, x: TValue, dim: int, half_to_float: bool = False) -> TValue:
     if _norm_dim(dim, len(x.shape)) != len(x.shape) - 1:
         raise UnsupportedOp("softmax over a dim other than the last")
+    return _softmax_last(e, x, safe=False)
+
+
+def _softmax_last(e: MlirEmitter, x: TValue, safe: bool) -> TValue:
+    """Max-subtracted softmax over the last dim. A row of -inf only is NaN (-inf - -inf), as torch.softmax
+    gives; with `safe` it is 0, as torch._safe_softmax (SDPA) gives. The row max is -inf exactly for such
+    a row: vmax.f propagates NaN, so a row holding a NaN stays NaN, as in torch."""
     m = e.reduce_last(x, "max", True)
     ex = e.elementwise([x, m], lambda v, w: w.op("math.exp", w.op("arith.subf", v[0], v[1])), dtype="f32")
     s = e.reduce_last(ex, "sum", True)
-    return e.elementwise([ex, s], lambda v, w: w.op("arith.divf", v[0], v[1]), dtype=x.dtype)
+    if not safe:
+        return e.elementwise([ex, s], lambda v, w: w.op("arith.divf", v[0], v[1]), dtype=x.dtype)
+    return e.elementwise([ex, s, m], lambda v, w: w.select(w.cmp("oeq", v[2], w.const(-math.inf)), w.const(0.0),
+                                                           w.op("arith.divf", v[0], v[1])), dtype=x.dtype)
 
 
 def _layer_norm(e: MlirEmitter, x: TValue, weight: TValue | None, bias: TValue | None, eps: float) -> TValue:
@@ -710,8 +720,9 @@ def _heads(e: MlirEmitter, t: TValue, rep: int, transpose: bool) -> TValue:
 
 
 def _attention(e: MlirEmitter, q: TValue, k: TValue, v: TValue, mask: TValue | None, causal: bool,
-               scale: float) -> TValue:
-    """softmax(q @ k^T * scale (+ mask, causal)) @ v with grouped-query heads, in f32, cast to q's dtype."""
+               scale: float, safe: bool = True) -> TValue:
+    """softmax(q @ k^T * scale (+ mask, causal)) @ v with grouped-query heads, in f32, cast to q's dtype;
+    `safe`: a row whose scores are all -inf gives 0, else NaN (fx_passes/ops.py: attention_ref)."""
     b, hq, length, d = q.shape
     hkv, keys = k.shape[1], k.shape[2]
     if hq % hkv:
@@ -738,7 +749,7 @@ def _attention(e: MlirEmitter, q: TValue, k: TValue, v: TValue, mask: TValue | N
             y = w.select(rest[0], y, w.const(neg_inf))
         return y
 
-    probs = _softmax(e, e.elementwise(operands, masked, dtype="f32", keep_bool=True), -1)
+    probs = _softmax_last(e, e.elementwise(operands, masked, dtype="f32", keep_bool=True), safe)
     out = e.matmul(e.reshape(probs, (b * hq, length, keys)), _heads(e, v, rep, False), "f32")
     out = e.reshape(out, (b, hq, length, v.shape[-1]))
     return e.elementwise([out], lambda a, w: a[0], dtype=q.dtype) if q.dtype != "f32" else out

@@ -43,7 +43,10 @@ def _ctpu_group(node: Node) -> FusionGroup:
     inputs: list[Node | None] = []
     attrs: dict[str, Any] = {}
     for index, argument in enumerate(schema.arguments):
-        value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
+        if index < len(node.args):
+            value = node.args[index]
+        else:  # a left-out argument with a default (ctpu::attention's safe) means its default
+            value = node.kwargs.get(argument.name, argument.default_value)
         if _is_tensor_type(argument.type):
             inputs.append(value)
         else:

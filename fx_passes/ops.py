@@ -11,6 +11,11 @@ SiLU on bf16 upcasts to fp32, applies x * sigmoid(x), and casts back), so a fuse
 unfused graph to rounding. Every op returns a new contiguous tensor. The ops are inference-only: no
 autograd formula is registered.
 
+The reference is also each op's core-ATen decomposition (`decomposition`): traced with torch's core-ATen
+decompositions it is what a back end that does not claim the op lowers, and every back end that claims an
+op (codegen's CTPU_TABLE, ptx_kernels' registry) is tested against it on the edge cases (fully masked
+rows, -inf scores, NaN, bf16, empty dims: tests/fx_passes/test_fused_op_parity.py).
+
 Importing this module registers the ops once; importing it again (or reloading it) is a no-op.
 """
 
@@ -99,13 +104,19 @@ def rope_ref(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos + rotated * sin).contiguous()
 
 
-def attention_ref(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float) -> Tensor:
+def attention_ref(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float, safe: bool = True
+) -> Tensor:
     """softmax(q @ k^T * scale + mask) @ v in fp32, cast to q.dtype.
 
     q [B, Hq, L, D], k/v [B, Hkv, S, D] with Hq % Hkv == 0: query head h reads kv head h // (Hq // Hkv)
     (Hugging Face repeat_kv). mask: additive float or boolean keep-mask broadcastable to [B, Hq, L, S].
-    causal keeps key j for query i when j <= i + S - L (the last query sees every key). A query row
-    whose keys are all masked gives zeros, as torch's scaled_dot_product_attention does.
+    causal keeps key j for query i when j <= i + S - L (the last query sees every key).
+
+    safe says which softmax the fused graph had, so the op means exactly what the graph did:
+    True: torch._safe_softmax (what F.scaled_dot_product_attention uses): a query row whose scores are all
+    -inf (every key masked, as in a left-padded batch) gives zeros; False: torch.softmax (Hugging Face's
+    "eager" attention, a hand-written softmax): that row is NaN. NaN scores give NaN rows either way.
     """
     n_rep = q.shape[1] // k.shape[1]
     if n_rep > 1:
@@ -119,8 +130,9 @@ def attention_ref(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: 
     if mask is not None:
         scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
     probs = torch.softmax(scores, dim=-1)
-    fully_masked = (scores == -math.inf).all(dim=-1, keepdim=True)
-    probs = torch.where(fully_masked, 0.0, probs)
+    if safe and keys > 0:  # no keys: probs is empty and the product 0 anyway
+        # torch._safe_softmax tests all(scores == -inf); amax is -inf exactly then (amax propagates NaN).
+        probs = torch.where(scores.amax(-1, keepdim=True) == -math.inf, 0.0, probs)
     return torch.matmul(probs, upcast(v)).to(q.dtype).contiguous()
 
 
@@ -174,7 +186,7 @@ def _rope_fake(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def _attention_fake(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float, safe: bool = True
 ) -> Tensor:
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
@@ -207,6 +219,24 @@ def _register() -> None:
 
 
 _register()
+
+
+def decomposition(name: str, *args: object) -> torch.fx.GraphModule:
+    """The op's core-ATen graph at these arguments: its reference traced with torch's core-ATen
+    decompositions (tensor arguments become placeholders, the others are baked in)."""
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    reference = _OPS[name][0]
+    tensors = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
+
+    def call(*values: Tensor) -> Tensor:
+        full = list(args)
+        for i, value in zip(tensors, values, strict=True):
+            full[i] = value
+        return reference(*full)
+
+    return make_fx(call, decomposition_table=core_aten_decompositions())(*(args[i] for i in tensors))
 
 
 def ctpu_op(name: str) -> torch._ops.OpOverload:

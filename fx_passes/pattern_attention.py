@@ -5,6 +5,8 @@ Forms matched, all on 4-D [B, H, L, D] tensors flattened to [B*H, ...] around th
   becomes): bmm(q * s, (k^T) * s) [+ mask] -> _softmax -> where(row fully masked, 0, p) -> bmm(p, v),
   in fp32 between an upcast of q/k/v and a downcast of the output for 16-bit models;
 - Hugging Face's "eager" attention: bmm(q, k^T) * scale [+ mask] -> [up] _softmax [down] -> bmm(p, v);
+  with the guard the op gets safe=True (a row of -inf scores gives 0), without it safe=False (NaN, as
+  torch.softmax gives);
 - the softmax may also appear decomposed (amax/sub/exp/sum/div);
 - k and v may come through repeat_kv (unsqueeze/expand/clone/view: grouped-query attention);
 - undecomposed aten.scaled_dot_product_attention / _scaled_dot_product_flash_attention_for_cpu.
@@ -178,11 +180,13 @@ def attention_rule(node: Node, ctx: RewriteContext) -> Rewrite | None:
     if is_upcast(scores):  # softmax(..., dtype=float32) of a 16-bit model
         nodes.add(scores)
         scores = scores.args[0]  # type: ignore[assignment]
-    return _match_scores(node, ctx, scores, v, down, nodes)
+    # The guard makes it torch._safe_softmax (a row of -inf scores gives 0); without it the row is NaN.
+    return _match_scores(node, ctx, scores, v, down, nodes, safe=guard is not None)
 
 
 def _match_scores(
-    node: Node, ctx: RewriteContext, scores: Node, v: Node, down: torch.dtype | None, nodes: set[Node]
+    node: Node, ctx: RewriteContext, scores: Node, v: Node, down: torch.dtype | None, nodes: set[Node],
+    safe: bool,
 ) -> Rewrite | None:
     """scores = [mask +] [c *] view(bmm(view([a *] q), view([b *] permute(k, [0, 1, 3, 2]))))."""
     mask = None
@@ -228,7 +232,7 @@ def _match_scores(
     query = strip_casts(q, down)
     if query is None:
         return why_no_fuse("attention", node, "output cast to %s but q was not upcast from it", down)
-    return _build(node, ctx, nodes, query, _peel_kv(k), _peel_kv(v), mask, scale)  # type: ignore[arg-type]
+    return _build(node, ctx, nodes, query, _peel_kv(k), _peel_kv(v), mask, scale, safe)  # type: ignore[arg-type]
 
 
 def _is_qk(node: object) -> bool:
@@ -244,6 +248,7 @@ def _build(
     v: Node,
     mask: Node | None,
     scale: float,
+    safe: bool,
     causal: bool = False,
 ) -> Rewrite | None:
     """Check shapes, classify the mask and make the Rewrite."""
@@ -259,7 +264,7 @@ def _build(
     mask, mask_is_causal = classified
     if causal and mask is not None:
         return why_no_fuse("attention", node, "both a mask and is_causal")
-    args = (q, k, v, mask, causal or mask_is_causal, scale)
+    args = (q, k, v, mask, causal or mask_is_causal, scale, safe)
     return Rewrite("attention", node, nodes, ctpu_op("attention"), args)
 
 
@@ -287,4 +292,5 @@ def sdpa_rule(node: Node, ctx: RewriteContext) -> Rewrite | None:
     scale = op_arg(sdpa, "scale")  # type: ignore[arg-type]
     scale = 1.0 / math.sqrt(size_q[3]) if scale is None else float(scale)
     mask = op_arg(sdpa, "attn_mask")  # type: ignore[arg-type]
-    return _build(node, ctx, nodes, q, k, v, mask, scale, causal)  # type: ignore[arg-type]
+    # SDPA's math is torch._safe_softmax: a fully masked row gives 0.
+    return _build(node, ctx, nodes, q, k, v, mask, scale, True, causal)  # type: ignore[arg-type]

@@ -70,10 +70,13 @@ def attention(
     *,
     causal: bool,
     scale: float,
+    safe: bool = True,
     mask_shape: Shape | None = None,
     mask_dtype: torch.dtype | None = None,
 ) -> PtxKernel:
-    """q [B, Hq, L, D], k/v [B, Hkv, S, D] (same dtype), optional additive float / boolean keep mask."""
+    """q [B, Hq, L, D], k/v [B, Hkv, S, D] (same dtype), optional additive float / boolean keep mask.
+    safe: a row whose scores are all -inf gives 0 (torch._safe_softmax, SDPA), else NaN (torch.softmax),
+    as ctpu::attention's `safe` says."""
     b_, hq, l_, d = q_shape
     bk, hkv, s_, dk = kv_shape
     if bk != b_ or dk != d or hq % hkv:
@@ -92,7 +95,8 @@ def attention(
         "none" if mask_shape is None else f"{DTYPE_NAMES[mask_dtype]}_" + "x".join(map(str, mask_shape))
     )
     name = kernel_name(
-        "ctpu_attention", DTYPE_NAMES[dtype], *q_shape, "kv", hkv, s_, "c" if causal else "nc", mask_tag
+        "ctpu_attention", DTYPE_NAMES[dtype], *q_shape, "kv", hkv, s_, "c" if causal else "nc", mask_tag,
+        "safe" if safe else "plain",
     )
 
     def body() -> None:
@@ -185,8 +189,11 @@ def attention(
         ptx.inst.add.u32(s, s, 1)
         ptx.bra(top)
         ptx.label(done)
-        # A row with every key masked has run_sum 0 and yields NaN, as eager softmax does.
+        # A row with every score -inf has run_sum exactly 0 (else the max's own key adds e^0 = 1, or a NaN
+        # score makes it NaN): 0 / 0 = NaN as torch.softmax gives, or 0 (acc is 0) when safe, as SDPA gives.
         inv = m.div(fimm(1.0), run_sum)
+        if safe:
+            ptx.inst.selp.f32(inv, fimm(0.0), inv, setp("eq", run_sum, fimm(0.0), "f32"))
         outs = [m.binary("mul", a, inv) for a in acc]
         store_chunks(elem_addr(out_p, q_row, esize), outs, dtype, row_ok)
         ptx.ret()

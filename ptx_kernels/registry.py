@@ -78,6 +78,7 @@ def _builders() -> dict[str, Any]:
             tuple(s[1]),
             d[0],
             causal=bool(a.get("causal", False)),
+            safe=bool(a.get("safe", True)),
             scale=float(a["scale"]) if a.get("scale") is not None else tuple(s[0])[-1] ** -0.5,
             mask_shape=tuple(s[3]) if len(s) > 3 and s[3] is not None else None,
             mask_dtype=_opt(s, d, 3),
@@ -106,6 +107,10 @@ def kernel_for(
     builders = _builders()
     if short not in builders:
         raise NotImplementedError(f"no PTX kernel for op {op_name!r} (have {sorted(builders)})")
+    if any(s is not None and numel(s) == 0 for s in arg_shapes):
+        # A size-0 dim gives a zero grid (an invalid launch) or a division by zero in the builders;
+        # refused, the node runs on the CPU.
+        raise NotImplementedError(f"ptx {short}: a size-0 tensor among {list(arg_shapes)}")
     key = (
         short,
         tuple(None if s is None else tuple(s) for s in arg_shapes),
