@@ -150,12 +150,12 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tenso
                               else str(gm.graph)}
     text, _, user_results = emit_module(gm, example_inputs)
     clock.lap("fx_to_mlir")
-    pipeline = run_pipeline(text)
-    for name, ir_text in pipeline.stages:
+    mlir = run_pipeline(text)
+    for name, ir_text in mlir.stages:
         stages[f"mlir_{name}.mlir"] = ir_text
     clock.lap("mlir_passes")
-    with pipeline.context:
-        graph = read_function(pipeline.module)
+    with mlir.context:
+        graph = read_function(mlir.module)
     mutated = _mutated_inputs(graph, len(user_results))
     graph.kernels = _drop_matmul_fills(graph.kernels)
     stages["kernels.txt"] = describe(graph)
