@@ -39,10 +39,12 @@ def ctpu_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], option
     from torch._dynamo.backends.common import aot_autograd
 
     from fx_passes import decomposition_table  # core ATen, with an SDPA rule that keeps what its backward reads
+    from torch_tpu_backend.partition import recompute_partition
 
     opts = CompileOptions.resolve(options)
     compiler = GraphCompiler(opts, make_target(opts))
-    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, decompositions=decomposition_table())
+    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, decompositions=decomposition_table(),
+                           partition_fn=recompute_partition)  # the forward under grad mode lowers as inference
     return backend(gm, example_inputs)
 
 
