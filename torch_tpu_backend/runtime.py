@@ -13,7 +13,7 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,6 +21,9 @@ from device_sim.config import HardwareConfig, get_config
 from device_sim.executable import Executable, launch
 from device_sim.runners import Runner, SimulatorRunner
 from torch_tpu_backend import stats as exec_stats
+
+if TYPE_CHECKING:
+    from torch_tpu_backend.resident import ResidentCopies
 
 TARGETS = ("sim", "rtl", "ptx")
 ALIGN = 256  # bytes; every HBM allocation starts on this boundary (DMA rows stay aligned)
@@ -149,11 +152,15 @@ class CtpuDevice:
     config: HardwareConfig
     simulator: SimulatorRunner = field(init=False)
     allocator: HbmAllocator = field(init=False)
+    resident: ResidentCopies = field(init=False)  # host tensors' HBM copies, kept across launches
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
+        from torch_tpu_backend.resident import ResidentCopies
+
         self.simulator = SimulatorRunner(self.config)
         self.allocator = HbmAllocator(self.config.hbm_bytes)
+        self.resident = ResidentCopies(self.allocator)
 
     @property
     def hbm(self) -> np.ndarray:
@@ -209,6 +216,12 @@ def get_device(config: str | HardwareConfig | None = None) -> CtpuDevice:
         if cfg.name not in _DEVICES:
             _DEVICES[cfg.name] = CtpuDevice(cfg)
         return _DEVICES[cfg.name]
+
+
+def devices() -> list[CtpuDevice]:
+    """The devices made so far (one per configuration used)."""
+    with _DEVICES_LOCK:
+        return list(_DEVICES.values())
 
 
 def to_numpy_bits(array: Any) -> np.ndarray:
