@@ -39,8 +39,10 @@ def ctpu_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], option
     from torch._dynamo.backends.common import aot_autograd
 
     from fx_passes import decomposition_table  # core ATen, with an SDPA rule that keeps what its backward reads
+    from torch_tpu_backend import recompile_watch
     from torch_tpu_backend.partition import recompute_partition
 
+    recompile_watch.install()  # calls dynamo stops handing to this backend get a warning and are counted
     opts = CompileOptions.resolve(options)
     compiler = GraphCompiler(opts, make_target(opts))
     backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, decompositions=decomposition_table(),

@@ -6,6 +6,7 @@
     s = ctpu_stats.last()          # ExecutionStats since the last reset
     s.kernels_launched, s.bundles, s.cycles, s.mxu_busy_cycles, s.dma_bytes, s.fallback_ops
     s.host_bytes_uploaded, s.host_bytes_read_back   # what crossed between host memory and HBM
+    s.uncompiled_calls             # calls dynamo ran eagerly without the backend (recompile limit)
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class ExecutionStats:
     # A user's own .to("ctpu") / .cpu() is not counted.
     host_bytes_uploaded: int = 0
     host_bytes_read_back: int = 0
+    # function -> calls dynamo ran without the backend (recompile limit hit: recompile_watch.py)
+    uncompiled_calls: Counter[str] = field(default_factory=Counter)
 
     @property
     def dma_bytes(self) -> int:
@@ -57,6 +60,7 @@ class ExecutionStats:
             "dma_bytes_loaded": self.dma_bytes_loaded, "dma_bytes_stored": self.dma_bytes_stored,
             "fallback_ops": dict(self.fallback_ops),
             "host_bytes_uploaded": self.host_bytes_uploaded, "host_bytes_read_back": self.host_bytes_read_back,
+            "uncompiled_calls": dict(self.uncompiled_calls),
             "launches": [{"name": r.name, "target": r.target, "cycles": r.stats.cycles} for r in self.launches],
         }
 
@@ -78,7 +82,7 @@ def last() -> ExecutionStats:
         s = _current
         return ExecutionStats(s.kernels_launched, s.bundles, s.cycles, s.mxu_busy_cycles, s.macs,
                               s.dma_bytes_loaded, s.dma_bytes_stored, Counter(s.fallback_ops), list(s.launches),
-                              s.host_bytes_uploaded, s.host_bytes_read_back)
+                              s.host_bytes_uploaded, s.host_bytes_read_back, Counter(s.uncompiled_calls))
 
 
 def record_launch(record: LaunchRecord) -> None:
@@ -111,3 +115,9 @@ def record_host_copies(uploaded: int, read_back: int) -> None:
     with _lock:
         _current.host_bytes_uploaded += uploaded
         _current.host_bytes_read_back += read_back
+
+
+def record_uncompiled_call(where: str) -> None:
+    """A call of a compiled function that dynamo ran eagerly, without the backend (CPU work)."""
+    with _lock:
+        _current.uncompiled_calls[where] += 1

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import torch_tpu_backend.stats as ctpu_stats
-from torch_tpu_backend import runtime
+from torch_tpu_backend import recompile_watch, runtime
 from torch_tpu_backend.llama_demo import tiny_llama
 
 
@@ -24,6 +24,7 @@ def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     torch.set_float32_matmul_precision("highest")
     torch._dynamo.reset()
     ctpu_stats.reset()
+    recompile_watch.reset_warnings()
     torch.manual_seed(0)
     yield
     torch.set_float32_matmul_precision(precision)
@@ -153,3 +154,33 @@ def test_dropout_keeps_its_mask_for_the_backward() -> None:
     kept = y.detach() != 0
     assert 0 < kept.sum() < kept.numel()
     torch.testing.assert_close(x.grad, kept * 2.0 * w)
+
+
+@pytest.mark.parametrize("backend", ["ctpu", "eager"])
+def test_recompile_limit_is_one_warning_and_counted(backend: str) -> None:
+    """Past dynamo's recompile limit a compiled function runs eagerly on the CPU without calling the backend:
+    the user is told once (cause and remedy) and stats count the call; another backend's limit is not ours."""
+    def scaled_sin(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x) * 2
+
+    compiled = torch.compile(scaled_sin, backend=backend, dynamic=False)
+    if backend == "eager":
+        torch.compile(scaled_sin, backend="ctpu")(torch.randn(9))  # the ctpu backend's listener is installed
+        torch._dynamo.reset()
+    launched, uncompiled = [], 0
+    with warnings.catch_warnings(record=True) as caught, torch._dynamo.config.patch(recompile_limit=2):
+        warnings.simplefilter("always")
+        for n in range(1, 6):
+            ctpu_stats.reset()
+            x = torch.randn(n)
+            torch.testing.assert_close(compiled(x), scaled_sin(x))
+            launched.append(ctpu_stats.last().kernels_launched)
+            uncompiled += sum(ctpu_stats.last().uncompiled_calls.values())
+    ours = [str(w.message) for w in caught if "recompile_limit" in str(w.message) and "ctpu" in str(w.message)]
+    if backend == "eager":
+        assert (ours, uncompiled) == ([], 0)
+        return
+    assert launched == [1, 1, 0, 0, 0]
+    assert len(ours) == 1, ours
+    assert "scaled_sin" in ours[0] and 'cache_implementation="static"' in ours[0] and "CPU" in ours[0]
+    assert uncompiled == 1
