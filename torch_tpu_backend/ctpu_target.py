@@ -77,6 +77,7 @@ def launch_executable(exe: Executable, tensors: Sequence[Any], outputs: Sequence
         except runtime.HbmOutOfMemory:
             if not device.resident.evict():  # HBM full: the copies of host tensors are what can go
                 raise
+            device.allocator.uncount_oom()
             return _launch(device, exe, tensors, outputs, target, name)
 
 
@@ -88,15 +89,17 @@ def _launch(device: runtime.CtpuDevice, exe: Executable, tensors: Sequence[Any],
         input_addrs = []
         for spec, tensor in zip(exe.inputs, tensors, strict=True):
             addr = _in_place_address(device, spec, tensor)
-            if addr is None and isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
+            if addr is None and isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and \
+                    not tensor.is_inference():  # inference tensors have no version counter: not kept
                 addr, nbytes = device.resident.address(
                     tensor, (spec.dtype,), lambda s=spec, t=tensor: pack_input(s, runtime.to_numpy_bits(t)),
                     device.hbm)
                 uploaded += nbytes
-            elif addr is None:  # a ctpu tensor the program cannot read in place (a view, another dtype)
+            elif addr is None:  # copied for this launch: a ctpu tensor not readable in place, an inference tensor
                 host = runtime.to_numpy_bits(tensor)
                 bits = pack_input(spec, host)
-                read_back += host.nbytes if isinstance(tensor, torch.Tensor) else 0
+                if isinstance(tensor, torch.Tensor) and tensor.device.type == "ctpu":
+                    read_back += host.nbytes
                 addr = device.allocator.alloc(bits.nbytes)
                 allocations.append(addr)
                 device.hbm[addr : addr + bits.nbytes] = bits

@@ -108,6 +108,12 @@ class HbmAllocator:
         raise HbmOutOfMemory(f"CTPU out of memory: tried to allocate {nbytes} bytes; {self.allocated} bytes "
                              f"allocated of {self.size} HBM bytes, largest free block {largest} bytes")
 
+    def uncount_oom(self) -> None:
+        """The last out-of-memory is being answered by freeing cached HBM and trying again: the retry's
+        outcome counts, not this one (num_ooms counts what callers see)."""
+        with self._lock:
+            self.ooms -= 1
+
     def reset_peak(self) -> None:
         with self._lock:
             self.peak = self.allocated

@@ -184,3 +184,42 @@ def test_recompile_limit_is_one_warning_and_counted(backend: str) -> None:
     assert len(ours) == 1, ours
     assert "scaled_sin" in ours[0] and 'cache_implementation="static"' in ours[0] and "CPU" in ours[0]
     assert uncompiled == 1
+
+
+def test_inference_mode_tensors_are_uploaded_every_call() -> None:
+    """Tensors made under torch.inference_mode() have no version counter (an in-place write would not be
+    seen): they are copied for each launch, never kept."""
+    compiled = torch.compile(lambda x, w: x @ w, backend="ctpu")
+    with torch.inference_mode():
+        x, w = torch.randn(8, 16), torch.randn(16, 8)
+        for _ in range(2):
+            ctpu_stats.reset()
+            torch.testing.assert_close(compiled(x, w), x @ w, rtol=1e-5, atol=1e-5)
+            assert ctpu_stats.last().host_bytes_uploaded == nbytes(x, w)
+            w.mul_(-1)
+    assert runtime.get_device("small").resident.resident_bytes() == 0
+
+
+def test_full_hbm_drops_resident_copies_first() -> None:
+    """Resident copies are a cache: an allocation that finds HBM full frees them before it fails, and the
+    next launch uploads again."""
+    model = mlp()
+    compiled = torch.compile(model, backend="ctpu")
+    x = torch.randn(8, 32)
+    device = runtime.get_device("small")
+    with torch.no_grad():
+        compiled(x)
+        assert device.resident.resident_bytes() == nbytes(x, *model.parameters())
+        ooms = torch.ctpu.memory_stats()["num_ooms"]
+        blocks = []
+        try:
+            with pytest.raises(torch.OutOfMemoryError):
+                while True:
+                    blocks.append(torch.empty(1 << 16, dtype=torch.uint8, device="ctpu"))
+            assert device.resident.resident_bytes() == 0
+            assert torch.ctpu.memory_stats()["num_ooms"] == ooms + 1  # the fill's, once
+        finally:
+            blocks.clear()
+        ctpu_stats.reset()
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+        assert ctpu_stats.last().host_bytes_uploaded == nbytes(x, *model.parameters())

@@ -61,6 +61,7 @@ def _alloc(nbytes: int) -> int:
             device.resident.launch_lock.release()
         if not freed:
             raise
+        device.allocator.uncount_oom()
         offset = device.allocator.alloc(nbytes)
     _counts["num_alloc"] += 1
     return offset
