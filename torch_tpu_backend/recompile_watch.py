@@ -21,6 +21,7 @@ from typing import Any
 from torch_tpu_backend import stats as exec_stats
 
 LOGGER = "torch._dynamo.convert_frame"
+_BACKEND_MODULES = ("torch_tpu_backend.backend_entry", "torch_tpu_backend.dynamo")  # by name: they import us
 _installed = False
 _lock = threading.Lock()
 _warned: set[CodeType] = set()
@@ -83,12 +84,11 @@ def _dynamo_compile_frame(frame: FrameType | None) -> FrameType | None:
 
 def _is_ctpu(compiler_fn: Any) -> bool:
     """Is dynamo's compiler function (possibly wrapped) the ctpu backend?"""
-    from torch_tpu_backend import backend_entry, dynamo
-
     seen = 0
     fn = compiler_fn
     while fn is not None and seen < 16:  # wrappers: _TorchCompileWrapper, partials, dynamo's backend wrappers
-        if fn in (backend_entry.ctpu_backend, dynamo.ctpu_backend) or getattr(fn, "compiler_name", None) == "ctpu":
+        if getattr(fn, "compiler_name", None) == "ctpu" or (getattr(fn, "__name__", None) == "ctpu_backend" and
+                getattr(fn, "__module__", None) in _BACKEND_MODULES):
             return True
         fn = getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None) or \
             getattr(fn, "func", None)

@@ -17,13 +17,18 @@ import threading
 import weakref
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from torch_tpu_backend.runtime import HbmAllocator
+
+class HbmAllocator(Protocol):
+    """What the copies need of runtime.HbmAllocator (not imported: the runtime imports this module)."""
+
+    def alloc(self, nbytes: int) -> int: ...
+
+    def release(self, addr: int) -> None: ...
 
 
 @dataclass

@@ -13,7 +13,7 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -21,9 +21,7 @@ from device_sim.config import HardwareConfig, get_config
 from device_sim.executable import Executable, launch
 from device_sim.runners import Runner, SimulatorRunner
 from torch_tpu_backend import stats as exec_stats
-
-if TYPE_CHECKING:
-    from torch_tpu_backend.resident import ResidentCopies
+from torch_tpu_backend.resident import ResidentCopies
 
 TARGETS = ("sim", "rtl", "ptx")
 ALIGN = 256  # bytes; every HBM allocation starts on this boundary (DMA rows stay aligned)
@@ -162,8 +160,6 @@ class CtpuDevice:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
-        from torch_tpu_backend.resident import ResidentCopies
-
         self.simulator = SimulatorRunner(self.config)
         self.allocator = HbmAllocator(self.config.hbm_bytes)
         self.resident = ResidentCopies(self.allocator)
