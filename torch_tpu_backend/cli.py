@@ -10,6 +10,12 @@
                                          then the tiny Llama compiled with backend="ctpu", checked vs eager
     ctpu llama [--target sim] [--dtype float32|bfloat16] [--layers 2] [--hidden 64] [--vocab 128] [--tokens 8]
                                          a Llama (random weights) compiled with backend="ctpu", checked vs eager
+    ctpu generate [--model DIR] [--prompt-ids 1,2,3 | --prompt TEXT] [--max-new-tokens 8] [--batch N]
+                  [--dtype float32|bfloat16] [--config small|large] [--target sim|rtl] [--check] [--json]
+                                         greedy generation with a Llama (default: the tiny random one; DIR: a
+                                         local Hugging Face checkpoint), forward compiled with backend="ctpu" and
+                                         a static KV cache; streams tokens, then prefill / decode figures
+                                         (--check: exit 1 unless the tokens are eager PyTorch's)
     ctpu bench [--models-only]           benchmarks (JSON): compiled GEMM utilization vs the hand-written one,
                                          bundles / cycles / ops per bundle per graph, whole models (Llama)
     ctpu isa                             the instruction table, as markdown
@@ -91,6 +97,26 @@ def _cmd_llama(args: argparse.Namespace) -> int:
     return 0 if result["passed"] else 1
 
 
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from torch_tpu_backend import generate
+
+    hf_logging.disable_progress_bar()  # stderr carries one bar (generation's) or the one-line error
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    result = generate.run(model_dir=args.model, prompt_ids=args.prompt_ids, prompts=args.prompt,
+                          max_new_tokens=args.max_new_tokens, dtype=getattr(torch, args.dtype), config=args.config,
+                          target=args.target, batch=args.batch, check=args.check,
+                          write=None if args.json else write)
+    print(json.dumps(result, indent=2) if args.json else generate.summary(result))
+    return 1 if result["check"] is not None and not result["check"]["passed"] else 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from codegen import bench
     from torch_tpu_backend import model_bench
@@ -156,6 +182,24 @@ def build_parser() -> argparse.ArgumentParser:
     ll.add_argument("--json", action="store_true")
     ll.set_defaults(fn=_cmd_llama)
 
+    g = sub.add_parser("generate", help="greedy generation with a Llama compiled with backend='ctpu' (static KV "
+                       "cache), tokens streamed, then prefill / decode cycles per token, tokens/s, host bytes")
+    g.add_argument("--model", metavar="DIR", help="a local Hugging Face checkpoint (config.json + safetensors); "
+                   "default: the tiny random-weight Llama. Nothing is downloaded")
+    g.add_argument("--prompt-ids", type=_token_ids, action="append", metavar="1,2,3",
+                   help="a prompt as token ids (repeat for several prompts)")
+    g.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt as text (needs the checkpoint's "
+                   "tokenizer; repeat for several prompts)")
+    g.add_argument("--max-new-tokens", type=_positive, default=8)
+    g.add_argument("--batch", type=_positive, default=1, help="rows, cycling through the prompts; rows of "
+                   "different lengths are left-padded")
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    g.add_argument("--config", choices=["small", "large"], default="small")
+    g.add_argument("--target", choices=["sim", "rtl"], default="sim")
+    g.add_argument("--check", action="store_true", help="compare the tokens with eager PyTorch's (exit 1 if not equal)")
+    g.add_argument("--json", action="store_true", help="print the tokens and figures as JSON (no streaming)")
+    g.set_defaults(fn=_cmd_generate)
+
     b = sub.add_parser("bench", help="compiler benchmarks, printed as JSON: the compiled GEMM's MXU utilization "
                        "against the hand-written one, small graphs, pipelining, whole models through torch.compile")
     b.add_argument("--size", type=int, default=512, help="GEMM size (cubed)")
@@ -174,6 +218,16 @@ def _positive(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text} is not a positive number")
     return value
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("an empty prompt")
+    return ids
 
 
 def _bad_input(err: Exception) -> bool:

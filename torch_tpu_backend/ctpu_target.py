@@ -18,6 +18,7 @@ import torch.fx
 from device_sim import numerics
 from device_sim.executable import ArgSpec, Executable, OutputView, pack_input, read_output
 from torch_tpu_backend import cache, runtime
+from torch_tpu_backend import stats as exec_stats
 from torch_tpu_backend.dump import GraphDump
 from torch_tpu_backend.options import CompileOptions
 from torch_tpu_backend.target import OutputSpec
@@ -65,21 +66,45 @@ class CtpuTarget:
 def launch_executable(exe: Executable, tensors: Sequence[Any], outputs: Sequence[OutputSpec], target: str,
                       name: str) -> list[torch.Tensor]:
     """Launch on the device of the executable's configuration. ctpu tensors already in its HBM are read in
-    place (their addresses go in the argument table); other inputs are copied into HBM for the launch. The
-    arena lives for the launch. Each output is made as `outputs` says (a ctpu tensor written in HBM, or a
-    CPU tensor)."""
+    place (their addresses go in the argument table); CPU tensors are read from their resident HBM copies
+    (torch_tpu_backend.resident: uploaded when new or updated in place, so a CPU model's weights cross once);
+    anything else is copied into HBM for this launch. The arena lives for the launch. Each output is made as
+    `outputs` says (a ctpu tensor written in HBM, or a CPU tensor). Host <-> HBM bytes go to the statistics."""
     device = runtime.get_device(exe.config)
+    with device.resident.launch_lock:  # no other launch evicts the copies this one reads
+        try:
+            return _launch(device, exe, tensors, outputs, target, name)
+        except runtime.HbmOutOfMemory:
+            if not device.resident.evict():  # HBM full: the copies of host tensors are what can go
+                raise
+            device.allocator.uncount_oom()
+            return _launch(device, exe, tensors, outputs, target, name)
+
+
+def _launch(device: runtime.CtpuDevice, exe: Executable, tensors: Sequence[Any], outputs: Sequence[OutputSpec],
+            target: str, name: str) -> list[torch.Tensor]:
     allocations: list[int] = []
+    uploaded = read_back = 0
     try:
         input_addrs, staged = [], set()
         for i, (spec, tensor) in enumerate(zip(exe.inputs, tensors, strict=True)):
             addr = _in_place_address(device, spec, tensor)
-            if addr is None:
-                bits = pack_input(spec, runtime.to_numpy_bits(tensor))
+            if addr is None and isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and \
+                    not tensor.is_inference():  # inference tensors have no version counter: not kept
+                addr, nbytes = device.resident.address(
+                    tensor, (spec.dtype,), lambda s=spec, t=tensor: pack_input(s, runtime.to_numpy_bits(t)),
+                    device.hbm)
+                uploaded += nbytes
+            elif addr is None:  # copied for this launch: a ctpu tensor not readable in place, an inference tensor
+                host = runtime.to_numpy_bits(tensor)
+                bits = pack_input(spec, host)
+                if isinstance(tensor, torch.Tensor) and tensor.device.type == "ctpu":
+                    read_back += host.nbytes
                 addr = device.allocator.alloc(bits.nbytes)
                 allocations.append(addr)
                 staged.add(i)
                 device.hbm[addr : addr + bits.nbytes] = bits
+                uploaded += bits.nbytes
             input_addrs.append(addr)
         arena = device.allocator.alloc(max(exe.arena_bytes, 1))
         allocations.append(arena)
@@ -90,8 +115,15 @@ def launch_executable(exe: Executable, tensors: Sequence[Any], outputs: Sequence
     finally:
         for addr in allocations:
             device.allocator.release(addr)
-    return [_device_tensor(device, a, o.dtype) if o.device.type == "ctpu" else torch.from_numpy(a).to(o.dtype)
-            for a, o in zip(arrays, outputs, strict=True)]
+    results = []
+    for a, o in zip(arrays, outputs, strict=True):
+        if o.device.type == "ctpu":
+            results.append(_device_tensor(device, a, o.dtype))
+        else:
+            results.append(torch.from_numpy(a).to(o.dtype))
+            read_back += a.nbytes
+    exec_stats.record_host_copies(uploaded, read_back)
+    return results
 
 
 def _copy_back(device: runtime.CtpuDevice, spec: ArgSpec, addr: int, tensor: torch.Tensor) -> None:

@@ -39,14 +39,18 @@ def ctpu_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], option
     from torch._dynamo.backends.common import aot_autograd
 
     from fx_passes import decomposition_table  # core ATen, with an SDPA rule that keeps what its backward reads
+    from torch_tpu_backend import recompile_watch
+    from torch_tpu_backend.partition import recompute_partition
 
+    recompile_watch.install()  # calls dynamo stops handing to this backend get a warning and are counted
     opts = CompileOptions.resolve(options)
     compiler = GraphCompiler(opts, make_target(opts))
     # keep_inference_input_mutations: an inference graph writes its mutated inputs itself (trailing
     # `copy_(input, value)` nodes, a KV cache update in place), instead of returning the whole new value
-    # for AOT's wrapper to copy back on the CPU every call
+    # for AOT's wrapper to copy back on the CPU every call. recompute_partition: the forward under grad
+    # mode saves only its inputs, so it lowers as the inference graph does.
     backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, decompositions=decomposition_table(),
-                           keep_inference_input_mutations=True)
+                           keep_inference_input_mutations=True, partition_fn=recompute_partition)
     return backend(gm, example_inputs)
 
 

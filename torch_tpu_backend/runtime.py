@@ -21,6 +21,7 @@ from device_sim.config import HardwareConfig, get_config
 from device_sim.executable import Executable, launch
 from device_sim.runners import Runner, SimulatorRunner
 from torch_tpu_backend import stats as exec_stats
+from torch_tpu_backend.resident import ResidentCopies
 
 TARGETS = ("sim", "rtl", "ptx")
 ALIGN = 256  # bytes; every HBM allocation starts on this boundary (DMA rows stay aligned)
@@ -105,6 +106,12 @@ class HbmAllocator:
         raise HbmOutOfMemory(f"CTPU out of memory: tried to allocate {nbytes} bytes; {self.allocated} bytes "
                              f"allocated of {self.size} HBM bytes, largest free block {largest} bytes")
 
+    def uncount_oom(self) -> None:
+        """The last out-of-memory is being answered by freeing cached HBM and trying again: the retry's
+        outcome counts, not this one (num_ooms counts what callers see)."""
+        with self._lock:
+            self.ooms -= 1
+
     def reset_peak(self) -> None:
         with self._lock:
             self.peak = self.allocated
@@ -149,11 +156,13 @@ class CtpuDevice:
     config: HardwareConfig
     simulator: SimulatorRunner = field(init=False)
     allocator: HbmAllocator = field(init=False)
+    resident: ResidentCopies = field(init=False)  # host tensors' HBM copies, kept across launches
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.simulator = SimulatorRunner(self.config)
         self.allocator = HbmAllocator(self.config.hbm_bytes)
+        self.resident = ResidentCopies(self.allocator)
 
     @property
     def hbm(self) -> np.ndarray:
@@ -209,6 +218,12 @@ def get_device(config: str | HardwareConfig | None = None) -> CtpuDevice:
         if cfg.name not in _DEVICES:
             _DEVICES[cfg.name] = CtpuDevice(cfg)
         return _DEVICES[cfg.name]
+
+
+def devices() -> list[CtpuDevice]:
+    """The devices made so far (one per configuration used)."""
+    with _DEVICES_LOCK:
+        return list(_DEVICES.values())
 
 
 def to_numpy_bits(array: Any) -> np.ndarray:

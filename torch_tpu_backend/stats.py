@@ -5,6 +5,8 @@
     model(x)                       # compiled with backend="ctpu", or eager ops on ctpu tensors
     s = ctpu_stats.last()          # ExecutionStats since the last reset
     s.kernels_launched, s.bundles, s.cycles, s.mxu_busy_cycles, s.dma_bytes, s.fallback_ops
+    s.host_bytes_uploaded, s.host_bytes_read_back   # what crossed between host memory and HBM
+    s.uncompiled_calls             # calls dynamo ran eagerly without the backend (recompile limit)
 """
 
 from __future__ import annotations
@@ -35,6 +37,13 @@ class ExecutionStats:
     dma_bytes_stored: int = 0
     fallback_ops: Counter[str] = field(default_factory=Counter)  # op name -> times it ran on CPU
     launches: list[LaunchRecord] = field(default_factory=list)
+    # Host memory -> HBM and back, as the runtime copies them: a launch's CPU inputs (a resident copy only
+    # when new or updated in place), its CPU outputs, the ctpu storages an eager CPU fallback reads and writes.
+    # A user's own .to("ctpu") / .cpu() is not counted.
+    host_bytes_uploaded: int = 0
+    host_bytes_read_back: int = 0
+    # function -> calls dynamo ran without the backend (recompile limit hit: recompile_watch.py)
+    uncompiled_calls: Counter[str] = field(default_factory=Counter)
 
     @property
     def dma_bytes(self) -> int:
@@ -50,6 +59,8 @@ class ExecutionStats:
             "mxu_busy_cycles": self.mxu_busy_cycles, "mxu_utilization": self.mxu_utilization, "macs": self.macs,
             "dma_bytes_loaded": self.dma_bytes_loaded, "dma_bytes_stored": self.dma_bytes_stored,
             "fallback_ops": dict(self.fallback_ops),
+            "host_bytes_uploaded": self.host_bytes_uploaded, "host_bytes_read_back": self.host_bytes_read_back,
+            "uncompiled_calls": dict(self.uncompiled_calls),
             "launches": [{"name": r.name, "target": r.target, "cycles": r.stats.cycles} for r in self.launches],
         }
 
@@ -70,7 +81,8 @@ def last() -> ExecutionStats:
     with _lock:
         s = _current
         return ExecutionStats(s.kernels_launched, s.bundles, s.cycles, s.mxu_busy_cycles, s.macs,
-                              s.dma_bytes_loaded, s.dma_bytes_stored, Counter(s.fallback_ops), list(s.launches))
+                              s.dma_bytes_loaded, s.dma_bytes_stored, Counter(s.fallback_ops), list(s.launches),
+                              s.host_bytes_uploaded, s.host_bytes_read_back, Counter(s.uncompiled_calls))
 
 
 def record_launch(record: LaunchRecord) -> None:
@@ -96,3 +108,16 @@ def record_kernel_launch(count: int = 1) -> None:
     """A launch that has no CTPU statistics (a PTX kernel on a GPU)."""
     with _lock:
         _current.kernels_launched += count
+
+
+def record_host_copies(uploaded: int, read_back: int) -> None:
+    """Bytes copied from host memory into HBM and from HBM back to host memory."""
+    with _lock:
+        _current.host_bytes_uploaded += uploaded
+        _current.host_bytes_read_back += read_back
+
+
+def record_uncompiled_call(where: str) -> None:
+    """A call of a compiled function that dynamo ran eagerly, without the backend (CPU work)."""
+    with _lock:
+        _current.uncompiled_calls[where] += 1

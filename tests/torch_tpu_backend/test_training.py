@@ -120,7 +120,9 @@ def test_backward_with_ctpu_and_cpu_segments() -> None:
         got = run(torch.compile(fn, backend="ctpu"))
     assert_grads_close(got, want, ["x", "linear_1", "linear_2"])
     stats = ctpu_stats.last()
-    assert stats.kernels_launched == 4, stats.as_dict()  # two segments in each graph
+    # two segments in the forward; the backward recomputes the first (the forward saves only its inputs,
+    # torch_tpu_backend.partition), then runs two around its CPU ops
+    assert stats.kernels_launched == 5, stats.as_dict()
     assert set(stats.fallback_ops) == {"aten.cumsum.default", "aten.flip.default"}, stats.fallback_ops
 
 

@@ -78,6 +78,7 @@ class _HostMirror:
         host = self.host_of.get(dev_storage._cdata)
         if host is None:
             host = _uint8_view(dev_storage, t.device).cpu().untyped_storage()
+            stats.record_host_copies(0, host.nbytes())
             self.host_of[dev_storage._cdata] = host
             self.device_of[host._cdata] = dev_storage
         h = torch.empty(0, dtype=t.dtype).set_(host, t.storage_offset(), t.size(), t.stride())
@@ -89,6 +90,7 @@ class _HostMirror:
         if dev_storage is None:  # a new result: its whole host storage moves to HBM, layout kept
             dev_bytes = torch.empty(host.nbytes(), dtype=torch.uint8, device=self.device)
             dev_bytes.copy_(_uint8_view(host, torch.device("cpu")))
+            stats.record_host_copies(host.nbytes(), 0)
             dev_storage = dev_bytes.untyped_storage()
             self.device_of[host._cdata] = dev_storage
         d = torch.empty(0, dtype=h.dtype, device=self.device).set_(dev_storage, h.storage_offset(), h.size(),
@@ -104,6 +106,7 @@ class _HostMirror:
                 dev_storage.resize_(host.nbytes())
             if host.nbytes():
                 _uint8_view(dev_storage, t.device).copy_(_uint8_view(host, torch.device("cpu")))
+                stats.record_host_copies(host.nbytes(), 0)
         if (h.size(), h.stride(), h.storage_offset()) != (t.size(), t.stride(), t.storage_offset()):
             t.set_(dev_storage, h.storage_offset(), h.size(), h.stride())
 

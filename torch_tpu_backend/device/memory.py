@@ -45,7 +45,24 @@ def hbm_address(tensor: torch.Tensor) -> int:
 def _alloc(nbytes: int) -> int:
     """Called by the C++ allocator (GIL held): an HBM offset for `nbytes`, or runtime.HbmOutOfMemory (a
     torch.OutOfMemoryError)."""
-    offset = hbm_device().allocator.alloc(nbytes)
+    device = hbm_device()
+    try:
+        offset = device.allocator.alloc(nbytes)
+    except Exception as err:
+        from torch_tpu_backend.runtime import HbmOutOfMemory
+
+        # HBM full: the copies compiled launches keep of CPU tensors can go, unless a launch on another
+        # thread is reading them (never wait for it here: this runs inside the C++ allocator)
+        if not isinstance(err, HbmOutOfMemory) or not device.resident.launch_lock.acquire(blocking=False):
+            raise
+        try:
+            freed = device.resident.evict()
+        finally:
+            device.resident.launch_lock.release()
+        if not freed:
+            raise
+        device.allocator.uncount_oom()
+        offset = device.allocator.alloc(nbytes)
     _counts["num_alloc"] += 1
     return offset
 
@@ -105,4 +122,10 @@ def memory_stats(device: DeviceLike = None) -> dict[str, Any]:
 
 
 def empty_cache() -> None:
-    """Nothing to do: freed HBM goes straight back to the allocator (there is no cache)."""
+    """Drop the HBM copies compiled launches keep of CPU tensors (a CPU model's weights: uploaded again on
+    the next call). Freed ctpu tensors need nothing: their HBM goes straight back to the allocator."""
+    from torch_tpu_backend import runtime
+
+    for device in runtime.devices():
+        with device.resident.launch_lock:
+            device.resident.evict()
