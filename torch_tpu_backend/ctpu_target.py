@@ -86,7 +86,7 @@ def _launch(device: runtime.CtpuDevice, exe: Executable, tensors: Sequence[Any],
     allocations: list[int] = []
     uploaded = read_back = 0
     try:
-        input_addrs, staged = [], set()
+        input_addrs, staged, resident = [], set(), set()
         for i, (spec, tensor) in enumerate(zip(exe.inputs, tensors, strict=True)):
             addr = _in_place_address(device, spec, tensor)
             if addr is None and isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and \
@@ -94,6 +94,7 @@ def _launch(device: runtime.CtpuDevice, exe: Executable, tensors: Sequence[Any],
                 addr, nbytes = device.resident.address(
                     tensor, (spec.dtype,), lambda s=spec, t=tensor: pack_input(s, runtime.to_numpy_bits(t)),
                     device.hbm)
+                resident.add(i)
                 uploaded += nbytes
             elif addr is None:  # copied for this launch: a ctpu tensor not readable in place, an inference tensor
                 host = runtime.to_numpy_bits(tensor)
@@ -109,9 +110,13 @@ def _launch(device: runtime.CtpuDevice, exe: Executable, tensors: Sequence[Any],
         arena = device.allocator.alloc(max(exe.arena_bytes, 1))
         allocations.append(arena)
         arrays = device.launch(exe, input_addrs, arena, target=target, name=name)
-        for i in getattr(exe, "mutated_inputs", ()):  # an input the program wrote in a staged copy: copy it back
-            if i in staged:
+        # The program wrote a CPU input's HBM copy in place: the host tensor gets the new values too. (AOT then
+        # moves its version counter, so the next launch uploads it again: a CPU KV cache crosses every step;
+        # a cache on ctpu is written where it lives.)
+        for i in exe.mutated_inputs:
+            if i in staged or i in resident:
                 _copy_back(device, exe.inputs[i], input_addrs[i], tensors[i])
+                read_back += exe.inputs[i].nbytes
     finally:
         for addr in allocations:
             device.allocator.release(addr)

@@ -223,3 +223,30 @@ def test_full_hbm_drops_resident_copies_first() -> None:
         ctpu_stats.reset()
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
         assert ctpu_stats.last().host_bytes_uploaded == nbytes(x, *model.parameters())
+
+
+def test_cpu_buffer_mutated_in_place_reaches_the_host() -> None:
+    """A compiled step writes rows of a CPU cache buffer in place (a KV cache update): the host tensor gets
+    the new rows every call (its resident HBM copy was written, not a staged one) and the next call reads them."""
+
+    class Step(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("cache", torch.zeros(6, 8))
+
+        def forward(self, pos: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+            self.cache.index_copy_(0, pos, row)
+            return self.cache.sum(-1)
+
+    step, eager = Step(), Step()
+    compiled = torch.compile(step, backend="ctpu")
+    with torch.no_grad():
+        for t in range(4):
+            pos, row = torch.tensor([t]), torch.randn(1, 8)
+            ctpu_stats.reset()
+            out = compiled(pos, row)
+            torch.testing.assert_close(out, eager(pos, row))
+            torch.testing.assert_close(step.cache, eager.cache)
+            s = ctpu_stats.last()
+            assert s.fallback_ops == {} and s.kernels_launched == 1, s.as_dict()
+            assert s.host_bytes_read_back == nbytes(out, step.cache), s.as_dict()
