@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,16 +23,7 @@ import torch.nn.functional as F
 import torch_tpu_backend.stats as ctpu_stats
 from fx_passes import CtpuFallbackWarning
 
-
-@pytest.fixture(autouse=True)
-def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    monkeypatch.setenv("CTPU_CACHE_DIR", str(tmp_path / "cache"))
-    precision = torch.get_float32_matmul_precision()
-    torch._dynamo.reset()
-    ctpu_stats.reset()
-    torch.manual_seed(0)
-    yield
-    torch.set_float32_matmul_precision(precision)
+pytestmark = pytest.mark.usefixtures("fresh_compile")
 
 
 def run_one_kernel(fn: Callable[..., Any], *args: Any, rtol: float, atol: float,

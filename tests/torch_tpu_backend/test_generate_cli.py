@@ -5,26 +5,16 @@ line and exit 2."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-import torch_tpu_backend.stats as ctpu_stats
 from torch_tpu_backend import cli
 
-
 @pytest.fixture(autouse=True)
-def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    monkeypatch.setenv("CTPU_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    precision = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    torch._dynamo.reset()
-    ctpu_stats.reset()
-    yield
-    torch.set_float32_matmul_precision(precision)
+def highest(fresh_compile: None) -> None:
+    torch.set_float32_matmul_precision("highest")  # fresh_compile restores it
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ from __future__ import annotations
 import gc
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,18 +15,11 @@ import torch_tpu_backend.stats as ctpu_stats
 from torch_tpu_backend import recompile_watch, runtime
 from torch_tpu_backend.llama_demo import tiny_llama
 
-
 @pytest.fixture(autouse=True)
-def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    monkeypatch.setenv("CTPU_CACHE_DIR", str(tmp_path / "cache"))
-    precision = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    torch._dynamo.reset()
-    ctpu_stats.reset()
+def fresh(fresh_compile: None) -> Iterator[None]:
+    torch.set_float32_matmul_precision("highest")  # fresh_compile restores it
     recompile_watch.reset_warnings()
-    torch.manual_seed(0)
     yield
-    torch.set_float32_matmul_precision(precision)
     torch.ctpu.empty_cache()
 
 

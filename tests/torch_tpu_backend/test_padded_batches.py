@@ -8,9 +8,6 @@ the whole padded row with SDPA).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,16 +15,9 @@ import torch.nn.functional as F
 import torch_tpu_backend.stats as ctpu_stats
 from torch_tpu_backend.llama_demo import TOLERANCE, tiny_llama
 
-
 @pytest.fixture(autouse=True)
-def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    monkeypatch.setenv("CTPU_CACHE_DIR", str(tmp_path / "cache"))
-    precision = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    torch._dynamo.reset()
-    ctpu_stats.reset()
-    yield
-    torch.set_float32_matmul_precision(precision)
+def highest(fresh_compile: None) -> None:
+    torch.set_float32_matmul_precision("highest")  # fresh_compile restores it
 
 
 def left_padded(batch: int, length: int = 6) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,8 +10,7 @@ kernel, ops without a CTPU lowering); that path has to be as correct as the CTPU
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -24,15 +23,8 @@ SDPA_BACKWARD = "aten._scaled_dot_product_flash_attention_for_cpu_backward.defau
 
 
 @pytest.fixture(autouse=True)
-def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    monkeypatch.setenv("CTPU_CACHE_DIR", str(tmp_path / "cache"))
-    precision = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    torch._dynamo.reset()
-    ctpu_stats.reset()
-    torch.manual_seed(0)
-    yield
-    torch.set_float32_matmul_precision(precision)
+def highest(fresh_compile: None) -> None:
+    torch.set_float32_matmul_precision("highest")  # fresh_compile restores it
 
 
 def assert_grads_close(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], names: Sequence[str]) -> None:
