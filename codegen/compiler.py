@@ -24,7 +24,6 @@ import torch
 import torch.fx
 
 from codegen import isel_scalar_ops  # noqa: F401  (registers the extra body-op lowerings)
-from codegen.backend import MachineCode, compile_functions
 from codegen.builder import Builder
 from codegen.errors import CapacityError
 from codegen.fx_ops import emit_module
@@ -32,7 +31,7 @@ from codegen.isel_common import SPILL_ROWS, KernelContext, Region, table_rows
 from codegen.isel_gather import lower_gather, lower_iota, lower_scatter
 from codegen.isel_matmul import lower_matmul
 from codegen.isel_vector import lower_fill, lower_generic
-from codegen.kernels import (
+from codegen.kernel_graph import (
     FillKernel,
     GatherKernel,
     GenericKernel,
@@ -46,6 +45,7 @@ from codegen.kernels import (
     describe,
     read_function,
 )
+from codegen.machine_code import MachineCode, compile_functions
 from codegen.mir import Function, Reg
 from codegen.mlir_pipeline import run_pipeline
 from device_sim.config import HardwareConfig, get_config

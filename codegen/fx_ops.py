@@ -797,7 +797,7 @@ def emit_module(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]
                     raise UnsupportedOp(f"output {o}: not a tensor")
                 results.append(v)
         elif node.op != "placeholder":
-            raise UnsupportedOp(f"FX node {node.name}: op kind {node.op} (call_module: lower FusedKernel "
+            raise UnsupportedOp(f"FX node {node.name}: op kind {node.op} (call_module: lower FusedGroup "
                                 f"submodules by inlining them first)")
     # the mutated inputs' new values are returned after the outputs: bufferized, each is its input's buffer
     return e.module(args, [*results, *(v for _, v in e.mutations)]), args, results

@@ -51,7 +51,7 @@ class TValue:
         return f"tensor<{dims}x{self.dtype}>" if self.shape else f"tensor<{self.dtype}>"
 
 
-Operand = TValue | float
+ValueOrScalar = TValue | float
 Body = Callable[[list[str], "BodyWriter"], str]
 
 
@@ -190,7 +190,7 @@ class MlirEmitter:
         self.lines.append(f"}} -> {out.type}")
         return out
 
-    def elementwise(self, operands: Sequence[Operand], fn: Callable[[list[str], BodyWriter], str],
+    def elementwise(self, operands: Sequence[ValueOrScalar], fn: Callable[[list[str], BodyWriter], str],
                     dtype: str | None = None, shape: tuple[int, ...] | None = None, result: str = "f32",
                     keep_bool: bool = False) -> TValue:
         """Broadcasting elementwise op; float operands become constants in the body.

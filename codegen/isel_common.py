@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from codegen.builder import Builder
 from codegen.errors import CapacityError
-from codegen.kernels import ESIZE, View
+from codegen.kernel_graph import ESIZE, View
 from codegen.mir import ZERO, Mem, MInstr, Reg
 from codegen.regalloc import SPILL_SLOTS
 from device_sim.config import HardwareConfig

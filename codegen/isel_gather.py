@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 
 from codegen.isel_common import KernelContext
-from codegen.kernels import ESIZE, GatherKernel, IotaKernel, LoweringError, ScatterKernel
+from codegen.kernel_graph import ESIZE, GatherKernel, IotaKernel, LoweringError, ScatterKernel
 
 F_IDS, F_ROWS, F_OUT = 0, 1, 2
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from codegen.isel_common import KernelContext, Region, chunk_loop, row_mem
-from codegen.kernels import LoweringError, MatmulKernel, View
+from codegen.kernel_graph import LoweringError, MatmulKernel, View
 from codegen.mir import ZERO, Reg
 
 PASSES = {  # (part of A, part of B), accumulated in this order (small terms first)

@@ -30,7 +30,7 @@ import numpy as np
 
 from codegen.builder import Builder
 from codegen.isel_common import KernelContext, Region, chunk_loop, row_mem
-from codegen.kernels import ESIZE, FillKernel, GenericKernel, LoweringError, Operand, ScalarProgram, View
+from codegen.kernel_graph import ESIZE, Access, FillKernel, GenericKernel, LoweringError, ScalarProgram, View
 from codegen.math_seqs import vdivide, vexp, vrecip, vrsqrt, vsqrt, vtanh
 from codegen.mir import Reg
 
@@ -62,7 +62,7 @@ class Stream:
 
 def lower_fill(ctx: KernelContext, k: FillKernel) -> None:
     body = ScalarProgram(["%out"], [], ["%c"], {"%c": k.value})
-    gk = GenericKernel(k.output.shape or (1,), False, [], Operand(k.output, k.output.strides or (0,)), body)
+    gk = GenericKernel(k.output.shape or (1,), False, [], Access(k.output, k.output.strides or (0,)), body)
     lower_generic(ctx, gk)
 
 

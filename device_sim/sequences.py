@@ -6,7 +6,7 @@ CTPU vector mnemonic over named values), built with a `SeqBuilder`. The same lis
 
 - evaluated op by op in numpy (`evaluate`), which is the bit-exact reference model: every step is one
   fp32 RNE op or one int32 op, no FMA, exactly as `device_sim/semantics.py` defines the instruction;
-- emitted as assembly by the programs' generator (`device_sim/programs/kernels.py`) and, later, by the
+- emitted as assembly by the programs' generator (`device_sim/programs/row_programs.py`) and, later, by the
   compiler, so a program is bit-exact against its model by construction.
 
 Values are fp32/int32 bit patterns; arrays are shaped [..., 8, N] (sublanes x lanes) whenever a

@@ -9,7 +9,7 @@ torch only; nothing of codegen, device_sim or torch_tpu_backend. See docs/fx_pas
 from . import ops
 from .decompositions import decomposition_table
 from .errors import CtpuDynamicShapeError, CtpuFallbackWarning, CtpuPassError
-from .fuse import FusedKernel, fuse_elementwise, inline_fused_kernels
+from .fuse import FusedGroup, fuse_elementwise, inline_fused_kernels
 from .groups import FusionGroup, fusion_groups
 from .normalize import normalize
 from .partition import Partition, Segment, fallback_reason, fallback_summary, partition
@@ -21,7 +21,7 @@ __all__ = [
     "CtpuDynamicShapeError",
     "CtpuFallbackWarning",
     "CtpuPassError",
-    "FusedKernel",
+    "FusedGroup",
     "FusionGroup",
     "Partition",
     "PassReport",

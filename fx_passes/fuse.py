@@ -1,8 +1,8 @@
-"""Generic fusion: maximal groups of elementwise ops and reductions become `FusedKernel` call_modules.
+"""Generic fusion: maximal groups of elementwise ops and reductions become `FusedGroup` call_modules.
 
 Before: a graph after pattern fusion. After: every group of at least two fusible nodes (op_sets.py
 ELEMENTWISE and REDUCTIONS with one tensor output; `_to_copy` only when it converts the dtype alone) is
-one call_module node whose target is a `FusedKernel` holding the group as a sub-GraphModule of core-ATen
+one call_module node whose target is a `FusedGroup` holding the group as a sub-GraphModule of core-ATen
 nodes.
 
 Groups grow from a root (a fusible node, visiting consumers first) towards its producers. A producer
@@ -30,7 +30,7 @@ aten = torch.ops.aten
 _MIN_GROUP = 2
 
 
-class FusedKernel(torch.nn.Module):
+class FusedGroup(torch.nn.Module):
     """A fused group of elementwise ops / reductions: `subgraph` (placeholders = the group's inputs, in
     the order of the call_module node's args; one output = the group's value), `kind` ("elementwise"
     or "reduction"). Calling it runs the subgraph, so the fused graph still runs on CPU."""
@@ -112,7 +112,7 @@ def _grow(root: Node, assigned: set[Node]) -> list[Node]:
 
 
 def _outline(gm: GraphModule, members: list[Node], name: str) -> Node:
-    """Replace members (in graph order, last = root) by call_module(name) of a FusedKernel."""
+    """Replace members (in graph order, last = root) by call_module(name) of a FusedGroup."""
     root = members[-1]
     member_set = set(members)
     inputs: list[Node] = []
@@ -130,7 +130,7 @@ def _outline(gm: GraphModule, members: list[Node], name: str) -> Node:
         env[member] = subgraph.node_copy(member, lambda n: env[n])
     subgraph.output(env[root])
     kind = "reduction" if any(m.target in REDUCTIONS for m in members) else "elementwise"
-    gm.add_submodule(name, FusedKernel(kind, GraphModule(torch.nn.Module(), subgraph, class_name=name)))
+    gm.add_submodule(name, FusedGroup(kind, GraphModule(torch.nn.Module(), subgraph, class_name=name)))
     with gm.graph.inserting_before(root):
         call = gm.graph.call_module(name, tuple(inputs))
     call.meta.update(root.meta)
@@ -168,7 +168,7 @@ def fuse_elementwise(gm: GraphModule) -> Counter[str]:
 
 
 def inline_fused_kernels(gm: GraphModule) -> GraphModule:
-    """The inverse of fuse_elementwise: every FusedKernel call_module becomes its core-ATen nodes again.
+    """The inverse of fuse_elementwise: every FusedGroup call_module becomes its core-ATen nodes again.
 
     For back ends that fuse by themselves (the CTPU's MLIR pipeline). Node meta (fake values) is kept, and
     constants the subgraphs read (get_attr) move to gm under fresh names. gm is changed in place.
@@ -176,7 +176,7 @@ def inline_fused_kernels(gm: GraphModule) -> GraphModule:
     graph = gm.graph
     changed = False
     for node in list(graph.nodes):
-        if node.op != "call_module" or not isinstance(kernel := gm.get_submodule(node.target), FusedKernel):
+        if node.op != "call_module" or not isinstance(kernel := gm.get_submodule(node.target), FusedGroup):
             continue
         inner = kernel.subgraph
         env: dict[Node, object] = dict(zip(kernel.inputs, node.args, strict=True))

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from .fuse import FusedKernel
+from .fuse import FusedGroup
 from .ops import is_ctpu_op
 
 
@@ -16,12 +16,12 @@ from .ops import is_ctpu_op
 class FusionGroup:
     """One fused node.
 
-    kind: the ctpu op name ("rms_norm", "attention", ...) or the FusedKernel kind ("elementwise",
+    kind: the ctpu op name ("rms_norm", "attention", ...) or the FusedGroup kind ("elementwise",
     "reduction"). inputs: the tensor operands, in schema order for ctpu ops (None for an absent
-    optional tensor such as a missing bias) and in call order for FusedKernels. outputs: the nodes
+    optional tensor such as a missing bias) and in call order for FusedGroups. outputs: the nodes
     that carry the group's results (the fused node itself). attrs: the non-tensor arguments of a ctpu
-    op by schema name (eps, act, causal, scale, dim), or {"target": submodule name} for a FusedKernel.
-    subgraph: the FusedKernel's core-ATen sub-GraphModule; None for ctpu ops.
+    op by schema name (eps, act, causal, scale, dim), or {"target": submodule name} for a FusedGroup.
+    subgraph: the FusedGroup's core-ATen sub-GraphModule; None for ctpu ops.
     """
 
     kind: str
@@ -55,14 +55,14 @@ def _ctpu_group(node: Node) -> FusionGroup:
 
 
 def fusion_groups(gm: GraphModule) -> list[FusionGroup]:
-    """Every ctpu-op node and FusedKernel call_module of gm, in topological (graph) order."""
+    """Every ctpu-op node and FusedGroup call_module of gm, in topological (graph) order."""
     groups = []
     for node in gm.graph.nodes:
         if node.op == "call_function" and is_ctpu_op(node.target):
             groups.append(_ctpu_group(node))
         elif node.op == "call_module":
             module = gm.get_submodule(str(node.target))
-            if isinstance(module, FusedKernel):
+            if isinstance(module, FusedGroup):
                 attrs = {"target": str(node.target)}
                 inputs = tuple(node.args)
                 groups.append(FusionGroup(module.kind, node, inputs, (node,), attrs, module.subgraph))

@@ -1,6 +1,6 @@
 """Declarative op tables for generic fusion: which core-ATen overloads are elementwise, which are
 reductions, which only change the view of a tensor. `fuse.py` groups ELEMENTWISE and REDUCTIONS into
-`FusedKernel`s. What a target can run is not listed here: the target answers it (partition.py).
+`FusedGroup`s. What a target can run is not listed here: the target answers it (partition.py).
 Overloads are resolved at import, so a misspelt name fails loudly here, not in a pass.
 """
 

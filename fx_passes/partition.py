@@ -1,7 +1,7 @@
 """Partitioning: which nodes the target runs and which fall back to the CPU, and why.
 
 The target decides, node by node: `unsupported_reason(node) -> str | None` (for the CTPU, codegen's own
-lowering table and argument checks, so placement and lowering never disagree). A FusedKernel call_module
+lowering table and argument checks, so placement and lowering never disagree). A FusedGroup call_module
 runs where all its inner nodes can; a getitem goes with its producer. Without a target's answer every
 compute node is placed on the target.
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from torch.fx import GraphModule, Node
 
-from .fuse import FusedKernel
+from .fuse import FusedGroup
 
 UnsupportedReason = Callable[[Node], "str | None"]
 
@@ -67,7 +67,7 @@ def fallback_reason(node: Node, gm: GraphModule, unsupported_reason: Unsupported
     """Why this compute node cannot run on the target (None: it can)."""
     if node.op == "call_module":
         module = gm.get_submodule(str(node.target))
-        if not isinstance(module, FusedKernel):
+        if not isinstance(module, FusedGroup):
             return f"module {node.target} ({type(module).__name__})"
         inner = (fallback_reason(n, module.subgraph, unsupported_reason) for n in module.subgraph.graph.nodes
                  if n.op not in _STRUCTURAL)

@@ -29,7 +29,7 @@ class PassReport:
 
     changes: for each pass, in run order, what it changed, by kind (e.g. "normalize": {"copy": 3},
     "norms": {"rms_norm": 5}, "fuse": {"elementwise": 2}); a pass that changed nothing maps to an empty
-    Counter. fusions: fused nodes in the final graph, by kind (ctpu op name or FusedKernel kind).
+    Counter. fusions: fused nodes in the final graph, by kind (ctpu op name or FusedGroup kind).
     fallback_ops: op targets left to the CPU. partition: the segments for the runtime.
     """
 
@@ -61,7 +61,7 @@ def run_passes(
     gm is a forward graph from AOT autograd with core-ATen decompositions (static shapes: a SymInt
     raises CtpuDynamicShapeError naming the node). example_inputs (real or fake) only give the
     placeholders fake values when the graph has none. strict re-raises errors inside pattern rules
-    instead of skipping the rule. fuse: group elementwise chains into FusedKernels (for back ends that do
+    instead of skipping the rule. fuse: group elementwise chains into FusedGroups (for back ends that do
 not fuse by themselves). unsupported_reason: the target's answer for each compute node (see partition.py);
 nothing warns here, the caller warns once per graph. verify, if given, is
     called as verify(pass name, gm) after every pass (tests lint and re-run the graph there).

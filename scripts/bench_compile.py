@@ -50,7 +50,7 @@ def timed(fn: Any, ids: torch.Tensor) -> tuple[float, float, torch.Tensor]:
 def frontend_phases(gm: torch.fx.GraphModule, examples: Any, *_: Any) -> dict[str, float]:
     """Seconds of codegen's front end alone (FX -> MLIR, the upstream passes, the kernel reader)."""
     from codegen.fx_ops import emit_module
-    from codegen.kernels import read_function
+    from codegen.kernel_graph import read_function
     from codegen.mlir_pipeline import run_pipeline
 
     t0 = time.perf_counter()

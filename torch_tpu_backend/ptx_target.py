@@ -150,7 +150,7 @@ def _strides_ok(arg: Any, node: torch.fx.Node) -> bool:
 
 class PtxTarget:
     """NVIDIA Hopper through pyptx: every compute node of a graph gets a PTX kernel (fused groups from
-    fx_passes' FusedKernels and ctpu ops), views run as torch views; nothing falls back to the host."""
+    fx_passes' FusedGroups and ctpu ops), views run as torch views; nothing falls back to the host."""
 
     name = "ptx"
     fuse_elementwise = True  # the generator compiles fx_passes' fused groups, one kernel each

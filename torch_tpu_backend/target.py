@@ -1,7 +1,7 @@
 """A back end, as the generic compile path sees it: one object that answers every question about it.
 
     target = dynamo.make_target(options)      # CtpuTarget (sim, rtl) or PtxTarget
-    target.fuse_elementwise                   # does it want fx_passes' FusedKernels (PTX), or fuse itself?
+    target.fuse_elementwise                   # does it want fx_passes' FusedGroups (PTX), or fuse itself?
     target.unsupported_reason(node)           # None, or why this FX node cannot run there (-> CPU)
     exe = target.compile(gm, examples, name, dump)      # an executable (plain data for the CTPU)
     outs = target.launch(exe, args, outputs, name)      # list of tensors

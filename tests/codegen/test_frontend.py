@@ -6,7 +6,7 @@ import torch
 from codegen_helpers import trace
 
 from codegen.fx_ops import emit_module
-from codegen.kernels import GatherKernel, GenericKernel, IotaKernel, MatmulKernel, read_function
+from codegen.kernel_graph import GatherKernel, GenericKernel, IotaKernel, MatmulKernel, read_function
 from codegen.mlir_pipeline import run_pipeline
 
 

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from codegen.backend import compile_function
 from codegen.builder import Builder
 from codegen.loops import hoist_invariants
+from codegen.machine_code import compile_function
 from codegen.mir import ZERO, Function, Mem, MInstr, Reg
 from codegen.modulo import pipeline_loops
 from codegen.verify import ScheduleError, verify_loop_block, verify_pipelined

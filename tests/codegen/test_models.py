@@ -1,7 +1,7 @@
 """Whole models through fx_passes and codegen without the ctpu backend: one program each, parity.
 
 The graphs are what the backend compiles: a core-ATen trace with the parameters as inputs, `fx_passes`
-(norms, rope, attention, swiglu and linear fused into ctpu:: ops), FusedKernel groups inlined back into
+(norms, rope, attention, swiglu and linear fused into ctpu:: ops), FusedGroup groups inlined back into
 core-ATen nodes (`fx_passes.inline_fused_kernels`), then `compile_graph`.
 Tolerances: see test_parity.py and tests/torch_tpu_backend/test_compile.py.
 """
@@ -15,7 +15,7 @@ from codegen_helpers import capture
 
 from codegen import compile_graph
 from codegen.fx_ops import emit_module
-from codegen.kernels import (
+from codegen.kernel_graph import (
     FillKernel,
     GatherKernel,
     GenericKernel,

@@ -10,7 +10,7 @@ import torch
 from torch._decomp import core_aten_decompositions
 
 import codegen
-from codegen.kernels import ScatterKernel
+from codegen.kernel_graph import ScatterKernel
 from device_sim import numerics
 from device_sim.executable import launch, stage
 from device_sim.runners import SimulatorRunner
@@ -158,7 +158,7 @@ def test_unsupported_index_put_forms_are_refused_with_a_reason() -> None:
 
 def test_scatter_kernel_reads_iree_scatter_after_bufferization() -> None:
     from codegen.fx_ops import emit_module
-    from codegen.kernels import read_function
+    from codegen.kernel_graph import read_function
     from codegen.mlir_pipeline import run_pipeline
 
     gm, examples, order = _capture(_index_copy, torch.randn(1, 2, 11, 16), torch.tensor([3]),

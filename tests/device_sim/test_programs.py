@@ -13,7 +13,7 @@ from sim_helpers import COPY
 from device_sim import manifest as mf
 from device_sim.asm import load_program
 from device_sim.config import get_config
-from device_sim.programs import kernels, references
+from device_sim.programs import references, row_programs
 from device_sim.simulator import RunStats
 
 PROGRAMS = Path(mf.__file__).parent / "programs"
@@ -57,9 +57,9 @@ def test_gemm_mxu_utilization(results: dict[str, mf.ManifestResult]) -> None:
 
 
 def test_generated_programs_are_up_to_date() -> None:
-    for name, k in kernels.KERNELS.items():
-        assert (PROGRAMS / f"{name}.s").read_text() == kernels.generate(k)[0], (
-            f"{name}.s is stale: run `python -m device_sim.programs.kernels`")
+    for name, k in row_programs.ROW_PROGRAMS.items():
+        assert (PROGRAMS / f"{name}.s").read_text() == row_programs.generate(k)[0], (
+            f"{name}.s is stale: run `python -m device_sim.programs.row_programs`")
 
 
 def test_gemm_model_matches_numerics_mxu_matmul() -> None:

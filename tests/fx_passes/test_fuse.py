@@ -1,4 +1,4 @@
-"""Generic fusion: elementwise / reduction groups become FusedKernel call_modules."""
+"""Generic fusion: elementwise / reduction groups become FusedGroup call_modules."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from fx_helpers import aot_trace, passes_verified
 
-from fx_passes import FusedKernel, fusion_groups
+from fx_passes import FusedGroup, fusion_groups
 from fx_passes.op_sets import ELEMENTWISE, REDUCTIONS
 
 
@@ -19,12 +19,12 @@ def fused(fn, *args):
 
 
 def kernels(gm) -> list[tuple[str, list[str]]]:
-    """(kind, ops of the subgraph) of every FusedKernel, in graph order."""
+    """(kind, ops of the subgraph) of every FusedGroup, in graph order."""
     out = []
     for node in gm.graph.nodes:
         if node.op == "call_module":
             module = gm.get_submodule(node.target)
-            assert isinstance(module, FusedKernel)
+            assert isinstance(module, FusedGroup)
             ops = [str(n.target) for n in module.subgraph.graph.nodes if n.op == "call_function"]
             out.append((module.kind, ops))
     return out

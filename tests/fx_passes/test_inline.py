@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from fx_helpers import aot_trace, run_graph
 
-from fx_passes import FusedKernel, inline_fused_kernels, run_passes
+from fx_passes import FusedGroup, inline_fused_kernels, run_passes
 
 
 def test_inlining_restores_aten_nodes_with_meta() -> None:
@@ -15,7 +15,7 @@ def test_inlining_restores_aten_nodes_with_meta() -> None:
     x, y = torch.randn(4, 8), torch.randn(8)
     traced = aot_trace(f, x, y)
     gm, _ = run_passes(traced.gm, traced.inputs)
-    assert any(isinstance(m, FusedKernel) for m in gm.modules())
+    assert any(isinstance(m, FusedGroup) for m in gm.modules())
     expected = run_graph(gm, traced.inputs)
     inline_fused_kernels(gm)
     assert not any(n.op == "call_module" for n in gm.graph.nodes)

@@ -12,6 +12,7 @@ import torch
 
 from torch_tpu_backend import cli
 
+
 @pytest.fixture(autouse=True)
 def highest(fresh_compile: None) -> None:
     torch.set_float32_matmul_precision("highest")  # fresh_compile restores it

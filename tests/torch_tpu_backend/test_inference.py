@@ -15,6 +15,7 @@ import torch_tpu_backend.stats as ctpu_stats
 from torch_tpu_backend import recompile_watch, runtime
 from torch_tpu_backend.llama_demo import tiny_llama
 
+
 @pytest.fixture(autouse=True)
 def fresh(fresh_compile: None) -> Iterator[None]:
     torch.set_float32_matmul_precision("highest")  # fresh_compile restores it

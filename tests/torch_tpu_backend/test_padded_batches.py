@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import torch_tpu_backend.stats as ctpu_stats
 from torch_tpu_backend.llama_demo import TOLERANCE, tiny_llama
 
+
 @pytest.fixture(autouse=True)
 def highest(fresh_compile: None) -> None:
     torch.set_float32_matmul_precision("highest")  # fresh_compile restores it

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from codegen.backend import compile_function, schedule_function
 from codegen.builder import Builder
+from codegen.machine_code import compile_function, schedule_function
 from codegen.mir import Function
 from codegen.regalloc import allocate
 from codegen.verify import verify_allocation, verify_schedule

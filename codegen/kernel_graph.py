@@ -69,7 +69,7 @@ class ScalarProgram:
 
 
 @dataclass
-class Operand:
+class Access:
     view: View
     iter_strides: tuple[int, ...]  # element stride per iteration dim (0: not indexed = broadcast)
 
@@ -78,8 +78,8 @@ class Operand:
 class GenericKernel:
     sizes: tuple[int, ...]
     reduction: bool  # the last iteration dim is a reduction
-    inputs: list[Operand]
-    output: Operand
+    inputs: list[Access]
+    output: Access
     body: ScalarProgram
     text: str = ""
 
@@ -113,7 +113,7 @@ class GatherKernel:
     `output` is dense over `sizes`."""
 
     table: View  # [V, D]
-    ids: Operand  # iter_strides over `sizes` (0 along the last)
+    ids: Access  # iter_strides over `sizes` (0 along the last)
     output: View
     sizes: tuple[int, ...]
     text: str = ""
@@ -228,7 +228,7 @@ def read_function(module: ir.Module) -> KernelGraph:
                 g.kernels.append(FillKernel(dst, value, str(op)))  # CSE shared one fill (matmul / reduction inits)
                 continue
             body = ScalarProgram(["%in", "%out"], [], ["%in"], {})
-            g.kernels.append(GenericKernel(dst.shape, False, [Operand(src, src.strides)], Operand(dst, dst.strides),
+            g.kernels.append(GenericKernel(dst.shape, False, [Access(src, src.strides)], Access(dst, dst.strides),
                                            body, str(op)))
         elif name == "iree_linalg_ext.scatter":
             g.kernels.append(_scatter(op, views))
@@ -295,7 +295,7 @@ def _generic(op: ir.Operation, views: dict[str, View], constants: dict[str, floa
                 sizes[res.position] = size
             elif not isinstance(res, ir.AffineConstantExpr):
                 raise LoweringError(f"indexing map {amap} is not a projected permutation")
-        operands.append(Operand(view, tuple(st)))
+        operands.append(Access(view, tuple(st)))
     if len(op.results) or len(operands) - len(op.regions[0].blocks[0].arguments):
         raise LoweringError("generic with tensor results or a mismatched body")
     body_block = op.regions[0].blocks[0]
@@ -341,7 +341,7 @@ def _generic(op: ir.Operation, views: dict[str, View], constants: dict[str, floa
             view = _temp(g, "iota", (sizes[dim],), "i32")
             prelude.append(IotaKernel(view, f"linalg.index {dim} (iota of {sizes[dim]})"))
             st = tuple(1 if d == dim else 0 for d in range(rank))
-            inputs.append((res, Operand(view, st)))
+            inputs.append((res, Access(view, st)))
     body = ScalarProgram([a for a, _ in inputs] + [out_arg], ops, yields, consts)
     return [*prelude, GenericKernel(tuple(sizes), reduction[-1] if rank else False, [o for _, o in inputs],
                                     operands[-1], body, str(op))]
@@ -375,7 +375,7 @@ def _temp(g: KernelGraph, hint: str, shape: tuple[int, ...], dtype: str) -> View
 
 
 def _split_gather(res: str, table: View, idx: list[str], producer: dict[str, tuple[str, list[str]]],
-                  index_dims: dict[str, int], inputs: list[tuple[str, Operand]], sizes: list[int],
+                  index_dims: dict[str, int], inputs: list[tuple[str, Access]], sizes: list[int],
                   g: KernelGraph, text: str) -> GatherKernel:
     """Replace `res = memref.load table[index_cast(id), linalg.index(last)]` by a read of a gathered
     temporary (appended to `inputs` under the name `res`)."""
@@ -387,12 +387,12 @@ def _split_gather(res: str, table: View, idx: list[str], producer: dict[str, tup
             or by_arg[row[1][0]].iter_strides[-1] != 0):
         raise LoweringError(f"memref.load that is not a row gather (table[id, last index]):\n{text}")
     out = _temp(g, "gather", tuple(sizes), table.dtype)
-    inputs.append((res, Operand(out, out.strides)))
+    inputs.append((res, Access(out, out.strides)))
     return GatherKernel(table, by_arg[row[1][0]], out, tuple(sizes), f"gather rows of {table.buffer}: {text}")
 
 
 # ---- contractions back to matmuls -----------------------------------------------------------------------
-def _contraction(sizes: list[int], iters: list[str], operands: list[Operand], args: list[str],
+def _contraction(sizes: list[int], iters: list[str], operands: list[Access], args: list[str],
                  ops: list[tuple[str, str, list[str]]], yields: list[str], consts: dict[str, float],
                  g: KernelGraph, text: str) -> list[Kernel] | None:
     """A generic `out += f(..) * g(..)` as a MatmulKernel. Reshape propagation in
@@ -448,8 +448,8 @@ def _contraction(sizes: list[int], iters: list[str], operands: list[Operand], ar
     return [*prelude, MatmulKernel(av, bv, cv, text)]
 
 
-def _factor_kernel(name: str, sizes: list[int], ops: list[tuple[str, str, list[str]]], by_arg: dict[str, Operand],
-                   consts: dict[str, float], g: KernelGraph, prelude: list[Kernel]) -> Operand | None:
+def _factor_kernel(name: str, sizes: list[int], ops: list[tuple[str, str, list[str]]], by_arg: dict[str, Access],
+                   consts: dict[str, float], g: KernelGraph, prelude: list[Kernel]) -> Access | None:
     """An elementwise kernel computing body value `name` over the iteration dims its inputs use, into a
     dense temporary; returns that temporary as an operand of the contraction."""
     live = _live(ops, [name])
@@ -460,14 +460,14 @@ def _factor_kernel(name: str, sizes: list[int], ops: list[tuple[str, str, list[s
     dims = [d for d in range(len(sizes)) if any(by_arg[a].iter_strides[d] != 0 for a in used)]
     shape = tuple(sizes[d] for d in dims)
     temp = _temp(g, "factor", shape, "f32")
-    inputs = [Operand(by_arg[a].view, tuple(by_arg[a].iter_strides[d] for d in dims)) for a in used]
+    inputs = [Access(by_arg[a].view, tuple(by_arg[a].iter_strides[d] for d in dims)) for a in used]
     body = ScalarProgram([*used, "%out"], [o for o in ops if o[0] in live], [name],
                          {k: v for k, v in consts.items() if k in live})
-    prelude.append(GenericKernel(shape, False, inputs, Operand(temp, temp.strides), body, f"factor {name}"))
+    prelude.append(GenericKernel(shape, False, inputs, Access(temp, temp.strides), body, f"factor {name}"))
     strides = [0] * len(sizes)
     for d, st in zip(dims, temp.strides, strict=True):
         strides[d] = st
-    return Operand(temp, tuple(strides))
+    return Access(temp, tuple(strides))
 
 
 def _zero_filled(g: KernelGraph, buffer: str) -> bool:
@@ -518,7 +518,7 @@ def _merge(sizes: list[int], strides: list[int]) -> tuple[int, int] | None:
     return size, (stride if size != 1 else 1)
 
 
-def _matrix(o: Operand, groups: list[list[int]], sizes: list[int], g: KernelGraph,
+def _matrix(o: Access, groups: list[list[int]], sizes: list[int], g: KernelGraph,
             prelude: list[Kernel] | None) -> View | None:
     """A 3-D view [g0, g1, g2] of the operand (each group of iteration dims merged), copying it into a
     dense temporary first (when `prelude` is given) if its strides do not allow that."""
@@ -532,7 +532,7 @@ def _matrix(o: Operand, groups: list[list[int]], sizes: list[int], g: KernelGrap
     shape = tuple(sizes[d] for d in order)
     dense = _temp(g, "dense", shape, o.view.dtype)
     body = ScalarProgram(["%in", "%out"], [], ["%in"], {})
-    prelude.append(GenericKernel(shape, False, [Operand(o.view, tuple(o.iter_strides[d] for d in order))],
-                                 Operand(dense, dense.strides), body, "dense copy of a matmul operand"))
+    prelude.append(GenericKernel(shape, False, [Access(o.view, tuple(o.iter_strides[d] for d in order))],
+                                 Access(dense, dense.strides), body, "dense copy of a matmul operand"))
     n = [math.prod(sizes[d] for d in grp) for grp in groups]
     return View(dense.buffer, 0, tuple(n), (n[1] * n[2], n[2], 1), o.view.dtype)
