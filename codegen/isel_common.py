@@ -22,6 +22,7 @@ from codegen.kernels import ESIZE, View
 from codegen.mir import ZERO, Mem, MInstr, Reg
 from codegen.regalloc import SPILL_SLOTS
 from device_sim.config import HardwareConfig
+from device_sim.isa import DMA_SHAPE_COLS_MASK, DMA_SHAPE_ROWS_SHIFT
 
 SPILL_ROWS = SPILL_SLOTS * 8
 MAX_SPILL_ROW = 1 << 13  # spill loads / stores address vmem through s0 + imm14 (signed)
@@ -132,11 +133,23 @@ class KernelContext:
 
     def dma(self, load: bool, dtype: str, hbm: Reg, region: Region, row: int, rows: int, cols: int,
             stride: int, flag: int) -> None:
-        """One 2-D DMA: `rows` x `cols` elements, HBM row stride `stride` elements, at vmem region row `row`."""
+        """One 2-D DMA: `rows` x `cols` elements, HBM row stride `stride` elements, at vmem region row `row`.
+        Rows wider than the shape register's 16-bit column field (`large`: a 128256-entry logits row) move
+        one row and one piece of whole vmem rows at a time."""
         b = self.b
         p = -(-cols // self.lanes)
+        if rows > DMA_SHAPE_COLS_MASK:
+            raise CapacityError(f"{self.kernel}: a DMA of {rows} rows (at most {DMA_SHAPE_COLS_MASK})")
+        if cols > DMA_SHAPE_COLS_MASK:
+            piece = DMA_SHAPE_COLS_MASK // self.lanes * self.lanes
+            for r in range(rows):
+                for c0 in range(0, cols, piece):
+                    at = b.offset_reg(hbm, (r * stride + c0) * ESIZE[dtype])
+                    self.dma(load, dtype, at, region, row + r * p + c0 // self.lanes, 1, min(piece, cols - c0),
+                             stride, flag)
+            return
         op = ("dma.ld" if load else "dma.st") + (".bf16" if dtype == "bf16" else "")
-        shape = b.const(rows << 16 | cols)
+        shape = b.const(rows << DMA_SHAPE_ROWS_SHIFT | cols)
         vrow = b.const(region.row + row)
         b.emit(op, None, (hbm, vrow, shape, b.const(stride)), flag=self.flag(flag),
                mem=(region.mem(row, row + rows * p, write=load),))

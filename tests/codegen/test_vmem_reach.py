@@ -96,3 +96,16 @@ def test_issue12_llama_hidden_512_on_large_is_one_program() -> None:
     result = llama_demo.run(config="large", dtype=torch.bfloat16, tokens=128, layers=2, hidden=512, vocab=1024)
     assert result["stats"]["fallback_ops"] == {} and result["stats"]["kernels_launched"] == 1
     assert result["passed"], result["max_abs_err"]
+
+
+@pytest.mark.parametrize(("fn", "dtype"), [
+    pytest.param(lambda x: torch.exp(x) + 1.0, torch.float32, id="exp-fp32"),
+    pytest.param(lambda x: torch.softmax(x, -1), torch.float32, id="softmax-fp32"),
+    pytest.param(lambda x: torch.softmax(x, -1), torch.bfloat16, id="softmax-bf16")])
+def test_rows_wider_than_the_dma_column_field(fn, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    """A DMA's shape register is rows << 16 | cols: a row of 70000 elements (547 vmem rows on `large`: it
+    fits vmem) overflowed into the row count and gave wrong numbers silently. Now: pieces of whole rows."""
+    torch.manual_seed(2)
+    (out,), (ref,), _ = compile_and_run(fn, torch.randn(3, 70000).to(dtype), config="large")
+    rtol, atol = BF16 if dtype == torch.bfloat16 else FP32
+    np.testing.assert_allclose(out, ref, rtol=rtol, atol=atol)
