@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -16,10 +17,21 @@ from codegen.mir import ZERO, Block, Function, LoopInfo, Mem, MInstr, Reg
 
 IMM14 = (-(1 << 13), (1 << 13) - 1)
 IMM19 = (-(1 << 18), (1 << 18) - 1)
+VMEM_WINDOW = 1 << 13  # vmem rows past IMM14 are reached from base + k * VMEM_WINDOW, immediates within +-4096
 
 
 def f32_bits(x: float) -> int:
     return int(np.array(x, dtype=np.float32).view(np.uint32))
+
+
+@dataclass
+class _LoopFrame:
+    """A counted loop being built: where its loop-invariant values go, and its induction registers."""
+
+    preheader: Block  # the block that falls into the loop
+    steps: dict[Reg, int]  # induction register -> step (holds its start value at the preheader's end)
+    bases: dict[tuple[Reg, int], Reg] = field(default_factory=dict)  # vmem base registers made for this loop
+    companions: list[tuple[Reg, int]] = field(default_factory=list)  # induction bases to advance, with steps
 
 
 class Builder:
@@ -28,6 +40,7 @@ class Builder:
     def __init__(self, func: Function) -> None:
         self._ids = itertools.count(1)
         self._labels = itertools.count()
+        self._loops: list[_LoopFrame] = []
         self.start_function(func)
 
     def start_function(self, func: Function, hint: str = "entry") -> None:
@@ -48,12 +61,13 @@ class Builder:
         self.func.blocks.append(b)
         self.block = b
         self._sconst, self._vconst = {}, {}  # constants are cached per block (no cross-block liveness surprises)
+        self._vbase: dict[tuple[Reg, int], Reg] = {}
         return b
 
     def new_scope(self) -> None:
         """Forget cached constants: later uses rematerialize them (li + vbcast are cheap, long-lived
         constant registers are not)."""
-        self._sconst, self._vconst = {}, {}
+        self._sconst, self._vconst, self._vbase = {}, {}, {}
 
     def emit(self, op: str, dst: Reg | None = None, uses: tuple[Reg, ...] = (), imm: int | None = None,
              flag: int | None = None, target: str | None = None, mem: tuple[Mem, ...] = (),
@@ -94,6 +108,51 @@ class Builder:
         """base + offset as a register (base itself when offset is 0)."""
         return base if offset == 0 else self.addi(base, offset)
 
+    # ---- vmem addresses -----------------------------------------------------------------------------
+    def vmem_address(self, base: Reg, row: int) -> tuple[Reg, int]:
+        """(register, immediate) addressing vmem row `base + row` in a vld / vst, whose immediate is 14-bit
+        signed. A row within reach keeps `base` (the common case: unchanged code). A farther one goes through
+        a register holding base + w (w a multiple of VMEM_WINDOW, the immediate within +-4096: room for the
+        software pipeliner's corrections), one per (base, w), hoisted out of loops: a constant goes into the
+        outermost loop's preheader, a loop's induction base gets a companion induction register (same step)
+        set up in that loop's preheader."""
+        if row <= IMM14[1]:
+            return base, row
+        window = (row + VMEM_WINDOW // 2) // VMEM_WINDOW * VMEM_WINDOW
+        return self._vmem_base(base, window), row - window
+
+    def _vmem_base(self, base: Reg, offset: int) -> Reg:
+        key = (base, offset)
+        frame = next((f for f in reversed(self._loops) if base in f.steps), None)
+        if frame is None and base == ZERO and self._loops:
+            frame = self._loops[0]
+        if frame is None:  # outside loops, or a base that is neither constant nor an induction register
+            if key not in self._vbase:
+                self._vbase[key] = self.const(offset) if base == ZERO else self.addi(base, offset)
+            return self._vbase[key]
+        if key not in frame.bases:
+            r = self.sreg()
+            if base == ZERO:
+                frame.preheader.instrs.append(MInstr("li", r, imm=offset))
+            else:
+                offset_reg = self._vmem_base(ZERO, offset)  # defined first: in this or an enclosing preheader
+                frame.preheader.instrs.append(MInstr("add", r, (base, offset_reg)))
+                frame.companions.append((r, frame.steps[base]))
+            frame.bases[key] = r
+        return frame.bases[key]
+
+    def vld(self, base: Reg, row: int, mem: Mem, op: str = "vld") -> Reg:
+        """A vld (or vld.row) of vmem row `base + row`, at any row."""
+        v = self.vreg()
+        addr, imm = self.vmem_address(base, row)
+        self.emit(op, v, (addr,), imm=imm, mem=(mem,))
+        return v
+
+    def vst(self, value: Reg, base: Reg, row: int, mem: Mem) -> None:
+        """A vst of `value` to vmem row `base + row`, at any row."""
+        addr, imm = self.vmem_address(base, row)
+        self.emit("vst", None, (value, addr), imm=imm, mem=(mem,))
+
     # ---- vectors ----------------------------------------------------------------------------------
     def vconst_bits(self, bits: int) -> Reg:
         bits &= 0xFFFFFFFF
@@ -118,13 +177,21 @@ class Builder:
         return v
 
     # ---- loops ------------------------------------------------------------------------------------
-    def counted_loop(self, count: int, body: Callable[[], None], hint: str = "loop") -> None:
+    def counted_loop(self, count: int, body: Callable[[], None], hint: str = "loop",
+                     ivs: dict[Reg, int] | None = None) -> None:
         """Run `body` `count` times (count >= 1) as a runtime loop: the body emits into one block that
-        branches back to itself; the counter is a fresh register counting down."""
+        branches back to itself; the counter is a fresh register counting down. `ivs`: registers that hold
+        their start value here and that the body advances by the given step (vmem bases: `vmem_address`
+        gives them companions)."""
         counter = self.sreg()
         self.emit("li", counter, imm=count)
+        frame = _LoopFrame(self.block, dict(ivs or {}))
+        self._loops.append(frame)
         loop = self.new_block(hint)
         body()
+        self._loops.pop()
+        for r, step in frame.companions:
+            self.addi(r, step, r)
         self.emit("addi", counter, (counter,), imm=-1)
         self.emit("bnz", None, (counter,), target=loop.label)
         if self.block is loop:  # a single-block loop: candidate for software pipelining

@@ -22,6 +22,7 @@ from codegen.kernel_graph import ESIZE, View
 from codegen.mir import ZERO, Mem, MInstr, Reg
 from codegen.regalloc import SPILL_SLOTS
 from device_sim.config import HardwareConfig
+from device_sim.isa import DMA_SHAPE_COLS_MASK, DMA_SHAPE_ROWS_SHIFT
 
 SPILL_ROWS = SPILL_SLOTS * 8
 MAX_SPILL_ROW = 1 << 13  # spill loads / stores address vmem through s0 + imm14 (signed)
@@ -132,11 +133,23 @@ class KernelContext:
 
     def dma(self, load: bool, dtype: str, hbm: Reg, region: Region, row: int, rows: int, cols: int,
             stride: int, flag: int) -> None:
-        """One 2-D DMA: `rows` x `cols` elements, HBM row stride `stride` elements, at vmem region row `row`."""
+        """One 2-D DMA: `rows` x `cols` elements, HBM row stride `stride` elements, at vmem region row `row`.
+        Rows wider than the shape register's 16-bit column field (`large`: a 128256-entry logits row) move
+        one row and one piece of whole vmem rows at a time."""
         b = self.b
         p = -(-cols // self.lanes)
+        if rows > DMA_SHAPE_COLS_MASK:
+            raise CapacityError(f"{self.kernel}: a DMA of {rows} rows (at most {DMA_SHAPE_COLS_MASK})")
+        if cols > DMA_SHAPE_COLS_MASK:
+            piece = DMA_SHAPE_COLS_MASK // self.lanes * self.lanes
+            for r in range(rows):
+                for c0 in range(0, cols, piece):
+                    at = b.offset_reg(hbm, (r * stride + c0) * ESIZE[dtype])
+                    self.dma(load, dtype, at, region, row + r * p + c0 // self.lanes, 1, min(piece, cols - c0),
+                             stride, flag)
+            return
         op = ("dma.ld" if load else "dma.st") + (".bf16" if dtype == "bf16" else "")
-        shape = b.const(rows << 16 | cols)
+        shape = b.const(rows << DMA_SHAPE_ROWS_SHIFT | cols)
         vrow = b.const(region.row + row)
         b.emit(op, None, (hbm, vrow, shape, b.const(stride)), flag=self.flag(flag),
                mem=(region.mem(row, row + rows * p, write=load),))
@@ -144,10 +157,11 @@ class KernelContext:
 
 # ---- loops over vmem rows ----------------------------------------------------------------------------
 def chunk_loop(b: Builder, count: int, body: Callable[[Reg], None], hint: str, start: Reg = ZERO,
-               step: int = 8) -> None:
+               step: int = 8, ivs: dict[Reg, int] | None = None) -> None:
     """body(off) for off = start, start + step, ... (`count` times): one run inline, more as a counted loop
     whose offset register is an induction variable (`addi off, off, step` ends the body), which the back
-    end software-pipelines. Callers unroll short runs themselves when constant addresses pay."""
+    end software-pipelines. Callers unroll short runs themselves when constant addresses pay. `ivs`: other
+    registers the body advances by the given step (`Builder.counted_loop`)."""
     if count <= 0:
         return
     if count == 1:
@@ -160,7 +174,7 @@ def chunk_loop(b: Builder, count: int, body: Callable[[Reg], None], hint: str, s
         body(off)
         b.emit("addi", off, (off,), imm=step)
 
-    b.counted_loop(count, step_body, hint)
+    b.counted_loop(count, step_body, hint, {off: step, **(ivs or {})})
 
 
 def row_mem(region: Region, base: Reg, row: int, rows: int, write: bool = False) -> Mem:

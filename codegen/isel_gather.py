@@ -55,8 +55,7 @@ def lower_gather(ctx: KernelContext, k: GatherKernel) -> None:
         b.emit("wait", flag=ctx.flag(F_IDS))
         zero, stride_reg = b.const(0), b.const(row_bytes)
         for g in range(0, n, 8):
-            v = b.vreg()
-            b.emit("vld", v, (zero,), imm=ids_region.row + g, mem=(ids_region.mem(g, g + 8),))
+            v = b.vld(zero, ids_region.row + g, ids_region.mem(g, g + 8))
             for i in range(g, min(g + 8, n)):
                 row_id = b.sreg()
                 b.emit("vext", row_id, (v,), imm=(i - g) * n_lanes)
@@ -95,8 +94,7 @@ def lower_scatter(ctx: KernelContext, k: ScatterKernel) -> None:
         sizes = [b.const(k.dest.shape[j]) for j in range(depth)]
         strides = [b.const(k.dest.strides[j] * esize) for j in range(depth)]
         for g in range(0, n, 8):
-            v = b.vreg()
-            b.emit("vld", v, (zero,), imm=idx_region.row + g, mem=(idx_region.mem(g, g + 8),))
+            v = b.vld(zero, idx_region.row + g, idx_region.mem(g, g + 8))
             for i in range(g, min(g + 8, n)):
                 addr, valid = dest_base, None
                 for j in range(depth):
@@ -149,5 +147,5 @@ def lower_iota(ctx: KernelContext, k: IotaKernel) -> None:
     for c in range(0, n, per_reg):
         row = c // n_lanes
         v = b.vop("vadd.i", lanes, b.vconst_bits(c)) if c else lanes
-        b.emit("vst", None, (v, zero), imm=region.row + row, mem=(region.mem(row, row + 8, write=True),))
+        b.vst(v, zero, region.row + row, region.mem(row, row + 8, write=True))
     ctx.dma(False, "i32", ctx.hbm_addr(k.output, k.output.offset), region, 0, 1, n, n, F_OUT)

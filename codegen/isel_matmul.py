@@ -246,10 +246,9 @@ def _split(ctx: KernelContext, parts: list[Region], rows: int, hi_full: bool) ->
 
     def chunk(off: Reg, r: int = 0) -> None:
         def store(v: Reg, region: Region) -> None:
-            b.emit("vst", None, (v, off), imm=region.row + r, mem=(row_mem(region, off, r, 8, write=True),))
+            b.vst(v, off, region.row + r, row_mem(region, off, r, 8, write=True))
 
-        x = b.vreg()
-        b.emit("vld", x, (off,), imm=parts[0].row + r, mem=(row_mem(parts[0], off, r, 8),))
+        x = b.vld(off, parts[0].row + r, row_mem(parts[0], off, r, 8))
         zero = b.vconst(0.0)
         if exact:
             hi = b.vop("vand", x, b.vconst_bits(HI16))  # ±inf stay ±inf, a NaN may become inf
@@ -282,8 +281,7 @@ def _zero_rows(ctx: KernelContext, regions: list[Region], lo: int, hi: int) -> N
     zero = b.vconst(0.0)
     for region in regions:
         def chunk(off: Reg, r: int = 0, region: Region = region) -> None:
-            b.emit("vst", None, (zero, off), imm=region.row + lo + r,
-                   mem=(row_mem(region, off, lo + r, 8, write=True),))
+            b.vst(zero, off, region.row + lo + r, row_mem(region, off, lo + r, 8, write=True))
 
         _chunks(ctx, (hi - lo) // 8, chunk, "zero")
 

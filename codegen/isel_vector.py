@@ -312,10 +312,9 @@ def _broadcast_rows(b: Builder, col: Region, dst: Region, n: int, P: int, intege
     int32 / bool bits, copied exactly)."""
     if P == 1:
         def chunk(off: Reg) -> None:
-            v = b.vreg()
-            b.emit("vld", v, (off,), imm=col.row, mem=(row_mem(col, off, 0, 8),))
+            v = b.vld(off, col.row, row_mem(col, off, 0, 8))
             r = _lane0_everywhere(b, v, integer)
-            b.emit("vst", None, (r, off), imm=dst.row, mem=(row_mem(dst, off, 0, 8, True),))
+            b.vst(r, off, dst.row, row_mem(dst, off, 0, 8, True))
 
         chunk_loop(b, -(-n // 8), chunk, "bcast")
         return
@@ -324,30 +323,27 @@ def _broadcast_rows(b: Builder, col: Region, dst: Region, n: int, P: int, intege
     b.emit("li", row_base, imm=0)
 
     def row(t: Reg) -> None:
-        v = b.vreg()
-        b.emit("vld.row", v, (t,), imm=col.row, mem=(row_mem(col, t, 0, 1),))
+        v = b.vld(t, col.row, row_mem(col, t, 0, 1), "vld.row")
         r = _lane0_everywhere(b, v, integer)
         if P8 <= UNROLL_CHUNKS:
             for j in range(P8):
-                b.emit("vst", None, (r, row_base), imm=dst.row + 8 * j, mem=(row_mem(dst, row_base, 0, 8, True),))
+                b.vst(r, row_base, dst.row + 8 * j, row_mem(dst, row_base, 0, 8, True))
         else:
-            chunk_loop(b, P8, lambda off: b.emit("vst", None, (r, off), imm=dst.row,
-                                                  mem=(row_mem(dst, off, 0, 8, True),)), "bcast_row", row_base)
+            chunk_loop(b, P8, lambda off: b.vst(r, off, dst.row, row_mem(dst, off, 0, 8, True)), "bcast_row",
+                       row_base)
         b.emit("addi", row_base, (row_base,), imm=P)
 
-    chunk_loop(b, n, row, "bcast_rows", step=1)
+    chunk_loop(b, n, row, "bcast_rows", step=1, ivs={row_base: P})
 
 
 def _load(b: Builder, s: Stream, p: int, base: Reg, row: int = 0) -> Reg:
     assert s.tiles is not None
     region = s.expanded if s.expanded is not None else s.tiles[p]
-    v = b.vreg()
-    b.emit("vld", v, (base,), imm=region.row + row, mem=(row_mem(region, base, row, 8),))
-    return v
+    return b.vld(base, region.row + row, row_mem(region, base, row, 8))
 
 
 def _store(b: Builder, r: Reg, out: Region, base: Reg, row: int = 0) -> None:
-    b.emit("vst", None, (r, base), imm=out.row + row, mem=(row_mem(out, base, row, 8, True),))
+    b.vst(r, base, out.row + row, row_mem(out, base, row, 8, True))
 
 
 def _map_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream], p: int, out: Region, n: int,
@@ -401,14 +397,13 @@ def _reduce_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream],
             f = b.vop("vsel", mask, f_at(row_base, 8 * plain), b.vconst_bits(identity))
             b.emit(vop, acc, (acc, f))
         total = b.vop(red_s, b.vop(red_l, acc))
-        iv = b.vreg()
         assert init.tiles is not None
         region = init.tiles[p]
-        b.emit("vld.row", iv, (t,), imm=region.row, mem=(row_mem(region, t, 0, 1),))
+        iv = b.vld(t, region.row, row_mem(region, t, 0, 1), "vld.row")
         _store(b, b.vop(vop, total, iv), out, t)
         b.emit("addi", row_base, (row_base,), imm=P)
 
-    chunk_loop(b, n, row, "reduce_rows", step=1)
+    chunk_loop(b, n, row, "reduce_rows", step=1, ivs={row_base: P})
 
 
 def _split_reduction(body: ScalarProgram, out_arg: str) -> tuple[str, str]:

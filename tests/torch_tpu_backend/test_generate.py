@@ -81,7 +81,6 @@ def test_generate_llama_large_shape_decode(monkeypatch: pytest.MonkeyPatch) -> N
         expected = _generate(model, ids, 3)
         out, compilations, stats = _compiled_generate(model, ids, 3, monkeypatch, {"config": "large"})
     assert out.tolist() == expected.tolist()
-    assert compilations == 2 and len(stats.launches) >= 3
-    assert not [op for op in stats.fallback_ops if "index_put" in op or "copy_" in op or "add" in op]
-    if stats.fallback_ops:  # known: a matmul on `large` overflows vst's 14-bit vmem row immediate (isel_matmul)
-        pytest.xfail(f"ops on the CPU: {dict(stats.fallback_ops)}")
+    assert compilations == 2
+    assert dict(stats.fallback_ops) == {}  # its linears' tiles sit past vmem row 8191 (vst's reach): issue 12
+    assert len(stats.launches) == 3 == stats.kernels_launched
