@@ -13,6 +13,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from fx_passes import run_passes
+from fx_passes.graph_utils import ConstantFolder
+from fx_passes.ops import causal_keep_mask
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -90,6 +92,19 @@ def test_constant_mask_that_is_not_causal_stays_a_mask() -> None:
     gm, _ = fuse(fn, *qkv(kv_heads=4))
     args = attention_args(gm)
     assert args["mask"] is not None and not args["causal"]
+
+
+def test_mask_built_on_a_device_is_folded_on_the_cpu() -> None:
+    """A model moved to a device builds its mask there (arange(.., device=...)); the folder evaluates it
+    on the CPU, where the rules compare it with their references (a ctpu Llama's causal mask made the
+    attention rule fail, and its prefill ran unfused with the masked-row guard on the CPU)."""
+    def mask():
+        return torch.arange(6, device="meta")[None, :] <= torch.arange(6, device="meta")[:, None]
+
+    gm = make_fx(mask)()
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    value = ConstantFolder(gm).value(out.args[0])
+    assert value.device.type == "cpu" and (value == causal_keep_mask(6, 6)).all()
 
 
 def padded_keep(length: int = 6) -> torch.Tensor:
