@@ -142,9 +142,6 @@ def test_fully_masked_rows_keep_the_graphs_softmax(form: str, safe: bool) -> Non
         assert (row == 0).all() if safe else row.isnan().all()
 
 
-@pytest.mark.xfail(strict=True, reason="fx_passes/decompositions.py leaves _safe_softmax's guard out without a "
-                   "mask or with is_causal (its any / full_like do not lower, and training graphs, which keep "
-                   "the softmax unfused, would run them on the CPU): such a row is NaN, eager gives 0")
 def test_sdpa_without_mask_zeroes_rows_of_minus_inf_scores() -> None:
     """No mask, yet q = -inf makes every score of a row -inf: eager SDPA gives 0 there, and so must the
     decomposition and the fused op."""
