@@ -223,6 +223,11 @@ def _full(e: MlirEmitter, size: Any, value: float, dtype: Any = None, **_: Any) 
     return e.fill(value, tuple(int(s) for s in size), _creation_dtype(dtype, value))
 
 
+@_reg(aten.full_like.default)
+def _full_like(e: MlirEmitter, x: TValue, value: float, dtype: Any = None, **_: Any) -> TValue:
+    return e.fill(value, x.shape, x.dtype if dtype is None else _creation_dtype(dtype, value))
+
+
 @_reg(aten.scalar_tensor.default)
 def _scalar_tensor(e: MlirEmitter, value: float, dtype: Any = None, **_: Any) -> TValue:
     return e.fill(value, (), _creation_dtype(dtype if dtype is not None else torch.float32, value))
@@ -398,6 +403,27 @@ def _mean(e: MlirEmitter, x: TValue, dims: Any, keepdim: bool = False, dtype: An
     _last_dim_only(x, dims)
     s = e.reduce_last(x, "sum", keepdim)
     return e.elementwise([s, float(x.shape[-1])], lambda v, w: w.op("arith.divf", v[0], v[1]), dtype=x.dtype)
+
+
+@_reg(aten.any.dim, aten.any.dims, aten.any.default)
+def _any(e: MlirEmitter, x: TValue, dims: Any = None, keepdim: bool = False) -> TValue:
+    """Is any element nonzero (NaN is, -0 is not, as in torch) over trailing dims (all when None; [] none):
+    0.0 / 1.0 flags, max-reduced one innermost dim at a time (the vector unit reduces only the innermost;
+    a collapse into one dim folds back into a reduction over several), then > 0."""
+    rank = len(x.shape)
+    dims = range(rank) if dims is None else [dims] if isinstance(dims, int) else dims
+    reduced = sorted({_norm_dim(d, rank) for d in dims})
+    if reduced != list(range(rank - len(reduced), rank)):
+        raise UnsupportedOp(f"any over dims {list(dims)} of a rank-{rank} tensor (only trailing dims)")
+    if not reduced:  # x != 0
+        return e.elementwise([x], lambda v, w: w.cast(v[0], "f32", "i1"), dtype="i1", result="i1")
+    if not math.prod(x.shape):
+        raise UnsupportedOp(f"any of an empty {x.type}")
+    flags = e.elementwise([x], lambda v, w: w.cast(v[0], "f32", "i1"), dtype="f32", result="i1")
+    for _ in reduced:
+        flags = e.reduce_last(flags, "max", False)
+    found = e.elementwise([flags], lambda v, w: w.cmp("ogt", v[0], w.const(0.0)), dtype="i1", result="i1")
+    return e.reshape(found, (*found.shape, *[1] * len(reduced))) if keepdim else found
 
 
 # A row whose sum of squares overflows fp32 is summed again scaled by SQ_SCALE: its largest |x| is at least

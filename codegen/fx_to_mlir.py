@@ -67,8 +67,8 @@ class BodyWriter:
         return r
 
     def const(self, value: float, dtype: str | None = None) -> str:
-        r = self.e.fresh()
-        self.lines.append(f"{r} = arith.constant {_float_literal(value)} : {dtype or self.dtype}")
+        r, dtype = self.e.fresh(), dtype or self.dtype
+        self.lines.append(f"{r} = arith.constant {_float_literal(value, dtype)} : {dtype}")
         return r
 
     def cast(self, x: str, src: str, dst: str) -> str:
@@ -127,15 +127,15 @@ def _literal(value: float, dtype: str) -> str:
         return "true" if value else "false"
     if dtype == "i32":
         return f"{int(value)} : i32"
-    return f"{_float_literal(value)} : {dtype}"
+    return f"{_float_literal(value, dtype)} : {dtype}"
 
 
-def _float_literal(value: float) -> str:
-    if math.isinf(value):
-        return "0xFF800000" if value < 0 else "0x7F800000"
-    if math.isnan(value):
-        return "0x7FC00000"
-    return format(float(value), ".17e")
+def _float_literal(value: float, dtype: str) -> str:
+    """Infinities and NaN as hex bits of the type's width (bf16: the upper half of the fp32 pattern)."""
+    if math.isfinite(value):
+        return format(float(value), ".17e")
+    bits = 0x7FC00000 if math.isnan(value) else 0xFF800000 if value < 0 else 0x7F800000
+    return f"0x{bits:08X}" if dtype == "f32" else f"0x{bits >> 16:04X}"
 
 
 def _affine(rank: int, results: Sequence[str]) -> str:

@@ -112,7 +112,7 @@ def read_output(hbm: np.ndarray, view: OutputView, input_addrs: Sequence[int], a
     item = flat.itemsize
     strided = np.lib.stride_tricks.as_strided(flat[view.offset:], view.shape, tuple(s * item for s in view.strides))
     out = np.array(strided)
-    return out != 0 if view.dtype == "i1" else out
+    return np.asarray(out != 0) if view.dtype == "i1" else out  # a 0-d compare gives a numpy scalar
 
 
 def launch(exe: Executable, runner: Runner, hbm: np.ndarray, input_addrs: Sequence[int], arena_addr: int,

@@ -13,9 +13,8 @@ contract names; the rule here does: (out, logsumexp).
 
 The forward ops are those of torch's rule (ATen's math composite: `q * s`, `k^T * s`, bmm, `+ mask`,
 softmax, bmm), which pattern fusion turns into ctpu::attention; the logsumexp is computed from the same
-scores and is dead code (eliminated) where nothing differentiates it. One difference: the fully-masked-row
-guard of `_safe_softmax` (a `where` over `full_like`) is left out where no row can be fully masked (no mask,
-or the causal one, which always keeps key 0); it changes no value there.
+scores and is dead code (eliminated) where nothing differentiates it. The softmax is `_safe_softmax`'s
+(a fully masked row gives 0) with every mask and without one: a -inf in q or k masks a whole row as well.
 """
 
 from __future__ import annotations
@@ -77,8 +76,7 @@ def sdpa_flash_for_cpu(
     scores = torch.matmul(q, key.transpose(-2, -1) * factor)
     if attn_mask is not None:
         scores = scores + attn_mask
-    # Only an explicit mask can mask a whole row: only then the guard (module docstring).
-    probs = torch.softmax(scores, -1) if attn_mask is None or is_causal else torch._safe_softmax(scores, -1)
+    probs = torch._safe_softmax(scores, -1)  # a row of -inf scores gives 0, from a mask or from q / k
     out = torch.matmul(probs, value)
     # The layout torch's rule gives the output ([L, B, H, E] in memory, see its comment), so that the
     # graphs after it (views of the output) are what they were.

@@ -199,7 +199,11 @@ def ensure_meta(gm: GraphModule, example_inputs: Sequence[Any]) -> None:
 
 class ConstantFolder:
     """Evaluates nodes that depend on no graph input (only get_attr constants and creation ops), on
-    real tensors, memoised. Used to recognise masks built inside the graph (e.g. a causal mask)."""
+    real CPU tensors, memoised. Used to recognise masks built inside the graph (e.g. a causal mask).
+
+    A graph of a model on a device creates its constants there (`arange(.., device="ctpu")`): they are
+    evaluated on the CPU all the same, since the values are compared with CPU references at compile
+    time, and running them on the device would be eager work (and host copies) at every compile."""
 
     MAX_ELEMENTS = 1 << 24
 
@@ -251,12 +255,16 @@ class ConstantFolder:
     def _evaluate(self, node: Node) -> Any:
         if node.op == "get_attr":
             value = get_attr_value(self.gm, str(node.target))
-            return None if isinstance(value, FakeTensor) else value
+            if isinstance(value, FakeTensor):
+                return None
+            return value.cpu() if isinstance(value, torch.Tensor) else value
         inputs = {n: self._memo.get(n) for n in node.all_input_nodes}
         if any(v is None for v in inputs.values()):
             return None
         args = map_arg(node.args, lambda n: inputs[n])
         kwargs = map_arg(node.kwargs, lambda n: inputs[n])
+        if kwargs.get("device") is not None:  # created on the CPU (class docstring)
+            kwargs = {**kwargs, "device": torch.device("cpu")}
         try:
             return node.target(*args, **kwargs)  # type: ignore[operator]
         except Exception:  # an op that cannot run eagerly is simply not a constant

@@ -13,6 +13,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from fx_passes import run_passes
+from fx_passes.graph_utils import ConstantFolder
+from fx_passes.ops import causal_keep_mask
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -92,6 +94,19 @@ def test_constant_mask_that_is_not_causal_stays_a_mask() -> None:
     assert args["mask"] is not None and not args["causal"]
 
 
+def test_mask_built_on_a_device_is_folded_on_the_cpu() -> None:
+    """A model moved to a device builds its mask there (arange(.., device=...)); the folder evaluates it
+    on the CPU, where the rules compare it with their references (a ctpu Llama's causal mask made the
+    attention rule fail, and its prefill ran unfused with the masked-row guard on the CPU)."""
+    def mask():
+        return torch.arange(6, device="meta")[None, :] <= torch.arange(6, device="meta")[:, None]
+
+    gm = make_fx(mask)()
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    value = ConstantFolder(gm).value(out.args[0])
+    assert value.device.type == "cpu" and (value == causal_keep_mask(6, 6)).all()
+
+
 def padded_keep(length: int = 6) -> torch.Tensor:
     """Causal keep-mask of a left-padded row: keys 0..2 are padding, so queries 0..2 see no key."""
     keep = torch.ones(length, length, dtype=torch.bool).tril()
@@ -127,9 +142,6 @@ def test_fully_masked_rows_keep_the_graphs_softmax(form: str, safe: bool) -> Non
         assert (row == 0).all() if safe else row.isnan().all()
 
 
-@pytest.mark.xfail(strict=True, reason="fx_passes/decompositions.py leaves _safe_softmax's guard out without a "
-                   "mask or with is_causal (its any / full_like do not lower, and training graphs, which keep "
-                   "the softmax unfused, would run them on the CPU): such a row is NaN, eager gives 0")
 def test_sdpa_without_mask_zeroes_rows_of_minus_inf_scores() -> None:
     """No mask, yet q = -inf makes every score of a row -inf: eager SDPA gives 0 there, and so must the
     decomposition and the fused op."""

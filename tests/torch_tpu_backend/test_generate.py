@@ -84,3 +84,45 @@ def test_generate_llama_large_shape_decode(monkeypatch: pytest.MonkeyPatch) -> N
     assert compilations == 2
     assert dict(stats.fallback_ops) == {}  # its linears' tiles sit past vmem row 8191 (vst's reach): issue 12
     assert len(stats.launches) == 3 == stats.kernels_launched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_generate_with_the_model_on_the_device(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`model.to("ctpu")`: the graphs create their masks on the device. The prefill and every decode step
+    are one CTPU program each with 0 ops on the CPU (the attention rule once failed on the device's causal
+    mask, leaving the masked-row guard's any / full_like to the CPU), and the tokens are eager's. Counted
+    around each forward call: generate()'s own loop runs eager ops on ctpu tensors, not the backend's."""
+    from torch_tpu_backend.llama_demo import tiny_llama
+
+    model = tiny_llama(dtype)
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(1))
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        with torch.no_grad():
+            expected = _generate(model, ids, 6)
+            model.to("ctpu")
+            graphs = []
+            call = dynamo.GraphCompiler.__call__
+            monkeypatch.setattr(dynamo.GraphCompiler, "__call__",
+                                lambda self, gm, ex: graphs.append(gm) or call(self, gm, ex))
+            torch._dynamo.reset()
+            compiled = torch.compile(model.forward, backend="ctpu")
+            steps = []
+
+            def forward(*args, **kwargs):  # type: ignore[no-untyped-def]
+                before = ctpu_stats.last()
+                out = compiled(*args, **kwargs)
+                after = ctpu_stats.last()
+                steps.append((dict(after.fallback_ops - before.fallback_ops),
+                              after.kernels_launched - before.kernels_launched))
+                return out
+
+            model.forward = forward
+            ctpu_stats.reset()
+            out = _generate(model, ids.to("ctpu"), 6)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert out.device.type == "ctpu" and out.cpu().tolist() == expected.tolist()
+    assert len(graphs) == 2  # prefill and decode
+    assert steps == [({}, 1)] * 6  # each step: one program, nothing on the CPU
