@@ -39,3 +39,22 @@ def test_readme_python_example_runs_on_the_ctpu() -> None:
     s = ctpu_stats.last()
     assert s.kernels_launched == 1 and not s.fallback_ops
     assert tuple(namespace["y"].shape) == (16, 32)  # type: ignore[attr-defined]
+
+
+def test_readme_generate_example_gives_eager_tokens() -> None:
+    """The README's generate() example, verbatim (a ctpu model, a compiled forward, a static cache): its tokens
+    are eager PyTorch's."""
+    import torch
+
+    from torch_tpu_backend.llama_demo import tiny_llama
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    example = next(b for b in blocks if ".generate(" in b)
+    torch._dynamo.reset()
+    namespace: dict[str, object] = {"print": lambda *_: None}
+    exec(compile(example, "README.md", "exec"), namespace)
+    ids = namespace["ids"].cpu()  # type: ignore[attr-defined]
+    with torch.no_grad():
+        expected = tiny_llama().generate(ids, max_new_tokens=8, do_sample=False, use_cache=True,
+                                         cache_implementation="static")
+    assert namespace["out"].cpu().tolist() == expected.tolist()  # type: ignore[attr-defined]
