@@ -27,7 +27,7 @@ from codegen import isel_scalar_ops  # noqa: F401  (registers the extra body-op 
 from codegen.builder import Builder
 from codegen.errors import CapacityError
 from codegen.fx_ops import emit_module
-from codegen.isel_common import SPILL_ROWS, KernelContext, Region, table_rows
+from codegen.isel_common import SPILL_ROWS, Flag, KernelContext, Region, table_rows
 from codegen.isel_gather import lower_gather, lower_iota, lower_scatter
 from codegen.isel_matmul import lower_matmul
 from codegen.isel_vector import lower_fill, lower_generic
@@ -232,7 +232,7 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
     b = Builder(entry)
     ctx = KernelContext(b, cfg, buffers, (arena, arena_bytes), table.row, precision)
     ctx.begin(entry.name)
-    ctx.dma(True, "i32", ARENA_REG, table, 0, 1, n_in + 1, n_in + 1, 0)
+    ctx.dma(True, "i32", ARENA_REG, table, 0, 1, n_in + 1, n_in + 1, Flag.LOAD)
     ctx.end()
     funcs = [entry]
     per_kernel = []

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 from codegen.builder import Builder
 from codegen.errors import CapacityError
@@ -22,9 +23,28 @@ from codegen.kernel_graph import ESIZE, View
 from codegen.mir import ZERO, Mem, MInstr, Reg
 from codegen.regalloc import SPILL_SLOTS
 from device_sim.config import HardwareConfig
-from device_sim.isa import DMA_SHAPE_COLS_MASK, DMA_SHAPE_ROWS_SHIFT
+from device_sim.isa import DMA_SHAPE_COLS_MASK, DMA_SHAPE_ROWS_SHIFT, NUM_FLAGS
 
 SPILL_ROWS = SPILL_SLOTS * 8
+
+
+class Flag(IntEnum):
+    """What each completion flag signals (DMA and MXU commands set one; `wait` blocks on it). A kernel owns
+    all NUM_FLAGS and ends waiting on those it used; every role has flags of its own, so two phases of a
+    kernel never share one by accident. Roles of width 2 alternate by tile parity (`ctx.flag(role, p)`)."""
+
+    LOAD = 0  # width 2: vector tiles in; matmul B (weight) panels
+    STORE = 2  # width 2: tiles out; matmul C tiles out
+    MATMUL_A = 4  # matmul A panels
+    COPY = 6  # a strided copy through HBM scratch (transposes)
+    MXU = 8  # width 2: matmul passes done
+    INDEX = 10  # gather ids / scatter index rows in
+    ROWS = 11  # gathered rows in / scatter update rows in
+    OUT = 12  # gather / scatter / iota results out
+
+
+FLAG_WIDTH = {Flag.LOAD: 2, Flag.STORE: 2, Flag.MXU: 2}
+assert all(f + FLAG_WIDTH.get(f, 1) <= nxt for f, nxt in zip(Flag, [*list(Flag)[1:], NUM_FLAGS], strict=True))
 MAX_SPILL_ROW = 1 << 13  # spill loads / stores address vmem through s0 + imm14 (signed)
 
 
@@ -97,7 +117,11 @@ class KernelContext:
     def vmem_free(self) -> int:
         return self.config.vmem_rows - self._next_row
 
-    def flag(self, f: int) -> int:
+    def flag(self, role: Flag, parity: int = 0) -> int:
+        """The flag number of `role` (of tile parity `parity` for width-2 roles), marked used by this kernel."""
+        if not 0 <= parity < FLAG_WIDTH.get(role, 1):
+            raise ValueError(f"flag {role.name} has no parity {parity}")
+        f = role + parity
         self._flags_used.add(f)
         return f
 
@@ -132,7 +156,7 @@ class KernelContext:
         return self.b.offset_reg(base, off + element_offset * ESIZE[view.dtype])
 
     def dma(self, load: bool, dtype: str, hbm: Reg, region: Region, row: int, rows: int, cols: int,
-            stride: int, flag: int) -> None:
+            stride: int, flag: Flag, parity: int = 0) -> None:
         """One 2-D DMA: `rows` x `cols` elements, HBM row stride `stride` elements, at vmem region row `row`.
         Rows wider than the shape register's 16-bit column field (`large`: a 128256-entry logits row) move
         one row and one piece of whole vmem rows at a time."""
@@ -146,12 +170,12 @@ class KernelContext:
                 for c0 in range(0, cols, piece):
                     at = b.offset_reg(hbm, (r * stride + c0) * ESIZE[dtype])
                     self.dma(load, dtype, at, region, row + r * p + c0 // self.lanes, 1, min(piece, cols - c0),
-                             stride, flag)
+                             stride, flag, parity)
             return
         op = ("dma.ld" if load else "dma.st") + (".bf16" if dtype == "bf16" else "")
         shape = b.const(rows << DMA_SHAPE_ROWS_SHIFT | cols)
         vrow = b.const(region.row + row)
-        b.emit(op, None, (hbm, vrow, shape, b.const(stride)), flag=self.flag(flag),
+        b.emit(op, None, (hbm, vrow, shape, b.const(stride)), flag=self.flag(flag, parity),
                mem=(region.mem(row, row + rows * p, write=load),))
 
 

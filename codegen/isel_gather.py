@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import math
 
-from codegen.isel_common import KernelContext
+from codegen.isel_common import Flag, KernelContext
 from codegen.kernel_graph import ESIZE, GatherKernel, IotaKernel, LoweringError, ScatterKernel
-
-F_IDS, F_ROWS, F_OUT = 0, 1, 2
 
 
 def lower_gather(ctx: KernelContext, k: GatherKernel) -> None:
@@ -51,8 +49,8 @@ def lower_gather(ctx: KernelContext, k: GatherKernel) -> None:
         b.new_scope()
         for i in range(n):
             off = k.ids.view.offset + sum(ix * s for ix, s in zip(flat[c0 + i], k.ids.iter_strides, strict=False))
-            ctx.dma(True, k.ids.view.dtype, ctx.hbm_addr(k.ids.view, off), ids_region, i, 1, 1, 1, F_IDS)
-        b.emit("wait", flag=ctx.flag(F_IDS))
+            ctx.dma(True, k.ids.view.dtype, ctx.hbm_addr(k.ids.view, off), ids_region, i, 1, 1, 1, Flag.INDEX)
+        b.emit("wait", flag=ctx.flag(Flag.INDEX))
         zero, stride_reg = b.const(0), b.const(row_bytes)
         for g in range(0, n, 8):
             v = b.vld(zero, ids_region.row + g, ids_region.mem(g, g + 8))
@@ -62,11 +60,11 @@ def lower_gather(ctx: KernelContext, k: GatherKernel) -> None:
                 addr = b.sreg()
                 b.emit("mul", addr, (row_id, stride_reg))
                 b.emit("add", addr, (addr, table_base))
-                ctx.dma(True, k.table.dtype, addr, data_region, i * p, 1, cols, cols, F_ROWS)
-        b.emit("wait", flag=ctx.flag(F_ROWS))
+                ctx.dma(True, k.table.dtype, addr, data_region, i * p, 1, cols, cols, Flag.ROWS)
+        b.emit("wait", flag=ctx.flag(Flag.ROWS))
         out_addr = ctx.hbm_addr(k.output, k.output.offset + c0 * cols)
-        ctx.dma(False, k.output.dtype, out_addr, data_region, 0, n, cols, cols, F_OUT)
-        b.emit("wait", flag=ctx.flag(F_OUT))
+        ctx.dma(False, k.output.dtype, out_addr, data_region, 0, n, cols, cols, Flag.OUT)
+        b.emit("wait", flag=ctx.flag(Flag.OUT))
 
 
 def lower_scatter(ctx: KernelContext, k: ScatterKernel) -> None:
@@ -85,11 +83,11 @@ def lower_scatter(ctx: KernelContext, k: ScatterKernel) -> None:
         n = min(chunk, rows - c0)
         b.new_scope()
         idx_addr = ctx.hbm_addr(k.indices, k.indices.offset + c0 * k.indices.strides[0])
-        ctx.dma(True, "i32", idx_addr, idx_region, 0, n, depth, k.indices.strides[0], F_IDS)
+        ctx.dma(True, "i32", idx_addr, idx_region, 0, n, depth, k.indices.strides[0], Flag.INDEX)
         upd_addr = ctx.hbm_addr(k.updates, k.updates.offset + c0 * k.updates.strides[0])
-        ctx.dma(True, dtype, upd_addr, data_region, 0, n, cols, k.updates.strides[0] // unit, F_ROWS)
-        b.emit("wait", flag=ctx.flag(F_IDS))
-        b.emit("wait", flag=ctx.flag(F_ROWS))
+        ctx.dma(True, dtype, upd_addr, data_region, 0, n, cols, k.updates.strides[0] // unit, Flag.ROWS)
+        b.emit("wait", flag=ctx.flag(Flag.INDEX))
+        b.emit("wait", flag=ctx.flag(Flag.ROWS))
         zero = b.const(0)
         sizes = [b.const(k.dest.shape[j]) for j in range(depth)]
         strides = [b.const(k.dest.strides[j] * esize) for j in range(depth)]
@@ -114,8 +112,8 @@ def lower_scatter(ctx: KernelContext, k: ScatterKernel) -> None:
                 b.emit("xori", trap, (valid,), imm=1)
                 b.emit("shli", trap, (trap,), imm=31)
                 b.emit("add", out, (addr, trap))
-                ctx.dma(False, dtype, out, data_region, i * p, 1, cols, cols, F_OUT)
-        b.emit("wait", flag=ctx.flag(F_OUT))
+                ctx.dma(False, dtype, out, data_region, i * p, 1, cols, cols, Flag.OUT)
+        b.emit("wait", flag=ctx.flag(Flag.OUT))
 
 
 def _row_words(k: ScatterKernel) -> tuple[str, int, int]:
@@ -148,4 +146,4 @@ def lower_iota(ctx: KernelContext, k: IotaKernel) -> None:
         row = c // n_lanes
         v = b.vop("vadd.i", lanes, b.vconst_bits(c)) if c else lanes
         b.vst(v, zero, region.row + row, region.mem(row, row + 8, write=True))
-    ctx.dma(False, "i32", ctx.hbm_addr(k.output, k.output.offset), region, 0, 1, n, n, F_OUT)
+    ctx.dma(False, "i32", ctx.hbm_addr(k.output, k.output.offset), region, 0, 1, n, n, Flag.OUT)

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from codegen.isel_common import KernelContext, Region, chunk_loop, row_mem
+from codegen.isel_common import Flag, KernelContext, Region, chunk_loop, row_mem
 from codegen.kernel_graph import LoweringError, MatmulKernel, View
 from codegen.mir import ZERO, Reg
 
@@ -42,7 +42,6 @@ RESIDUALS = {"highest": ("mid", "lo"), "high": ("mid",), "medium": ()}
 HI16 = 0xFFFF0000  # the bits of a bf16 value in an fp32 word
 BF16_FINITE_MAX = 0x7F7F7FFF  # the largest fp32 that rounds to a finite bf16 (0x7f7f, 3.39e38)
 SIGN = 0x80000000
-F_B, F_ST, F_A, F_MXU = 0, 2, 4, 8
 UNROLL_SPLIT_CHUNKS = 4  # splits of up to this many chunks of 8 vmem rows are unrolled, longer ones loop
 UNROLL_BATCHES = 2  # batched matmuls of more batches run a batch loop
 MIN_N_TILE_PAIRS = 2  # n loops of fewer pairs of n-tiles are unrolled
@@ -158,28 +157,29 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, rows: int, a_at: _At, b_at: _At
                load_next: tuple[Reg, int] | None) -> None:
         """One n-tile in buffer p: split B, the first MXU pass, the previous tile's C store and the next
         tile's B load (both overlap the MXU), the other passes."""
-        b.emit("wait", flag=ctx.flag(F_B + p))
+        b.emit("wait", flag=ctx.flag(Flag.LOAD, p))
         weights = [b_raw[p]] + [parts[p] for parts in b_parts[1:]]
         if len(weights) > 1:
             _split(ctx, weights, KT * L, hi_full)
         if wait_store:
-            b.emit("wait", flag=ctx.flag(F_ST + p))
+            b.emit("wait", flag=ctx.flag(Flag.STORE, p))
         commands = [(qa, qb, kt) for qa, qb in passes for kt in range(KT)]
-        _mxu(ctx, a_parts, weights, c_tiles[p], commands[:1], rows, mt, first=True, flag=F_MXU + p)
+        _mxu(ctx, a_parts, weights, c_tiles[p], commands[:1], rows, mt, first=True, parity=p)
         if store_prev is not None:
             _store_c(ctx, c_tiles[1 - p], store_prev[0], rows, store_prev[1], c, 1 - p)
         if load_next is not None:
-            ctx.dma(True, bm.dtype, load_next[0], b_raw[1 - p], 0, K, load_next[1], bm.strides[-2], F_B + 1 - p)
-        _mxu(ctx, a_parts, weights, c_tiles[p], commands[1:], rows, mt, first=False, flag=F_MXU + p)
+            ctx.dma(True, bm.dtype, load_next[0], b_raw[1 - p], 0, K, load_next[1], bm.strides[-2], Flag.LOAD, 1 - p)
+        _mxu(ctx, a_parts, weights, c_tiles[p], commands[1:], rows, mt, first=False, parity=p)
 
     def static_tile(nt: int) -> None:
         n_tile(nt % 2, nt >= 2, (c_addr((nt - 1) * L), cols(nt - 1)) if nt >= 1 else None,
                (b_addr(nt + 1), cols(nt + 1)) if nt + 1 < NT else None)
 
-    ctx.dma(True, bm.dtype, b_addr(0), b_raw[0], 0, K, cols(0), bm.strides[-2], F_B)
+    ctx.dma(True, bm.dtype, b_addr(0), b_raw[0], 0, K, cols(0), bm.strides[-2], Flag.LOAD)
     for kt in range(KT):
-        ctx.dma(True, a.dtype, a_addr(kt * L), a_parts[0], kt * mt, rows, min(L, K - kt * L), a.strides[-2], F_A)
-    b.emit("wait", flag=ctx.flag(F_A))
+        ctx.dma(True, a.dtype, a_addr(kt * L), a_parts[0], kt * mt, rows, min(L, K - kt * L), a.strides[-2],
+                Flag.MATMUL_A)
+    b.emit("wait", flag=ctx.flag(Flag.MATMUL_A))
     if len(a_parts) > 1:
         _split(ctx, a_parts, KT * mt, hi_full)
     # tiles 2 .. 2 * pairs + 1 run as a loop over pairs (buffers and flags alternate with constant names;
@@ -207,8 +207,8 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, rows: int, a_at: _At, b_at: _At
 
 
 def _store_c(ctx: KernelContext, tile: Region, addr: Reg, rows: int, cols: int, c: View, p: int) -> None:
-    ctx.b.emit("wait", flag=ctx.flag(F_MXU + p))
-    ctx.dma(False, c.dtype, addr, tile, 0, rows, cols, c.strides[-2], F_ST + p)
+    ctx.b.emit("wait", flag=ctx.flag(Flag.MXU, p))
+    ctx.dma(False, c.dtype, addr, tile, 0, rows, cols, c.strides[-2], Flag.STORE, p)
 
 
 def _layout(precision: str, M: int, KT: int, L: int, free: int) -> tuple[list[str], int | None]:
@@ -297,11 +297,11 @@ def _chunks(ctx: KernelContext, chunks: int, chunk: Callable[..., None], hint: s
 
 
 def _mxu(ctx: KernelContext, a_parts: list[Region], weights: list[Region], c_tile: Region,
-         commands: list[tuple[int, int, int]], rows: int, mt: int, first: bool, flag: int) -> None:
+         commands: list[tuple[int, int, int]], rows: int, mt: int, first: bool, parity: int) -> None:
     """Issue lw + mm(a)s for each (part of A, part of B, k tile); runs of one pass longer than
     UNROLL_K_TILES become a counted loop with pointer registers."""
     b = ctx.b
-    f = ctx.flag(flag)
+    f = ctx.flag(Flag.MXU, parity)
     n_rows = b.const(rows)
     c_row = b.const(c_tile.row)
     L = ctx.lanes

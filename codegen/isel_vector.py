@@ -29,14 +29,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from codegen.builder import Builder
-from codegen.isel_common import KernelContext, Region, chunk_loop, row_mem
+from codegen.isel_common import Flag, KernelContext, Region, chunk_loop, row_mem
 from codegen.kernel_graph import ESIZE, Access, FillKernel, GenericKernel, LoweringError, ScalarProgram, View
 from codegen.math_seqs import vdivide, vexp, vrecip, vrsqrt, vsqrt, vtanh
 from codegen.mir import Reg
 
 MAX_TILE_VMEM_ROWS = 512  # vmem rows of one operand's tile (64 chunks): keeps double buffering useful
 UNROLL_CHUNKS = 4  # chunk sequences up to this long are unrolled, longer ones run as loops
-F_LD, F_ST = 0, 2  # flags: loads of tile parity p on F_LD + p, stores on F_ST + p
 NEG_INF = 0xFF800000
 ZERO_BITS = 0
 
@@ -147,8 +146,8 @@ def _materialize(ctx: KernelContext, view: View, st: list[int], sizes: list[int]
     outer = sizes[:-1] or [1]
 
     def pair(src: Reg, dst: Reg) -> None:
-        ctx.dma(True, view.dtype, src, region, 0, C, 1, st[-1], 6)
-        ctx.dma(False, view.dtype, dst, region, 0, C, 1, 1, 6)
+        ctx.dma(True, view.dtype, src, region, 0, C, 1, st[-1], Flag.COPY)
+        ctx.dma(False, view.dtype, dst, region, 0, C, 1, 1, Flag.COPY)
 
     # the longest outer dim is a runtime loop (pointer registers) when long, the others are unrolled
     d, count = _longest(outer)
@@ -172,7 +171,7 @@ def _materialize(ctx: KernelContext, view: View, st: list[int], sizes: list[int]
         else:
             for j in range(count):
                 pair(b.offset_reg(src, j * src_step), b.offset_reg(reg, dst_off + j * dst_step))
-    b.emit("wait", flag=ctx.flag(6))
+    b.emit("wait", flag=ctx.flag(Flag.COPY))
     name = f"scratch@{off}"
     ctx.hbm_base[name] = (reg, off)
     dense = [0] * len(sizes)
@@ -238,8 +237,8 @@ def _tile_buffers(ctx: KernelContext, k: GenericKernel, streams: list[Stream], r
 
 def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buffers: TileBuffers, rows: int,
                C: int, P: int) -> None:
-    """Double-buffered tiles of T rows: tile i waits for its loads (flag F_LD + i % 2), issues the loads of
-    tile i + 1, waits for the store of tile i - 2 (F_ST + i % 2), computes, and stores. Pairs of full tiles
+    """Double-buffered tiles of T rows: tile i waits for its loads (flag LOAD + i % 2), issues the loads of
+    tile i + 1, waits for the store of tile i - 2 (STORE + i % 2), computes, and stores. Pairs of full tiles
     run in a runtime loop; the last one or two tiles follow it (the last tile may be partial)."""
     b = ctx.b
     out = streams[-1]
@@ -258,25 +257,25 @@ def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buff
         for s in loads:
             assert s.ptr is not None and s.tiles is not None
             cols = C if s.kind == "row" else 1
-            ctx.dma(True, s.view.dtype, s.ptr, s.tiles[p], 0, n, cols, s.row_stride, F_LD + p)
+            ctx.dma(True, s.view.dtype, s.ptr, s.tiles[p], 0, n, cols, s.row_stride, Flag.LOAD, p)
             if s.row_stride:
                 b.addi(s.ptr, n * s.row_stride * ESIZE[s.view.dtype], s.ptr)
 
     def tile(p: int, n: int, n_next: int) -> None:
-        b.emit("wait", flag=ctx.flag(F_LD + p))
+        b.emit("wait", flag=ctx.flag(Flag.LOAD, p))
         if n_next:
             issue_loads(1 - p, n_next)
         for s in streams[:-1]:
             if s.expanded is not None:
                 assert s.tiles is not None
                 _broadcast_rows(b, s.tiles[p], s.expanded, n, P, s.view.dtype in ("i32", "i1"))
-        b.emit("wait", flag=ctx.flag(F_ST + p))
+        b.emit("wait", flag=ctx.flag(Flag.STORE, p))
         if k.reduction:
             _reduce_tile(ctx, k.body, streams, p, out_tiles[p], n, C, P)
         else:
             _map_tile(ctx, k.body, streams, p, out_tiles[p], n, P)
         cols = 1 if k.reduction else C
-        ctx.dma(False, out.view.dtype, out_ptr, out_tiles[p], 0, n, cols, out.row_stride, F_ST + p)
+        ctx.dma(False, out.view.dtype, out_ptr, out_tiles[p], 0, n, cols, out.row_stride, Flag.STORE, p)
         if out.row_stride:
             b.addi(out_ptr, n * out.row_stride * ESIZE[out.view.dtype], out_ptr)
         b.new_block("tile_next")  # a tile's code ends a block: its DMA issues before the next tile's waits

@@ -87,3 +87,12 @@ def test_program_is_encoded_from_the_bundles_and_its_text_assembles_to_the_same_
         text = assemble(exe.stages["program.s"])
         assert text.bundles == exe.program.bundles
         assert text.labels == exe.program.labels and text.source_lines == exe.program.source_lines
+
+
+def test_flag_roles_are_disjoint_and_fit_the_machine() -> None:
+    """Every completion-flag role has flags of its own (width-2 roles by parity), all within NUM_FLAGS."""
+    from codegen.isel_common import FLAG_WIDTH, Flag
+    from device_sim.isa import NUM_FLAGS
+
+    used = [int(role) + p for role in Flag for p in range(FLAG_WIDTH.get(role, 1))]
+    assert len(used) == len(set(used)) and max(used) < NUM_FLAGS
