@@ -78,3 +78,14 @@ def test_a_broken_device_never_breaks_import(monkeypatch: pytest.MonkeyPatch) ->
         warnings.simplefilter("always")
         ctpu_device._autoload()
     assert any("not available" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("first", ["fx_passes", "fx_passes.ops", "codegen", "torch_tpu_backend.llama_demo"])
+def test_device_loads_whichever_package_is_imported_first(first: str) -> None:
+    """`import torch` loads the ctpu device through its entry point, also when torch is first imported from
+    inside one of our packages (the device once imported the half-initialized fx_passes package and was
+    silently left out: `device="ctpu"` then failed for the whole process)."""
+    code = f"import {first}\nimport torch\nprint(torch.empty(2, device='ctpu').device)"
+    done = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", code], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ctpu:0", done.stderr[-2000:]

@@ -21,7 +21,9 @@ import torch
 from torch._ops import OpOverload
 from torch.utils._pytree import tree_map
 
-from fx_passes import CtpuFallbackWarning  # one warning class for every CPU fallback, eager or compiled
+# one warning class for every CPU fallback, eager or compiled; from its leaf module: `import torch` loads this
+# device, and may do so from inside `import fx_passes` (the package is then half initialized)
+from fx_passes.errors import CtpuFallbackWarning
 from torch_tpu_backend import stats
 from torch_tpu_backend.device import eager
 from torch_tpu_backend.device.random import default_generator
