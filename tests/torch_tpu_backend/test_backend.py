@@ -94,8 +94,8 @@ def test_compile_cache_reuses_binaries(tmp_path: Path) -> None:
     hits = []
     real_cached = cache.cached
 
-    def spy(directory: Path | None, key: str, build: object) -> object:
-        value, hit = real_cached(directory, key, build)  # type: ignore[arg-type]
+    def spy(directory: Path | None, key: str, build: object, **kwargs: object) -> object:
+        value, hit = real_cached(directory, key, build, **kwargs)  # type: ignore[arg-type]
         hits.append(hit)
         return value, hit
 
