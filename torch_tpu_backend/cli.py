@@ -124,7 +124,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     result: dict[str, object] = {"config": args.config}
     if not args.models_only:
         result |= bench.collect(args)
-    result["models"] = model_bench.run(args.config, lambda name: print(f"ctpu bench: {name}", file=sys.stderr))
+
+    def progress(name: str) -> None:
+        print(f"ctpu bench: {name}", file=sys.stderr)
+
+    result["models"] = model_bench.run(args.config, progress)
+    result["generation"] = model_bench.generation(args.config, progress=progress)
     print(json.dumps(result, indent=2))
     return 0
 

@@ -63,13 +63,14 @@ class Phase:
         return asdict(self)
 
 
-def load_model(model_dir: str | None, dtype: torch.dtype) -> tuple[torch.nn.Module, Any, str]:
-    """(model in eval mode, its tokenizer or None, a description). A checkpoint loads from disk only."""
+def load_model(model_dir: str | None, dtype: torch.dtype, **shape: int) -> tuple[torch.nn.Module, Any, str]:
+    """(model in eval mode, its tokenizer or None, a description). A checkpoint loads from disk only; without
+    one, the random-weight Llama of `llama_demo.tiny_llama(**shape)` (layers, hidden, vocab)."""
     from torch_tpu_backend.llama_demo import tiny_llama
 
     if model_dir is None:
-        model = tiny_llama(dtype)
-        return model, None, "tiny Llama (random weights, seed 0)"
+        model = tiny_llama(dtype, **shape)
+        return model, None, f"Llama (random weights, seed 0{''.join(f', {k} {v}' for k, v in shape.items())})"
     path = Path(model_dir)
     if not path.is_dir() or not (path / "config.json").is_file():
         raise ValueError(f"{model_dir}: not a Hugging Face checkpoint directory (no config.json)")
@@ -154,13 +155,14 @@ class TokenStreamer:
 def run(model_dir: str | None = None, prompt_ids: Sequence[Sequence[int]] | None = None,
         prompts: Sequence[str] | None = None, max_new_tokens: int = 8, dtype: torch.dtype = torch.float32,
         config: str = "small", target: str = "sim", batch: int = 1, check: bool = False,
-        write: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Generate greedily with the forward compiled for the CTPU; the figures as a JSON-able dict."""
+        write: Callable[[str], None] | None = None, **shape: int) -> dict[str, Any]:
+    """Generate greedily with the forward compiled for the CTPU; the figures as a JSON-able dict. `shape`
+    (layers, hidden, vocab) sizes the random-weight Llama used without a checkpoint."""
     from device_sim.config import get_config
 
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {max_new_tokens}: at least 1")
-    model, tokenizer, description = load_model(model_dir, dtype)
+    model, tokenizer, description = load_model(model_dir, dtype, **shape)
     model.config.use_cache = True  # the tiny Llama's config turns it off; a static cache needs it
     ids, mask = make_batch(model, tokenizer, prompt_ids, prompts, batch)
     limit = getattr(model.config, "max_position_embeddings", None)

@@ -4,6 +4,11 @@ target and checked against eager PyTorch. Per graph: kernels launched, bundles i
 cycles, ops per bundle, matrix-unit utilization, DMA bytes, compile + run seconds and the largest error.
 
     ctpu bench --models-only [--config small]
+
+`generation` (in the same JSON): greedy generate() with a static KV cache through `ctpu generate`'s path,
+prefill and decode cycles per token, simulated and simulator tokens/s, host bytes, CPU ops, eager parity:
+the tiny Llama (fp32, "highest") on the configuration asked for, and on `large` a wider Llama-shaped model
+(bf16, hidden 512, 2 layers, head dim 16, vocab 1024).
 """
 
 from __future__ import annotations
@@ -91,3 +96,40 @@ def run(config: str = "small", progress: Callable[[str], None] | None = None) ->
             progress(name)
         out[name] = _one(fn, make(), precision, config)
     return out
+
+
+GENERATION = {  # name -> (config, dtype, shape of the random-weight Llama); `None` config: the one asked for
+    "tiny_llama_f32": (None, torch.float32, {}),
+    "llama_hidden512_bf16_large": ("large", torch.bfloat16, {"hidden": 512, "layers": 2, "vocab": 1024}),
+}
+
+
+def generation(config: str = "small", new_tokens: int = 4,
+               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Prefill (8 prompt tokens) and decode figures of greedy generation with a static cache, per model."""
+    from torch_tpu_backend import generate
+
+    out = {}
+    for name, (cfg, dtype, shape) in GENERATION.items():
+        if progress is not None:
+            progress(name)
+        torch._dynamo.reset()
+        previous = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                r = generate.run(prompt_ids=[list(range(1, 9))], max_new_tokens=new_tokens, dtype=dtype,
+                                 config=cfg or config, check=True, **shape)
+        finally:
+            torch.set_float32_matmul_precision(previous)
+        out[name] = {"config": r["config"], "dtype": r["dtype"], "model": r["model"],
+                     "prompt_tokens": r["prompt_tokens"], "new_tokens": r["new_tokens"],
+                     "tokens_equal_eager": r["check"]["passed"], "wall_seconds_per_token": r["wall_seconds"] /
+                     r["new_tokens"], "prefill": _phase(r["prefill"]), "decode": _phase(r["decode"])}
+    return out
+
+
+def _phase(p: dict[str, Any]) -> dict[str, Any]:
+    keep = ("calls", "tokens", "cycles", "kernels", "cpu_ops", "host_bytes_uploaded", "host_bytes_read_back")
+    return {**{k: p[k] for k in keep}, **p["figures"]}
