@@ -227,7 +227,8 @@ def devices() -> list[CtpuDevice]:
 
 
 def to_numpy_bits(array: Any) -> np.ndarray:
-    """A contiguous numpy copy of a CPU tensor or array, bf16 as uint16 bits (numpy has no bf16)."""
+    """A contiguous numpy array of a tensor's values, bf16 as uint16 bits (numpy has no bf16). It shares memory
+    with a contiguous CPU tensor (copy it to keep the values of a tensor that changes later)."""
     import torch
 
     if isinstance(array, torch.Tensor):

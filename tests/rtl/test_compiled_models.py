@@ -13,7 +13,7 @@ from test_models import MiniAttention, capture, tiny_llama
 
 import fx_passes
 from codegen import compile_graph
-from device_sim.executable import run_fresh, stage
+from device_sim.executable import launch, run_fresh, stage
 from device_sim.rtl.diff import diff_batch
 from device_sim.rtl.runner import RtlJob
 from device_sim.runners import SimulatorRunner
@@ -73,3 +73,42 @@ def test_edge_values_match_the_simulator() -> None:
     hbm, _, _, regs = stage(cg, [t.detach().numpy() for t in args])
     (report,) = diff_batch([RtlJob(cg.program, hbm, args=regs)], ["edge values"])
     assert report.ok, report.summary()
+
+
+def test_a_decode_step_with_its_kv_cache_matches_the_simulator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One decode step of the tiny Llama, as generate() with a static cache launches it (the KV cache rows
+    written in place at a position read at run time), on the SystemVerilog core: the final HBM (the cache
+    included), registers and cycle count are the simulator's, and the step wrote the new rows."""
+    from torch_tpu_backend import ctpu_target, runtime
+
+    launches = []
+    real_launch = ctpu_target.launch_executable
+
+    def record(exe, tensors, outputs, target, name):  # type: ignore[no-untyped-def]
+        launches.append((exe, [runtime.to_numpy_bits(t).copy() for t in tensors]))  # the inputs before it
+        return real_launch(exe, tensors, outputs, target, name)
+
+    monkeypatch.setattr(ctpu_target, "launch_executable", record)
+    model = tiny_llama(torch.float32)
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        torch._dynamo.reset()
+        model.forward = torch.compile(model.forward, backend="ctpu")
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=2, do_sample=False, use_cache=True, cache_implementation="static")
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert len(launches) == 2  # the prefill, then one decode step: each one program
+    exe, inputs = launches[1]
+    assert exe.mutated_inputs  # the cache buffers (and transformers' position counter)
+    hbm, addrs, arena, regs = stage(exe, inputs)
+    (report,) = diff_batch([RtlJob(exe.program, hbm.copy(), args=regs)], ["tiny llama decode step"])
+    assert report.ok, report.summary()
+    after = hbm.copy()
+    _, stats = launch(exe, SimulatorRunner(exe.config), after, addrs, arena)
+    assert stats.cycles == report.cycles > 100_000
+    spans = [slice(addrs[i], addrs[i] + exe.inputs[i].nbytes) for i in exe.mutated_inputs]
+    written = [np.count_nonzero(after[span] != hbm[span]) for span in spans]
+    assert sum(written) > 0  # the new K / V rows (and the counter) landed in the inputs' own buffers
