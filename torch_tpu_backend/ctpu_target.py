@@ -59,12 +59,13 @@ class CtpuTarget:
         dump.stage(f"{name}_summary", json.dumps(exe.summary, indent=2, default=str), "json")
         return exe
 
-    def launch(self, exe: Executable, args: Sequence[Any], outputs: Sequence[OutputSpec], name: str) -> list[Any]:
-        return launch_executable(exe, args, outputs, self.name, name)
+    def launch(self, exe: Executable, args: Sequence[Any], outputs: Sequence[OutputSpec], name: str,
+               bumped_after: frozenset[int] = frozenset()) -> list[Any]:
+        return launch_executable(exe, args, outputs, self.name, name, bumped_after)
 
 
 def launch_executable(exe: Executable, tensors: Sequence[Any], outputs: Sequence[OutputSpec], target: str,
-                      name: str) -> list[torch.Tensor]:
+                      name: str, bumped_after: frozenset[int] = frozenset()) -> list[torch.Tensor]:
     """Launch on the device of the executable's configuration. ctpu tensors already in its HBM are read in
     place (their addresses go in the argument table); CPU tensors are read from their resident HBM copies
     (torch_tpu_backend.resident: uploaded when new or updated in place, so a CPU model's weights cross once);
@@ -73,16 +74,16 @@ def launch_executable(exe: Executable, tensors: Sequence[Any], outputs: Sequence
     device = runtime.get_device(exe.config)
     with device.resident.launch_lock:  # no other launch evicts the copies this one reads
         try:
-            return _launch(device, exe, tensors, outputs, target, name)
+            return _launch(device, exe, tensors, outputs, target, name, bumped_after)
         except runtime.HbmOutOfMemory:
             if not device.resident.evict():  # HBM full: the copies of host tensors are what can go
                 raise
             device.allocator.uncount_oom()
-            return _launch(device, exe, tensors, outputs, target, name)
+            return _launch(device, exe, tensors, outputs, target, name, bumped_after)
 
 
 def _launch(device: runtime.CtpuDevice, exe: Executable, tensors: Sequence[Any], outputs: Sequence[OutputSpec],
-            target: str, name: str) -> list[torch.Tensor]:
+            target: str, name: str, bumped_after: frozenset[int]) -> list[torch.Tensor]:
     allocations: list[int] = []
     uploaded = read_back = 0
     try:
@@ -110,13 +111,15 @@ def _launch(device: runtime.CtpuDevice, exe: Executable, tensors: Sequence[Any],
         arena = device.allocator.alloc(max(exe.arena_bytes, 1))
         allocations.append(arena)
         arrays = device.launch(exe, input_addrs, arena, target=target, name=name)
-        # The program wrote a CPU input's HBM copy in place: the host tensor gets the new values too. (AOT then
-        # moves its version counter, so the next launch uploads it again: a CPU KV cache crosses every step;
-        # a cache on ctpu is written where it lives.)
+        # The program wrote a CPU input's HBM copy in place: the host tensor gets the new values too, and a
+        # resident copy stays current through the version bump the caller makes after the call (a CPU KV cache
+        # is not uploaded again next step; any other change to it is).
         for i in exe.mutated_inputs:
             if i in staged or i in resident:
                 _copy_back(device, exe.inputs[i], input_addrs[i], tensors[i])
                 read_back += exe.inputs[i].nbytes
+            if i in resident:
+                device.resident.written_back(tensors[i], (exe.inputs[i].dtype,), 1 if i in bumped_after else 0)
     finally:
         for addr in allocations:
             device.allocator.release(addr)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import operator
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +80,7 @@ class GraphCompiler:
         import fx_passes
 
         self.graphs += 1
+        bumped = _bumped_by_caller(gm)
         dump = GraphDump(Path(self.opts.dump_dir) if self.opts.dump_dir else None,
                          cache.make_key(str(gm.graph), signature(example_inputs)))
         dump.stage("fx_aten", gm.print_readable(print_output=False))
@@ -94,7 +95,7 @@ class GraphCompiler:
             return make_boxed_func(CpuSegment(gm))
         dump.stage("fx_after_passes", gm.print_readable(print_output=False))
         dump.stage("fx_passes_report", report.summary())
-        module, partition, segments = self._compile_segments(gm, report.partition, dump)
+        module, partition, segments = self._compile_segments(gm, report.partition, dump, bumped)
         cpu_nodes = [n for seg in partition.segments if seg.placement == "cpu" for n in seg.nodes]
         if cpu_nodes:
             ops = [n for n in cpu_nodes if n.target is not operator.getitem]
@@ -104,7 +105,7 @@ class GraphCompiler:
                       "fusions": dict(report.fusions), "fallback_ops": fx_passes.fallback_summary(cpu_nodes)})
         return make_boxed_func(module)
 
-    def _compile_segments(self, gm: torch.fx.GraphModule, partition: Any, dump: GraphDump
+    def _compile_segments(self, gm: torch.fx.GraphModule, partition: Any, dump: GraphDump, bumped: set[str]
                           ) -> tuple[torch.fx.GraphModule, Any, list[dict[str, Any]]]:
         """Split into segments and compile each target segment. A segment that fails to compile gives up
         only the node that makes it fail (the shortest failing prefix ends with it): that node joins the
@@ -128,7 +129,7 @@ class GraphCompiler:
                 except Exception as e:
                     failure = (seg_nodes, e)
                     break
-                setattr(split.module, name, TargetSegment(self.target, exe, name, sub))
+                setattr(split.module, name, TargetSegment(self.target, exe, name, sub, bumped))
                 summaries.append({"segment": name, "placement": self.target.name,
                                   **_executable_summary(exe)})
             if failure is None:
@@ -173,6 +174,17 @@ class GraphCompiler:
 
 
 _NO_DUMP = GraphDump(None, "")
+
+
+def _bumped_by_caller(gm: torch.fx.GraphModule) -> set[str]:
+    """The graph inputs AOT autograd's wrapper moves the version counter of after each call (inputs the graph
+    mutates in place, seen by autograd): their placeholder names. Empty outside an AOT compile."""
+    from torch._guards import TracingContext
+
+    meta = getattr(TracingContext.try_get(), "fw_metadata", None)
+    indices = getattr(meta, "mutated_graph_handled_indices_seen_by_autograd", None) or ()
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    return {placeholders[i].name for i in indices if i < len(placeholders)}
 
 
 def _reason(err: Exception) -> str:
@@ -236,16 +248,19 @@ class TargetSegment(torch.nn.Module):
     """A compiled segment: one executable, launched through its target. Its outputs are made as the FX graph
     says (dtype, device: a ctpu tensor stays on ctpu, a `.cpu()` result is a CPU tensor)."""
 
-    def __init__(self, target: Target, executable: Any, name: str, sub: torch.fx.GraphModule) -> None:
+    def __init__(self, target: Target, executable: Any, name: str, sub: torch.fx.GraphModule,
+                 bumped: Collection[str] = ()) -> None:
         super().__init__()
         self.target, self.executable, self.name = target, executable, name
+        self.bumped_after = frozenset(i for i, p in enumerate(sub.graph.find_nodes(op="placeholder"))
+                                      if p.name in bumped)
         output = next(iter(sub.graph.find_nodes(op="output")))
         results = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
         self.returns_tuple = isinstance(output.args[0], (tuple, list))
         self.outputs = [OutputSpec(r.meta["val"].dtype, r.meta["val"].device) for r in results]
 
     def forward(self, *args: Any) -> Any:
-        outs = self.target.launch(self.executable, args, self.outputs, self.name)
+        outs = self.target.launch(self.executable, args, self.outputs, self.name, self.bumped_after)
         return tuple(outs) if self.returns_tuple else outs[0]
 
 

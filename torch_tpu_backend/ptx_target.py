@@ -176,7 +176,8 @@ class PtxTarget:
                           " (they run as torch CUDA ops)", stacklevel=2)
         return PtxGraph(gm, {k.node: k for k in kernels}, figures)
 
-    def launch(self, graph: PtxGraph, args: Any, outputs: Any, name: str) -> list[Any]:
+    def launch(self, graph: PtxGraph, args: Any, outputs: Any, name: str,
+               bumped_after: frozenset[int] = frozenset()) -> list[Any]:
         result = graph(*args)
         return list(result) if isinstance(result, (tuple, list)) else [result]
 

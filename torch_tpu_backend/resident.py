@@ -83,6 +83,18 @@ class ResidentCopies:
             finally:
                 self._free_dead()
 
+    def written_back(self, tensor: torch.Tensor, view_key: Hashable, bumps_to_come: int) -> None:
+        """A launch wrote `tensor`'s copy in place and `tensor` was given the same values: the copy is current
+        for the tensor's version now plus the `bumps_to_come` the caller makes without changing the values."""
+        key = (tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, view_key)
+        with self._lock:
+            try:
+                copy = self._entry(tensor.untyped_storage()).copies.get(key)
+                if copy is not None:
+                    copy.version = tensor._version + bumps_to_come
+            finally:
+                self._free_dead()
+
     def evict(self) -> int:
         """Free every copy (callers hold `launch_lock`: no launch is reading one); returns the bytes freed."""
         freed = 0

@@ -40,4 +40,8 @@ class Target(Protocol):
         when it cannot."""
         ...
 
-    def launch(self, executable: Any, args: Sequence[Any], outputs: Sequence[OutputSpec], name: str) -> list[Any]: ...
+    def launch(self, executable: Any, args: Sequence[Any], outputs: Sequence[OutputSpec], name: str,
+               bumped_after: frozenset[int] = frozenset()) -> list[Any]:
+        """Run it. `bumped_after`: the args whose version counter the caller (AOT autograd's wrapper) moves
+        after the call, because the graph mutated them."""
+        ...
