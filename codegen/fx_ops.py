@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from codegen.fx_to_mlir import DTYPES, BodyWriter, MlirEmitter, TValue, UnsupportedOp
+from codegen.fx_to_mlir import DTYPES, BodyWriter, MlirEmitter, TValue, UnsupportedOp, affine_map
 
 aten = torch.ops.aten
 Lowering = Callable[..., Any]
@@ -270,7 +270,6 @@ def _index_put(e: MlirEmitter, x: TValue, indices: Any, values: Any, accumulate:
     # one index row per updated row: (i_0, .., i_{d-1}, position); x itself is the scatter's destination
     # (a reshaped view of it would make bufferization copy the whole tensor)
     rank = d + 2
-    ident = _affine_ids(rank)
     init = e.empty((*lead, n_rows, d + 1), "i32")
 
     def body(args: list[str], w: BodyWriter) -> str:
@@ -283,15 +282,10 @@ def _index_put(e: MlirEmitter, x: TValue, indices: Any, values: Any, accumulate:
             out = w.select(w.cmp("eq", i[-1], w.const_int(k), "i32"), i[k], out, "i32")
         return out
 
-    pairs = e.generic([idx], [f"affine_map<({', '.join(f'd{k}' for k in range(rank))}) -> (d{d})>", ident], init,
+    pairs = e.generic([idx], [affine_map(rank, [f"d{d}"]), affine_map(rank)], init,
                       ["parallel"] * rank, body)
     n = math.prod(lead) * n_rows
     return e.scatter_rows(x, e.reshape(pairs, (n, d + 1)), e.reshape(values, (n, *rest)))
-
-
-def _affine_ids(rank: int) -> str:
-    dims = ", ".join(f"d{k}" for k in range(rank))
-    return f"affine_map<({dims}) -> ({dims})>"
 
 
 def _broadcast_to(e: MlirEmitter, x: TValue, shape: tuple[int, ...]) -> TValue:
@@ -738,8 +732,7 @@ def _heads(e: MlirEmitter, t: TValue, rep: int, transpose: bool) -> TValue:
     last = ("d3", "d4") if not transpose else ("d4", "d3")
     shape = (b, h, rep, s, d) if not transpose else (b, h, rep, d, s)
     rank = 5
-    maps = [f"affine_map<(d0, d1, d2, d3, d4) -> (d0, d1, {last[0]}, {last[1]})>",
-            f"affine_map<({', '.join(f'd{i}' for i in range(rank))}) -> ({', '.join(f'd{i}' for i in range(rank))})>"]
+    maps = [affine_map(rank, ["d0", "d1", *last]), affine_map(rank)]
     init = e.empty(shape, "f32")
     out = e.generic([t], maps, init, ["parallel"] * rank, lambda a, w: w.cast(a[0], t.dtype, "f32"))
     return e.reshape(out, (b * h * rep, *shape[3:]))

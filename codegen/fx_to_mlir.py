@@ -138,7 +138,9 @@ def _float_literal(value: float, dtype: str) -> str:
     return f"0x{bits:08X}" if dtype == "f32" else f"0x{bits >> 16:04X}"
 
 
-def _affine(rank: int, results: Sequence[str]) -> str:
+def affine_map(rank: int, results: Sequence[str] | None = None) -> str:
+    """`affine_map<(d0, .., d{rank-1}) -> (results)>`; without results, the identity."""
+    results = results if results is not None else [f"d{i}" for i in range(rank)]
     dims = ", ".join(f"d{i}" for i in range(rank))
     return f"affine_map<({dims}) -> ({', '.join(results)})>"
 
@@ -206,9 +208,9 @@ class MlirEmitter:
         maps = []
         for t in tensors:
             lead = rank - len(t.shape)
-            maps.append(_affine(rank, ["0" if (s == 1 and out_shape[lead + i] != 1) else f"d{lead + i}"
+            maps.append(affine_map(rank, ["0" if (s == 1 and out_shape[lead + i] != 1) else f"d{lead + i}"
                                        for i, s in enumerate(t.shape)]))
-        maps.append(_affine(rank, [f"d{i}" for i in range(rank)]))
+        maps.append(affine_map(rank))
         init = self.empty(out_shape, out_dtype)
 
         def body(args: list[str], w: BodyWriter) -> str:
@@ -236,7 +238,7 @@ class MlirEmitter:
         def body(args: list[str], w: BodyWriter) -> str:
             return w.op(op, w.cast(args[0], x.dtype, "f32"), args[1], dtype="f32")
 
-        maps = [_affine(rank, [f"d{i}" for i in range(rank)]), _affine(rank, [f"d{i}" for i in range(rank - 1)])]
+        maps = [affine_map(rank), affine_map(rank, [f"d{i}" for i in range(rank - 1)])]
         r = self.generic([x], maps, init, ["parallel"] * (rank - 1) + ["reduction"], body)
         return self.reshape(r, (*x.shape[:-1], 1)) if keepdim else r
 
@@ -244,7 +246,7 @@ class MlirEmitter:
         """out[d...] = x[results(d...)]: permutations and broadcasts, as a fusable copy."""
         rank = len(shape)
         init = self.empty(shape, x.dtype)
-        maps = [_affine(rank, results), _affine(rank, [f"d{i}" for i in range(rank)])]
+        maps = [affine_map(rank, results), affine_map(rank)]
         return self.generic([x], maps, init, ["parallel"] * rank, lambda a, w: a[0])
 
     def reshape(self, x: TValue, shape: tuple[int, ...]) -> TValue:
@@ -283,7 +285,7 @@ class MlirEmitter:
             w.dtype = dtype
             return fn([w.index(d) for d in range(rank)], w)
 
-        return self.generic([], [_affine(rank, [f"d{i}" for i in range(rank)])], init, ["parallel"] * rank, body)
+        return self.generic([], [affine_map(rank)], init, ["parallel"] * rank, body)
 
     def gather_rows(self, table: TValue, ids: TValue) -> TValue:
         """out[i..., j] = table[ids[i...], j] (an embedding lookup: tensor.extract in a generic body)."""
@@ -299,7 +301,7 @@ class MlirEmitter:
             w.lines.append(f"{r} = tensor.extract {table.name}[{row}, {col}] : {table.type}")
             return r
 
-        maps = [_affine(rank, [f"d{i}" for i in range(rank - 1)]), _affine(rank, [f"d{i}" for i in range(rank)])]
+        maps = [affine_map(rank, [f"d{i}" for i in range(rank - 1)]), affine_map(rank)]
         return self.generic([ids], maps, init, ["parallel"] * rank, body)
 
     def scatter_rows(self, dest: TValue, indices: TValue, updates: TValue) -> TValue:
