@@ -135,7 +135,8 @@ def _launch(device: runtime.CtpuDevice, exe: Executable, tensors: Sequence[Any],
 
 
 def _copy_back(device: runtime.CtpuDevice, spec: ArgSpec, addr: int, tensor: torch.Tensor) -> None:
-    """The program wrote input `tensor` in its staged HBM copy: the caller's tensor gets the new values."""
+    """The program wrote input `tensor`'s HBM copy (staged or resident) at `addr`: the caller's tensor gets
+    the new values."""
     strides = tuple(int(np.prod(spec.shape[i + 1:])) for i in range(len(spec.shape)))
     values = read_output(device.hbm, OutputView(spec.shape, strides, 0, spec.dtype, spec.nbytes, input=0), [addr], 0)
     with torch.no_grad():

@@ -49,7 +49,7 @@ def ctpu_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], option
     # `copy_(input, value)` nodes, a KV cache update in place), instead of returning the whole new value
     # for AOT's wrapper to copy back on the CPU every call. recompute_partition: the forward under grad
     # mode saves only its inputs, so it lowers as the inference graph does.
-    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, decompositions=decomposition_table(),
+    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler.backward, decompositions=decomposition_table(),
                            keep_inference_input_mutations=True, partition_fn=recompute_partition)
     return backend(gm, example_inputs)
 
@@ -74,13 +74,14 @@ class GraphCompiler:
     target: Target
     graphs: int = field(default=0)
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                 backward: bool = False) -> Callable[..., Any]:
         from torch._functorch.aot_autograd import make_boxed_func
 
         import fx_passes
 
         self.graphs += 1
-        bumped = _bumped_by_caller(gm)
+        bumped = set() if backward else _bumped_by_caller(gm)
         dump = GraphDump(Path(self.opts.dump_dir) if self.opts.dump_dir else None,
                          cache.make_key(str(gm.graph), signature(example_inputs)))
         dump.stage("fx_aten", gm.print_readable(print_output=False))
@@ -104,6 +105,10 @@ class GraphCompiler:
         dump.summary({"target": self.target.name, "config": self.opts.config, "segments": segments,
                       "fusions": dict(report.fusions), "fallback_ops": fx_passes.fallback_summary(cpu_nodes)})
         return make_boxed_func(module)
+
+    def backward(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        """AOT's bw_compiler: the tracing context's input metadata is the forward's, not this graph's."""
+        return self(gm, example_inputs, backward=True)
 
     def _compile_segments(self, gm: torch.fx.GraphModule, partition: Any, dump: GraphDump, bumped: set[str]
                           ) -> tuple[torch.fx.GraphModule, Any, list[dict[str, Any]]]:

@@ -44,6 +44,11 @@ class _StorageCopies:
     copies: dict[Hashable, _Copy] = field(default_factory=dict)  # view key -> its copy
 
 
+def _view(tensor: torch.Tensor, view_key: Hashable) -> Hashable:
+    """What a copy of `tensor`'s storage holds: the view (offset, sizes, strides, dtype) and the program's form."""
+    return tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, view_key
+
+
 class ResidentCopies:
     """The resident copies on one device. `address` is the one entry point; thread-safe.
 
@@ -62,11 +67,10 @@ class ResidentCopies:
                 hbm: np.ndarray) -> tuple[int, int]:
         """The HBM address of `tensor`'s copy (packed by `pack` when it is new or stale) and the bytes written
         to HBM for it now (0 when the copy was current)."""
-        storage = tensor.untyped_storage()
-        key = (tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, view_key)
+        key = _view(tensor, view_key)
         with self._lock:
             try:
-                entry = self._entry(storage)
+                entry = self._entry(tensor.untyped_storage())
                 copy = entry.copies.get(key)
                 if copy is not None and copy.version == tensor._version:
                     return copy.addr, 0
@@ -86,10 +90,9 @@ class ResidentCopies:
     def written_back(self, tensor: torch.Tensor, view_key: Hashable, bumps_to_come: int) -> None:
         """A launch wrote `tensor`'s copy in place and `tensor` was given the same values: the copy is current
         for the tensor's version now plus the `bumps_to_come` the caller makes without changing the values."""
-        key = (tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, view_key)
         with self._lock:
             try:
-                copy = self._entry(tensor.untyped_storage()).copies.get(key)
+                copy = self._entry(tensor.untyped_storage()).copies.get(_view(tensor, view_key))
                 if copy is not None:
                     copy.version = tensor._version + bumps_to_come
             finally:
