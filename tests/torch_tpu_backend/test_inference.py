@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import gc
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -26,6 +27,16 @@ def fresh(fresh_compile: None) -> Iterator[None]:
 
 def mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.SiLU(), torch.nn.Linear(64, 16)).eval()
+
+
+def resident_mlp() -> tuple[torch.nn.Module, Callable[..., Any], torch.Tensor, runtime.CtpuDevice]:
+    """The MLP compiled and called once: its weights and the input are resident on `small`'s device."""
+    model = mlp()
+    compiled = torch.compile(model, backend="ctpu")
+    x = torch.randn(8, 32)
+    with torch.no_grad():
+        compiled(x)
+    return model, compiled, x, runtime.get_device("small")
 
 
 def nbytes(*tensors: torch.Tensor) -> int:
@@ -67,12 +78,8 @@ def test_in_place_weight_update_is_seen() -> None:
 def test_replaced_storage_is_not_mistaken_for_the_old_one() -> None:
     """`p.data = ...` swaps the storage without moving the version counter; the old storage's copy is freed
     and never read for the new one (even if the new storage reuses the old address)."""
-    model = mlp()
-    compiled = torch.compile(model, backend="ctpu")
-    x = torch.randn(8, 32)
-    device = runtime.get_device("small")
+    model, compiled, x, device = resident_mlp()
     with torch.no_grad():
-        compiled(x)
         resident = device.resident.resident_bytes()
         for p in model.parameters():
             p.data = torch.randn_like(p)  # same shape, dtype, version: only the storage differs
@@ -196,12 +203,8 @@ def test_inference_mode_tensors_are_uploaded_every_call() -> None:
 def test_full_hbm_drops_resident_copies_first() -> None:
     """Resident copies are a cache: an allocation that finds HBM full frees them before it fails, and the
     next launch uploads again."""
-    model = mlp()
-    compiled = torch.compile(model, backend="ctpu")
-    x = torch.randn(8, 32)
-    device = runtime.get_device("small")
+    model, compiled, x, device = resident_mlp()
     with torch.no_grad():
-        compiled(x)
         assert device.resident.resident_bytes() == nbytes(x, *model.parameters())
         ooms = torch.ctpu.memory_stats()["num_ooms"]
         blocks = []
