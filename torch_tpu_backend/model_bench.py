@@ -13,9 +13,10 @@ the tiny Llama (fp32, "highest") on the configuration asked for, and on `large` 
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -61,10 +62,18 @@ def _graphs() -> dict[str, tuple[Callable[..., Any], Callable[[], list[torch.Ten
     }
 
 
-def _one(fn: Callable[..., Any], inputs: list[torch.Tensor], precision: str, config: str) -> dict[str, Any]:
+@contextlib.contextmanager
+def _matmul_precision(precision: str) -> Iterator[None]:
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(precision)
     try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def _one(fn: Callable[..., Any], inputs: list[torch.Tensor], precision: str, config: str) -> dict[str, Any]:
+    with _matmul_precision(precision):
         torch._dynamo.reset()
         ctpu_stats.reset()
         compiled = torch.compile(fn, backend="ctpu", options={"config": config, "cache": False})
@@ -74,8 +83,6 @@ def _one(fn: Callable[..., Any], inputs: list[torch.Tensor], precision: str, con
             out = compiled(*inputs)
             seconds = time.perf_counter() - t0
             ref = fn(*inputs)
-    finally:
-        torch.set_float32_matmul_precision(previous)
     s = ctpu_stats.last()
     sim = [launch.stats for launch in s.launches]
     return {
@@ -114,15 +121,10 @@ def generation(config: str = "small", new_tokens: int = 4,
         if progress is not None:
             progress(name)
         torch._dynamo.reset()
-        previous = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("highest")
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                r = generate.run(prompt_ids=[list(range(1, 9))], max_new_tokens=new_tokens, dtype=dtype,
-                                 config=cfg or config, check=True, **shape)
-        finally:
-            torch.set_float32_matmul_precision(previous)
+        with _matmul_precision("highest"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            r = generate.run(prompt_ids=[list(range(1, 9))], max_new_tokens=new_tokens, dtype=dtype,
+                             config=cfg or config, check=True, **shape)
         out[name] = {"config": r["config"], "dtype": r["dtype"], "model": r["model"],
                      "prompt_tokens": r["prompt_tokens"], "new_tokens": r["new_tokens"],
                      "tokens_equal_eager": r["check"]["passed"], "wall_seconds_per_token": r["wall_seconds"] /
