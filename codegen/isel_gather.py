@@ -7,13 +7,14 @@ Gather, for chunks of T rows of the output (outer index i, D columns, P = ceil(D
    vector data to addresses; `mul` + `add` make the table row's HBM address;
 3. one `dma.ld` per row brings table[id] (1 x D) into rows i*P .. of a data region, and one `dma.st` writes
    the T x D chunk to the dense output.
-Out-of-range ids are not checked here: they address outside the table (the simulator traps on HBM bounds).
+An id outside [0, rows) (torch raises IndexError) gets its address poisoned (`poison_unless`), so its DMA
+traps on the HBM bound instead of reading another buffer.
 
 Scatter (in place, the KV cache update), for chunks of T rows of the updates (k index components each):
 1. one DMA brings the T index rows (k int32 lanes each) into vmem rows 0..T-1, one the T update rows;
 2. per row, `vext` moves each component to a scalar; `sltu` against the dim's size checks it (a negative
    position was already wrapped by the emitter), `mul` + `add` make the destination row's HBM address;
-   an out-of-range row gets 2^31 added, so its DMA traps on the HBM bound (nothing silent; the rows
+   an out-of-range row's address is poisoned, so its DMA traps on the HBM bound (nothing silent; the rows
    before it in the same launch are written);
 3. one `dma.st` per row writes it. bf16 rows of an even length move as 32-bit words, so every bit
    pattern (NaN payloads included) is copied exactly; rows are written in order, so a repeated index keeps
@@ -26,8 +27,11 @@ from __future__ import annotations
 
 import math
 
+from codegen.builder import Builder
 from codegen.isel_common import Flag, KernelContext
 from codegen.kernel_graph import ESIZE, GatherKernel, IotaKernel, LoweringError, ScatterKernel
+from codegen.mir import Reg
+from device_sim.config import HBM_POISON
 
 
 def lower_gather(ctx: KernelContext, k: GatherKernel) -> None:
@@ -51,15 +55,16 @@ def lower_gather(ctx: KernelContext, k: GatherKernel) -> None:
             off = k.ids.view.offset + sum(ix * s for ix, s in zip(flat[c0 + i], k.ids.iter_strides, strict=False))
             ctx.dma(True, k.ids.view.dtype, ctx.hbm_addr(k.ids.view, off), ids_region, i, 1, 1, 1, Flag.INDEX)
         b.emit("wait", flag=ctx.flag(Flag.INDEX))
-        zero, stride_reg = b.const(0), b.const(row_bytes)
+        zero, stride_reg, table_rows = b.const(0), b.const(row_bytes), b.const(k.table.shape[0])
         for g in range(0, n, 8):
             v = b.vld(zero, ids_region.row + g, ids_region.mem(g, g + 8))
             for i in range(g, min(g + 8, n)):
-                row_id = b.sreg()
+                row_id, valid, offset, addr = b.sreg(), b.sreg(), b.sreg(), b.sreg()
                 b.emit("vext", row_id, (v,), imm=(i - g) * n_lanes)
-                addr = b.sreg()
-                b.emit("mul", addr, (row_id, stride_reg))
-                b.emit("add", addr, (addr, table_base))
+                b.emit("sltu", valid, (row_id, table_rows))  # 0 <= id < rows (a negative id is a huge unsigned)
+                b.emit("mul", offset, (row_id, stride_reg))
+                b.emit("add", addr, (offset, table_base))
+                addr = poison_unless(b, addr, valid)
                 ctx.dma(True, k.table.dtype, addr, data_region, i * p, 1, cols, cols, Flag.ROWS)
         b.emit("wait", flag=ctx.flag(Flag.ROWS))
         out_addr = ctx.hbm_addr(k.output, k.output.offset + c0 * cols)
@@ -108,12 +113,18 @@ def lower_scatter(ctx: KernelContext, k: ScatterKernel) -> None:
                     b.emit("add", nxt, (addr, off))
                     addr = nxt
                 assert valid is not None
-                trap, out = b.sreg(), b.sreg()
-                b.emit("xori", trap, (valid,), imm=1)
-                b.emit("shli", trap, (trap,), imm=31)
-                b.emit("add", out, (addr, trap))
-                ctx.dma(False, dtype, out, data_region, i * p, 1, cols, cols, Flag.OUT)
+                ctx.dma(False, dtype, poison_unless(b, addr, valid), data_region, i * p, 1, cols, cols, Flag.OUT)
         b.emit("wait", flag=ctx.flag(Flag.OUT))
+
+
+def poison_unless(b: Builder, addr: Reg, valid: Reg) -> Reg:
+    """`addr` when `valid` (1), else an address at the top of the 32-bit space, where no configuration maps
+    HBM (device_sim.config.HBM_POISON), with `addr`'s alignment: a DMA to it traps on the HBM bound."""
+    mask, high, out = b.sreg(), b.sreg(), b.sreg()
+    b.emit("addi", mask, (valid,), imm=-1)  # 0 when valid, all ones when not
+    b.emit("andi", high, (mask,), imm=HBM_POISON)
+    b.emit("or", out, (addr, high))
+    return out
 
 
 def _row_words(k: ScatterKernel) -> tuple[str, int, int]:

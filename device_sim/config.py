@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 SUBLANES = 8  # rows in a vector register, in every configuration (as on TPUs)
+HBM_POISON = -4  # as an unsigned address 0xFFFFFFFC: above every configuration's HBM, 4-byte aligned
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,8 @@ class HardwareConfig:
 
     lanes           width of a vector register row, a vmem row and the matrix unit (mxu_dim == lanes)
     vmem_rows       vector memory size in rows of `lanes` 32-bit words
-    hbm_bytes       HBM size (byte addressed)
+    hbm_bytes       HBM size (byte addressed by 32-bit scalar registers, so at most 4 GiB; above it nothing is
+                    mapped, and software poisons an address it must not use by moving it up there: a DMA to it traps)
     hbm_bytes_per_cycle   DMA bandwidth; a vmem row costs ceil(row_bytes / this) cycles
     dma_latency     cycles from a DMA's last row to its completion flag
     imem_bundles    instruction memory size in bundles
@@ -34,6 +36,11 @@ class HardwareConfig:
     dma_queue: int = 8
     mxu_queue: int = 4
     clock_mhz: int = 1000
+
+    def __post_init__(self) -> None:
+        if not 0 < self.hbm_bytes <= (HBM_POISON & 0xFFFFFFFF):
+            raise ValueError(f"{self.name}: hbm_bytes {self.hbm_bytes:#x} must leave the poison address "
+                             f"{HBM_POISON & 0xFFFFFFFF:#x} unmapped")
 
     @property
     def mxu_dim(self) -> int:
@@ -70,7 +77,7 @@ LARGE = HardwareConfig(
     name="large",
     lanes=128,
     vmem_rows=32768,  # 16 MiB, like a TPUv4 core's vector memory
-    hbm_bytes=1 << 30,
+    hbm_bytes=3 << 30,  # a 1B-parameter model in bf16 (2.5 GB) + its KV cache; the top GiB stays unmapped
     hbm_bytes_per_cycle=1024,  # ~1 TB/s at 1 GHz
     dma_latency=500,
     imem_bundles=65536,

@@ -172,7 +172,11 @@ def generate() -> str:
                   "dma_queue", "mxu_queue")
     for cfg in CONFIGS.values():
         for f in cfg_fields:
-            w(f"  localparam int CFG_{cfg.name.upper()}_{f.upper()} = {getattr(cfg, f)};")
+            value = getattr(cfg, f)
+            if f == "hbm_bytes":  # 3 GiB does not fit a signed int
+                w(f"  localparam longint CFG_{cfg.name.upper()}_{f.upper()} = 64'd{value};")
+            else:
+                w(f"  localparam int CFG_{cfg.name.upper()}_{f.upper()} = {value};")
     w("")
     w("endpackage")
     w("/* verilator lint_on UNUSEDPARAM */")

@@ -485,7 +485,7 @@ package ctpu_isa_pkg;
   // ---- hardware configurations, config.py ----
   localparam int CFG_SMALL_LANES = 8;
   localparam int CFG_SMALL_VMEM_ROWS = 4096;
-  localparam int CFG_SMALL_HBM_BYTES = 16777216;
+  localparam longint CFG_SMALL_HBM_BYTES = 64'd16777216;
   localparam int CFG_SMALL_HBM_BYTES_PER_CYCLE = 32;
   localparam int CFG_SMALL_DMA_LATENCY = 32;
   localparam int CFG_SMALL_IMEM_BUNDLES = 32768;
@@ -493,7 +493,7 @@ package ctpu_isa_pkg;
   localparam int CFG_SMALL_MXU_QUEUE = 4;
   localparam int CFG_LARGE_LANES = 128;
   localparam int CFG_LARGE_VMEM_ROWS = 32768;
-  localparam int CFG_LARGE_HBM_BYTES = 1073741824;
+  localparam longint CFG_LARGE_HBM_BYTES = 64'd3221225472;
   localparam int CFG_LARGE_HBM_BYTES_PER_CYCLE = 1024;
   localparam int CFG_LARGE_DMA_LATENCY = 500;
   localparam int CFG_LARGE_IMEM_BUNDLES = 65536;

@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 
+from device_sim.config import LARGE
 from device_sim.rtl import verilator_build as vb
 
 pytestmark = pytest.mark.rtl
@@ -29,7 +30,7 @@ def test_lint_clean(top: str) -> None:
 @pytest.mark.slow
 def test_lint_scaled_up_config() -> None:
     root = vb.verilator_root()
-    params = {"LANES": 32, "VMEM_ROWS": 32768, "HBM_BYTES": "64'd1073741824", "BPC": 1024, "DMA_LATENCY": 500,
+    params = {"LANES": 32, "VMEM_ROWS": 32768, "HBM_BYTES": f"64'd{LARGE.hbm_bytes}", "BPC": 1024, "DMA_LATENCY": 500,
               "DMA_QUEUE": 8, "MXU_QUEUE": 4}
     env = {**os.environ, "VERILATOR_ROOT": str(root)}
     proc = subprocess.run([str(root / "bin" / "verilator"), "--lint-only", "-Wall", "--timing", "--replication-limit",
