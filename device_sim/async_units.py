@@ -165,6 +165,7 @@ class Dma:
         self.commands = 0
         self.bytes_loaded = 0
         self.bytes_stored = 0
+        self.stored: list[tuple[int, int]] = []  # HBM byte ranges [lo, hi) the stores covered, in issue order
 
     def copy(self, m: Machine, hbm: int, vmem: int, shape: int, stride: int, flag: int, store: bool, bf16: bool,
              t: int) -> None:
@@ -200,6 +201,7 @@ class Dma:
             data = block[:, :cols]
             view[...] = numerics.f32_to_bf16_bits(data.view(np.float32)) if bf16 else data
             self.bytes_stored += rows * cols * esize
+            self.stored.append((hbm, last))
         else:
             block[...] = 0
             block[:, :cols] = numerics.bf16_bits_to_f32(view).view(np.uint32) if bf16 else view

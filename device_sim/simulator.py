@@ -48,6 +48,11 @@ class RunStats:
     dma_bytes_loaded: int = 0
     dma_bytes_stored: int = 0
     wall_seconds: float = 0.0
+    hbm_written: list[tuple[int, int]] = field(default_factory=list)  # merged [lo, hi) byte ranges DMA stored to
+
+    def written_within(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The parts of HBM bytes [lo, hi) the run stored to (what a host copy of them must read back)."""
+        return [(max(a, lo), min(b, hi)) for a, b in self.hbm_written if a < hi and b > lo]
 
     @property
     def mxu_utilization(self) -> float:
@@ -62,12 +67,23 @@ class RunStats:
         return self.bundles / self.wall_seconds if self.wall_seconds else 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items()}
+        d = {k: v for k, v in self.__dict__.items() if k != "hbm_written"}
         d["slot_occupancy"] = {k: (v / self.bundles if self.bundles else 0.0) for k, v in self.slot_ops.items()}
         d["mxu_utilization"] = self.mxu_utilization
         d["ops_per_bundle"] = self.ops_per_bundle
         d["bundles_per_second"] = self.bundles_per_second
         return d
+
+
+def merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, disjoint [lo, hi) ranges covering `ranges` (touching ones merged)."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
 
 
 class Simulator:
@@ -217,4 +233,5 @@ class Simulator:
         stats.mxu_busy_cycles, stats.mxu_weight_loads, stats.macs = m.mxu.busy_cycles, m.mxu.weight_loads, m.mxu.macs
         stats.dma_commands = m.dma.commands
         stats.dma_bytes_loaded, stats.dma_bytes_stored = m.dma.bytes_loaded, m.dma.bytes_stored
+        stats.hbm_written = merge_ranges(m.dma.stored)
         return stats

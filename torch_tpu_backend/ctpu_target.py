@@ -110,14 +110,14 @@ def _launch(device: runtime.CtpuDevice, exe: Executable, tensors: Sequence[Any],
             input_addrs.append(addr)
         arena = device.allocator.alloc(max(exe.arena_bytes, 1))
         allocations.append(arena)
-        arrays = device.launch(exe, input_addrs, arena, target=target, name=name)
-        # The program wrote a CPU input's HBM copy in place: the host tensor gets the new values too, and a
-        # resident copy stays current through the version bump the caller makes after the call (a CPU KV cache
-        # is not uploaded again next step; any other change to it is).
+        arrays, run_stats = device.launch(exe, input_addrs, arena, target=target, name=name)
+        # The program wrote a CPU input's HBM copy in place: the host tensor gets the bytes it wrote (a KV cache
+        # step: the new rows only), and a resident copy stays current through the version bump the caller makes
+        # after the call (a CPU KV cache is not uploaded again next step; any other change to it is).
         for i in exe.mutated_inputs:
             if i in staged or i in resident:
-                _copy_back(device, exe.inputs[i], input_addrs[i], tensors[i])
-                read_back += exe.inputs[i].nbytes
+                written = run_stats.written_within(input_addrs[i], input_addrs[i] + exe.inputs[i].nbytes)
+                read_back += _copy_back(device, exe.inputs[i], input_addrs[i], tensors[i], written)
             if i in resident:
                 device.resident.written_back(tensors[i], (exe.inputs[i].dtype,), 1 if i in bumped_after else 0)
     finally:
@@ -134,13 +134,26 @@ def _launch(device: runtime.CtpuDevice, exe: Executable, tensors: Sequence[Any],
     return results
 
 
-def _copy_back(device: runtime.CtpuDevice, spec: ArgSpec, addr: int, tensor: torch.Tensor) -> None:
-    """The program wrote input `tensor`'s HBM copy (staged or resident) at `addr`: the caller's tensor gets
-    the new values."""
-    strides = tuple(int(np.prod(spec.shape[i + 1:])) for i in range(len(spec.shape)))
-    values = read_output(device.hbm, OutputView(spec.shape, strides, 0, spec.dtype, spec.nbytes, input=0), [addr], 0)
-    with torch.no_grad():
-        tensor.copy_(torch.from_numpy(values))
+def _copy_back(device: runtime.CtpuDevice, spec: ArgSpec, addr: int, tensor: torch.Tensor,
+               written: list[tuple[int, int]]) -> int:
+    """The program wrote the HBM bytes `written` of input `tensor`'s copy (staged or resident) at `addr`: the
+    caller's tensor gets those elements (all of it when it is not contiguous). Returns the bytes read back."""
+    esize = spec.nbytes // max(1, int(np.prod(spec.shape)))
+    if not tensor.is_contiguous():
+        written = [(addr, addr + spec.nbytes)] if written else []
+        strides = tuple(int(np.prod(spec.shape[i + 1:])) for i in range(len(spec.shape)))
+        values = read_output(device.hbm, OutputView(spec.shape, strides, 0, spec.dtype, spec.nbytes, input=0),
+                             [addr], 0)
+        with torch.no_grad():
+            tensor.copy_(torch.from_numpy(values))
+        return spec.nbytes if written else 0
+    flat = tensor.view(-1)
+    for lo, hi in written:
+        first, end = (lo - addr) // esize, -(-(hi - addr) // esize)
+        view = OutputView((end - first,), (1,), first, spec.dtype, spec.nbytes, input=0)
+        with torch.no_grad():
+            flat[first:end].copy_(torch.from_numpy(read_output(device.hbm, view, [addr], 0)))
+    return sum(hi - lo for lo, hi in written)
 
 
 def _in_place_address(device: runtime.CtpuDevice, spec: ArgSpec, tensor: Any) -> int | None:

@@ -20,6 +20,7 @@ import numpy as np
 from device_sim.config import HardwareConfig, get_config
 from device_sim.executable import Executable, launch
 from device_sim.runners import Runner, SimulatorRunner
+from device_sim.simulator import RunStats
 from torch_tpu_backend import stats as exec_stats
 from torch_tpu_backend.resident import ResidentCopies
 
@@ -178,13 +179,13 @@ class CtpuDevice:
         raise ValueError(f"target {target!r} does not run CTPU binaries (ptx kernels launch on a GPU)")
 
     def launch(self, exe: Executable, input_addrs: Sequence[int], arena_addr: int, target: str = "sim",
-               name: str = "kernel", max_cycles: int | None = None) -> list[np.ndarray]:
+               name: str = "kernel", max_cycles: int | None = None) -> tuple[list[np.ndarray], RunStats]:
         """Run `exe` on `target` with its inputs at `input_addrs` and its arena at `arena_addr` (HBM is
-        read and written in place); returns its outputs, and counts the launch in the statistics."""
+        read and written in place); returns its outputs and statistics, and counts the launch."""
         with self.lock:
             outputs, run_stats = launch(exe, self.runner(target), self.hbm, input_addrs, arena_addr, max_cycles)
         exec_stats.record_launch(exec_stats.LaunchRecord(name, target, run_stats))
-        return outputs
+        return outputs, run_stats
 
 
 def require_gpu() -> None:

@@ -130,9 +130,21 @@ def _result(cfg: HardwareConfig, job: RtlJob, raw: dict[str, Any]) -> RtlResult:
     for addr, data in _hbm_regions(job.hbm):
         hbm[addr : addr + len(data)] = np.frombuffer(data, np.uint8)
     hbm[raw["hbm_changed"]] = raw["hbm_values"]
+    stats.hbm_written = _runs(raw["hbm_changed"])
     trap = RtlTrap(TRAP_NAMES[s[3]], s[4], s[5]) if s[2] else None
     return RtlResult(stats=stats, sregs=raw["sregs"], vregs=raw["vregs"], vmem=raw["vmem"], hbm=hbm, trap=trap,
                      trace=_decode_trace(raw["trace"]) if job.trace else None, wall_seconds=raw["wall_seconds"])
+
+
+def _runs(indices: np.ndarray) -> list[tuple[int, int]]:
+    """[lo, hi) runs of consecutive byte indices (what the RTL changed: a store of unchanged bytes needs no
+    read-back, so this stands for the simulator's `hbm_written`)."""
+    if indices.size == 0:
+        return []
+    breaks = np.nonzero(np.diff(indices) != 1)[0]
+    starts = np.concatenate([[indices[0]], indices[breaks + 1]])
+    ends = np.concatenate([indices[breaks], [indices[-1]]]) + 1
+    return [(int(a), int(b)) for a, b in zip(starts, ends, strict=True)]
 
 
 def _rejected(cfg: HardwareConfig, job: RtlJob, trap: RtlTrap) -> RtlResult:

@@ -9,7 +9,7 @@ from sim_helpers import run_asm
 from device_sim import isa
 from device_sim.asm import assemble
 from device_sim.program import Program
-from device_sim.simulator import CtpuTrap, Simulator
+from device_sim.simulator import CtpuTrap, Simulator, merge_ranges
 
 F32 = np.float32
 
@@ -165,3 +165,30 @@ def test_stats_are_json_ready() -> None:
     _, st = run_asm("li s1, 3 ; vbcast v1, s0\nhalt")
     d = json.loads(json.dumps(st.as_dict()))
     assert d["bundles"] == 2 and d["slot_occupancy"]["s0"] == 0.5 and d["config"] == "small"
+
+
+def test_run_stats_name_the_hbm_bytes_the_stores_wrote() -> None:
+    """`hbm_written`: merged byte ranges of every dma.st (what a host copy must read back), none for loads."""
+
+    assert merge_ranges([(40, 48), (0, 8), (8, 16), (30, 41)]) == [(0, 16), (30, 48)]
+    src = """
+        li s2, 0
+        li s3, 256
+        li s4, 1024
+        li s5, 65544
+        li s6, 8
+        dma.ld s3, s2, s5, s6, f0
+        wait f0
+        dma.st s4, s2, s5, s6, f1
+        li s7, 2048
+        li s8, 65537
+        dma.st s7, s2, s8, s6, f1
+        wait f1
+        halt
+    """
+    sim = Simulator("small")
+    sim.load(assemble(src))
+    stats = sim.run()
+    assert stats.hbm_written == [(1024, 1056), (2048, 2052)]
+    assert stats.written_within(1040, 4096) == [(1040, 1056), (2048, 2052)]
+    assert "hbm_written" not in stats.as_dict()
