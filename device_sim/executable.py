@@ -75,6 +75,10 @@ class Executable:
         return get_config(self.config)
 
 
+class InputRangeError(ValueError):
+    """An input's values cannot be represented as the program reads them (int64 beyond int32)."""
+
+
 def pack_input(spec: ArgSpec, x: Any) -> np.ndarray:
     """An input as the bits the program expects in HBM (fp32; bf16 as uint16; integers narrowed to int32;
     bools as 0 / ~0 int32 masks), flat bytes."""
@@ -85,8 +89,8 @@ def pack_input(spec: ArgSpec, x: Any) -> np.ndarray:
         bits = np.where(x != 0, -1, 0).astype(np.int32)
     elif spec.dtype == "i32":
         if x.size and (x.max() > np.iinfo(np.int32).max or x.min() < np.iinfo(np.int32).min):
-            raise ValueError(f"input {spec.name}: integer values do not fit int32 (the CTPU narrows int64 "
-                             "tensors to int32)")
+            raise InputRangeError(f"input {spec.name}: integer values do not fit int32 (the CTPU narrows "
+                                  "int64 tensors to int32)")
         bits = np.ascontiguousarray(x, dtype=np.int32)
     elif spec.dtype == "bf16":
         bits = np.ascontiguousarray(x) if x.dtype == np.uint16 else \

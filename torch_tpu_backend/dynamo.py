@@ -256,7 +256,9 @@ class TargetSegment(torch.nn.Module):
     def __init__(self, target: Target, executable: Any, name: str, sub: torch.fx.GraphModule,
                  bumped: Collection[str] = ()) -> None:
         super().__init__()
-        self.target, self.executable, self.name = target, executable, name
+        self.target, self.executable, self.name, self.sub = target, executable, name, sub
+        self.op_names = _op_names(sub)
+        self.warned = False
         self.bumped_after = frozenset(i for i, p in enumerate(sub.graph.find_nodes(op="placeholder"))
                                       if p.name in bumped)
         output = next(iter(sub.graph.find_nodes(op="output")))
@@ -265,8 +267,24 @@ class TargetSegment(torch.nn.Module):
         self.outputs = [OutputSpec(r.meta["val"].dtype, r.meta["val"].device) for r in results]
 
     def forward(self, *args: Any) -> Any:
-        outs = self.target.launch(self.executable, args, self.outputs, self.name, self.bumped_after)
+        from device_sim.executable import InputRangeError
+
+        try:
+            outs = self.target.launch(self.executable, args, self.outputs, self.name, self.bumped_after)
+        except InputRangeError as e:  # this call's values, not the graph: this call runs on the CPU
+            if not self.warned:
+                self.warned = True
+                warnings.warn(f"ctpu: {self.name}: {e}; calls with such values run on the CPU",
+                              _fallback_warning(), stacklevel=2)
+            for op in self.op_names:
+                exec_stats.record_fallback(op)
+            return self.sub(*args)
         return tuple(outs) if self.returns_tuple else outs[0]
+
+
+def _op_names(sub: torch.fx.GraphModule) -> list[str]:
+    return [str(n.target) for n in sub.graph.nodes if n.op in ("call_function", "call_module")
+            and n.target is not operator.getitem]
 
 
 def _fallback_warning() -> type[Warning]:
@@ -281,8 +299,7 @@ class CpuSegment(torch.nn.Module):
     def __init__(self, sub: torch.fx.GraphModule) -> None:
         super().__init__()
         self.sub = sub
-        self.op_names = [str(n.target) for n in sub.graph.nodes if n.op in ("call_function", "call_module")
-                         and n.target is not operator.getitem]
+        self.op_names = _op_names(sub)
 
     def forward(self, *args: Any) -> Any:
         for op in self.op_names:

@@ -130,3 +130,25 @@ def test_graph_compiler_asks_the_target_and_never_its_name() -> None:
     torch.testing.assert_close(out, f(x, y))
     assert dict(ctpu_stats.last().fallback_ops) == {"aten.mul.Tensor": 1}
     assert ctpu_stats.last().kernels_launched == 2
+
+
+def test_int64_values_beyond_int32_run_that_call_on_the_cpu() -> None:
+    """The program reads int64 inputs as int32: a call whose values do not fit runs its graph on the CPU
+    (eager's answer, one warning for the graph, counted), where it used to raise out of the model (Mixtral's
+    router); calls whose values fit still run on the CTPU."""
+    def f(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        return x * 2.0 + i.float()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="ctpu", options={"cache": False})
+    x, big = torch.randn(3, 4), torch.tensor([1 << 40, -(1 << 35), 7, 0])
+    calls = [(torch.arange(4), True, 0), (big, False, 1), (big, False, 0), (torch.arange(4) - 9, True, 0)]
+    for i, on_ctpu, warned in calls:
+        ctpu_stats.reset()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = compiled(x, i)
+        torch.testing.assert_close(out, f(x, i))
+        s = ctpu_stats.last()
+        assert s.kernels_launched == int(on_ctpu) and bool(s.fallback_ops) != on_ctpu, s.as_dict()
+        assert len([w for w in caught if "do not fit int32" in str(w.message)]) == warned
