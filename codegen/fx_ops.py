@@ -666,11 +666,45 @@ def _slice(e: MlirEmitter, x: TValue, dim: int = 0, start: Any = None, end: Any 
     size = x.shape[d]
     start = 0 if start is None else max(0, start + size if start < 0 else start)
     end = size if end is None else min(size, end + size if end < 0 else end)
-    if step != 1:
-        raise UnsupportedOp("slice with step != 1")
-    if start == 0 and end == size:
+    if end <= start:
+        raise UnsupportedOp("an empty slice")
+    if start == 0 and end == size and step == 1:
         return x
-    return e.extract_slice(x, d, start, end)
+    return e.extract_slice(x, d, start, end, step)
+
+
+@_reg(aten.repeat.default)
+def _repeat(e: MlirEmitter, x: TValue, repeats: Any) -> TValue:
+    """x tiled `repeats` times per dim: a broadcasting copy into [r0, s0, r1, s1, ..], then a free reshape."""
+    repeats = [int(r) for r in repeats]
+    sizes = (1,) * (len(repeats) - len(x.shape)) + x.shape
+    x = e.reshape(x, sizes)
+    tiled = e.copy_map(x, tuple(v for r, s in zip(repeats, sizes, strict=True) for v in (r, s)),
+                       [f"d{2 * i + 1}" for i in range(len(sizes))])
+    return e.reshape(tiled, tuple(r * s for r, s in zip(repeats, sizes, strict=True)))
+
+
+@_reg(aten.cumsum.default)
+def _cumsum(e: MlirEmitter, x: TValue, dim: int, dtype: Any = None) -> TValue:
+    """Inclusive prefix sum along the last dim: out[.., j] = sum over k <= j of x[.., k], a reduction generic
+    over (.., j, k) with the terms k > j selected away (f32 accumulation: integers exact below 2^24; float
+    sums in the reduction's pairwise order, not eager's sequential one). Quadratic in the length: meant
+    for position ids and masks."""
+    rank = len(x.shape)
+    if not rank or _norm_dim(dim, rank) != rank - 1:
+        raise UnsupportedOp(f"cumsum over dim {dim} of a rank-{rank} tensor (only the last dim)")
+    out_dtype = _creation_dtype(dtype) if dtype is not None else x.dtype if x.dtype in ("f32", "bf16") else "i32"
+    init = e.fill(0.0, x.shape, "f32")
+
+    def body(args: list[str], w: BodyWriter) -> str:
+        keep = w.cmp("sle", w.index(rank), w.index(rank - 1), "i32")  # k <= j
+        term = w.select(keep, w.cast(args[0], x.dtype, "f32"), w.const(0.0, "f32"))
+        return w.op("arith.addf", term, args[1], dtype="f32")
+
+    outer = [f"d{i}" for i in range(rank - 1)]
+    maps = [affine_map(rank + 1, [*outer, f"d{rank}"]), affine_map(rank + 1, [*outer, f"d{rank - 1}"])]
+    sums = e.generic([x], maps, init, ["parallel"] * rank + ["reduction"], body)
+    return sums if out_dtype == "f32" else e.elementwise([sums], lambda v, w: v[0], dtype=out_dtype)
 
 
 # ---- ctpu fused ops (docs/fused_ops.md), by their decomposition -------------------------------------

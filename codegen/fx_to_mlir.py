@@ -329,13 +329,14 @@ class MlirEmitter:
                           f"({src.type}, {dest.type}) -> {out.type}")
         return out
 
-    def extract_slice(self, x: TValue, dim: int, start: int, end: int) -> TValue:
-        shape = (*x.shape[:dim], end - start, *x.shape[dim + 1:])
+    def extract_slice(self, x: TValue, dim: int, start: int, end: int, step: int = 1) -> TValue:
+        """x[start:end:step] along `dim` (a strided view after bufferization)."""
+        shape = (*x.shape[:dim], -(-(end - start) // step), *x.shape[dim + 1:])
         out = TValue(self.fresh(), shape, x.dtype)
         offs = ", ".join(str(start if i == dim else 0) for i in range(len(shape)))
         sizes = ", ".join(str(s) for s in shape)
-        ones = ", ".join("1" for _ in shape)
-        self.lines.append(f"{out.name} = tensor.extract_slice {x.name}[{offs}] [{sizes}] [{ones}] : "
+        steps = ", ".join(str(step if i == dim else 1) for i in range(len(shape)))
+        self.lines.append(f"{out.name} = tensor.extract_slice {x.name}[{offs}] [{sizes}] [{steps}] : "
                           f"{x.type} to {out.type}")
         return out
 

@@ -330,9 +330,8 @@ def _generic(op: ir.Operation, views: dict[str, View], constants: dict[str, floa
         raise LoweringError(f"reduction over a dim other than the innermost:\n{op}")
     prelude: list[Kernel] = []
     inputs, out_arg = list(zip(args[:-1], operands[:-1], strict=True)), args[-1]
-    producer = {res: (name, names) for res, name, names in ops}
     for res, (table, idx) in loads.items():
-        prelude.append(_split_gather(res, table, idx, producer, index_dims, inputs, sizes, g, str(op)))
+        prelude += _split_gather(res, table, idx, ops, consts, index_dims, inputs, sizes, g, str(op))
     live = _live(ops, [*yields])
     ops = [o for o in ops if o[0] in live]
     inputs = [(a, o) for a, o in inputs if a in live]
@@ -374,21 +373,33 @@ def _temp(g: KernelGraph, hint: str, shape: tuple[int, ...], dtype: str) -> View
     return View(name, 0, shape, tuple(reversed(strides)), dtype)
 
 
-def _split_gather(res: str, table: View, idx: list[str], producer: dict[str, tuple[str, list[str]]],
-                  index_dims: dict[str, int], inputs: list[tuple[str, Access]], sizes: list[int],
-                  g: KernelGraph, text: str) -> GatherKernel:
+def _split_gather(res: str, table: View, idx: list[str], ops: list[tuple[str, str, list[str]]],
+                  consts: dict[str, float], index_dims: dict[str, int], inputs: list[tuple[str, Access]],
+                  sizes: list[int], g: KernelGraph, text: str) -> list[Kernel]:
     """Replace `res = memref.load table[index_cast(id), linalg.index(last)]` by a read of a gathered
-    temporary (appended to `inputs` under the name `res`)."""
+    temporary (appended to `inputs` under the name `res`). An id the body computes (GPT-2's positions:
+    `arange` fused into the lookup) is first written to an int32 temporary by its own kernel."""
     rank = len(sizes)
+    producer = {r: (name, names) for r, name, names in ops}
     row = producer.get(idx[0]) if len(idx) == 2 else None
     by_arg = dict(inputs)
-    if (row is None or row[0] != "arith.index_cast" or row[1][0] not in by_arg or len(table.shape) != 2
-            or index_dims.get(idx[1]) != rank - 1 or table.shape[1] != sizes[-1]
-            or by_arg[row[1][0]].iter_strides[-1] != 0):
+    if (row is None or row[0] != "arith.index_cast" or len(table.shape) != 2
+            or index_dims.get(idx[1]) != rank - 1 or table.shape[1] != sizes[-1]):
         raise LoweringError(f"memref.load that is not a row gather (table[id, last index]):\n{text}")
+    prelude: list[Kernel] = []
+    ids = by_arg.get(row[1][0])
+    if ids is None:
+        if any(by_arg[a].iter_strides[-1] for a in _live(ops, [row[1][0]]) if a in by_arg):
+            raise LoweringError(f"memref.load that is not a row gather (the id varies along the row):\n{text}")
+        ids = _factor_kernel(row[1][0], sizes[:-1], ops, by_arg, consts, g, prelude, index_dims, "i32")
+        if ids is None:
+            raise LoweringError(f"a gather whose row id is not computable on its own:\n{text}")
+        ids = Access(ids.view, (*ids.iter_strides, 0))
+    if ids.iter_strides[-1] != 0:
+        raise LoweringError(f"memref.load that is not a row gather (the id varies along the row):\n{text}")
     out = _temp(g, "gather", tuple(sizes), table.dtype)
     inputs.append((res, Access(out, out.strides)))
-    return GatherKernel(table, by_arg[row[1][0]], out, tuple(sizes), f"gather rows of {table.buffer}: {text}")
+    return [*prelude, GatherKernel(table, ids, out, tuple(sizes), f"gather rows of {table.buffer}: {text}")]
 
 
 # ---- contractions back to matmuls -----------------------------------------------------------------------
@@ -449,17 +460,25 @@ def _contraction(sizes: list[int], iters: list[str], operands: list[Access], arg
 
 
 def _factor_kernel(name: str, sizes: list[int], ops: list[tuple[str, str, list[str]]], by_arg: dict[str, Access],
-                   consts: dict[str, float], g: KernelGraph, prelude: list[Kernel]) -> Access | None:
-    """An elementwise kernel computing body value `name` over the iteration dims its inputs use, into a
-    dense temporary; returns that temporary as an operand of the contraction."""
+                   consts: dict[str, float], g: KernelGraph, prelude: list[Kernel],
+                   index_dims: dict[str, int] | None = None, dtype: str = "f32") -> Access | None:
+    """An elementwise kernel computing body value `name` over the iteration dims (of `sizes`) its inputs
+    use, into a dense temporary of `dtype`; returns that temporary as an operand. `linalg.index` values it
+    needs (`index_dims`) are read from iota kernels."""
     live = _live(ops, [name])
     produced = {res for res, _, _ in ops}
+    by_arg = {a: Access(o.view, o.iter_strides[:len(sizes)]) for a, o in by_arg.items()}
+    for res, dim in (index_dims or {}).items():
+        if res in live and dim < len(sizes):
+            view = _temp(g, "iota", (sizes[dim],), "i32")
+            prelude.append(IotaKernel(view, f"linalg.index {dim} (iota of {sizes[dim]})"))
+            by_arg[res] = Access(view, tuple(1 if d == dim else 0 for d in range(len(sizes))))
     used = [a for a in by_arg if a in live]
     if any(n not in produced and n not in by_arg and n not in consts for n in live):
         return None
     dims = [d for d in range(len(sizes)) if any(by_arg[a].iter_strides[d] != 0 for a in used)]
     shape = tuple(sizes[d] for d in dims)
-    temp = _temp(g, "factor", shape, "f32")
+    temp = _temp(g, "factor", shape, dtype)
     inputs = [Access(by_arg[a].view, tuple(by_arg[a].iter_strides[d] for d in dims)) for a in used]
     body = ScalarProgram([*used, "%out"], [o for o in ops if o[0] in live], [name],
                          {k: v for k, v in consts.items() if k in live})

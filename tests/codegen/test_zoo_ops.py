@@ -1,0 +1,82 @@
+"""Ops the model zoo needs beyond Llama: a gather whose row ids the graph computes (GPT-2's positions:
+`embedding(wpe, arange)`), `cumsum` (OPT's positions from the attention mask), `repeat` (GPT-J, BLOOM) and
+strided slices (GPT-J's `x[..., ::2]`), compiled and run on the simulator, against eager."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from codegen_helpers import compile_and_run
+
+
+def _equal(fn, *xs: torch.Tensor, config: str = "small") -> None:
+    outs, refs, _ = compile_and_run(fn, *xs, config=config)
+    for o, r in zip(outs, refs, strict=True):
+        np.testing.assert_array_equal(o, r)
+
+
+@pytest.mark.parametrize("offset", [0, 5])
+def test_positions_from_arange_gather_rows(offset: int) -> None:
+    table, ids = torch.randn(40, 12), torch.tensor([[3, 1, 7, 0, 39, 2, 2, 11, 5]])
+    table[6, :3] = torch.tensor([float("nan"), float("inf"), -0.0])  # rows are copied, never computed
+
+    def fn(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(i.shape[1]) + offset
+        return torch.nn.functional.embedding(i, t) + torch.nn.functional.embedding(pos.unsqueeze(0), t)
+
+    outs, refs, exe = compile_and_run(fn, table, ids)
+    np.testing.assert_array_equal(outs[0], refs[0])
+    assert "gather" in " ".join(k["kind"] for k in exe.summary["kernels"])
+
+
+def test_computed_ids_get_their_own_kernel() -> None:
+    """ids = (x * 3 + 1) % ... computed in the graph: an int32 kernel writes them, then the row gather."""
+    table, ids = torch.randn(64, 20), torch.tensor([[0, 4, 9], [20, 1, 6]])
+    _equal(lambda t, i: torch.nn.functional.embedding(i * 3 + 1, t) * 2.0, table, ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool])
+def test_cumsum_last_dim(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    if dtype == torch.float32:
+        x = torch.randint(-50, 50, (3, 37), generator=g).float() / 4  # exact sums in any order
+    elif dtype == torch.int64:
+        x = torch.randint(-1000, 1000, (3, 37), generator=g)
+    else:
+        x = torch.rand(3, 37, generator=g) > 0.4  # OPT: attention_mask.cumsum(-1)
+    _equal(lambda v: torch.cumsum(v, -1), x)
+
+
+def test_cumsum_position_ids_like_opt() -> None:
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    _equal(lambda m: (torch.cumsum(m, dim=1) * m).long() - 1 + 2, mask)
+
+
+def test_cumsum_floats_with_specials() -> None:
+    x = torch.tensor([[1.0, float("inf"), 2.0, -float("inf"), 3.0], [float("nan"), 1.0, -0.0, 0.0, 5.0]])
+    outs, refs, _ = compile_and_run(lambda v: torch.cumsum(v, -1), x)
+    np.testing.assert_array_equal(outs[0], refs[0])  # inf, then NaN once -inf joins; NaN from the start
+
+
+@pytest.mark.parametrize("repeats", [(2, 3), (3, 1, 2), (1, 1)])
+def test_repeat(repeats: tuple[int, ...]) -> None:
+    _equal(lambda v: v.repeat(*repeats) * 1.5, torch.randn(4, 5))
+
+
+@pytest.mark.parametrize(("start", "end", "step"), [(0, None, 2), (1, None, 2), (1, 12, 3), (-7, None, 4)])
+def test_strided_slice(start: int, end: int | None, step: int) -> None:
+    _equal(lambda v: v[..., start:end:step] + 1.0, torch.randn(3, 4, 13))
+
+
+def test_rotate_every_two_like_gptj() -> None:
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[:, :, :, ::2], x[:, :, :, 1::2]
+        return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+    _equal(rotate, torch.randn(1, 5, 2, 16))
+
+
+def test_strided_slice_and_repeat_on_large() -> None:
+    x = torch.randn(2, 33, 256)
+    _equal(lambda v: v[:, 1::2, ::2].repeat(1, 2, 1) * 2.0, x, config="large")
