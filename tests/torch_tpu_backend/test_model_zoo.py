@@ -1,0 +1,70 @@
+"""Beyond Llama: small random-weight models of the Hugging Face families users compile, with backend="ctpu"
+on the simulator: logits equal eager's, and what runs on the CPU is exactly what the table says (an op
+newly lowered, or newly falling back, changes this file on purpose)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import torch_tpu_backend.stats as ctpu_stats
+
+transformers = pytest.importorskip("transformers")
+VOCAB = 128
+
+
+def _model(name: str) -> torch.nn.Module:
+    t = transformers
+    common = {"vocab_size": VOCAB}
+    if name == "gpt2":
+        return t.GPT2LMHeadModel(t.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, **common))
+    if name == "opt":
+        return t.OPTForCausalLM(t.OPTConfig(hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=4,
+                                            max_position_embeddings=64, word_embed_proj_dim=64, **common))
+    if name == "qwen3":
+        return t.Qwen3ForCausalLM(t.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                max_position_embeddings=64, **common))
+    if name == "bert":
+        return t.BertModel(t.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=128, max_position_embeddings=64, **common))
+    if name == "gptj":
+        return t.GPTJForCausalLM(t.GPTJConfig(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64, **common))
+    if name == "bloom":
+        return t.BloomForCausalLM(t.BloomConfig(hidden_size=64, n_layer=2, n_head=4, **common))
+    return t.MixtralForCausalLM(t.MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                                num_experts_per_tok=2, max_position_embeddings=64, **common))
+
+
+# model -> the ops that run on the CPU, and why (empty: the whole forward is CTPU programs)
+CPU_OPS = {
+    "gpt2": {},
+    "opt": {},
+    "qwen3": {},
+    "bert": {"aten.gather.default": 1},  # token_type_ids from the buffered ids: an element gather
+    "gptj": {"aten.gather.default": 2},  # sin/cos rows gathered with an index repeated along the row
+    "bloom": {"aten.pow.Tensor_Tensor": 1},  # ALiBi slopes: tensor ** tensor
+}
+
+
+@pytest.mark.parametrize("name", [*CPU_OPS, pytest.param("mixtral", marks=pytest.mark.slow)])
+def test_model_zoo_forward(name: str) -> None:
+    torch.manual_seed(0)
+    model = _model(name).eval()
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = model(ids)
+        ctpu_stats.reset()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = torch.compile(model, backend="ctpu", options={"cache": False})(ids)
+    field = "logits" if hasattr(expected, "logits") else "last_hidden_state"
+    torch.testing.assert_close(getattr(got, field), getattr(expected, field), rtol=1e-4, atol=1e-5)
+    s = ctpu_stats.last()
+    assert s.kernels_launched >= 1
+    if name != "mixtral":  # its router's sort / topk / histc / grouped matmul run on the CPU (MoE: not yet)
+        assert dict(s.fallback_ops) == CPU_OPS[name], s.as_dict()
