@@ -242,6 +242,30 @@ def _embedding(e: MlirEmitter, weight: TValue, ids: TValue, padding_idx: int = -
     return e.gather_rows(weight, ids)
 
 
+@_reg(aten.index.Tensor)
+def _index(e: MlirEmitter, x: TValue, indices: Any) -> TValue:
+    """x[idx] with one integer index tensor on dim 0 of a 2-D x (Falcon's `cos[position_ids]`): a row gather,
+    a negative index counted from the end as torch does (one outside [-V, V) traps, as eager
+    raises)."""
+    given = [(d, t) for d, t in enumerate(indices) if t is not None]
+    if len(given) != 1 or given[0][0] != 0 or not isinstance(given[0][1], TValue) or given[0][1].dtype != "i32":
+        raise UnsupportedOp("index with other than one integer index tensor on dim 0")
+    idx = given[0][1]
+    if len(x.shape) != 2:  # a flattened [V, rest] table's lookup is reshaped back into the body: not a row gather
+        raise UnsupportedOp(f"index of a {x.type} (rows of a 2-D tensor are supported)")
+    rows = x.shape[0]
+
+    def wrap(args: list[str], w: BodyWriter) -> str:
+        w.dtype = "i32"
+        pos = args[0]
+        wrapped = w.op("arith.addi", pos, w.const_int(rows), dtype="i32")
+        return w.select(w.cmp("slt", pos, w.const_int(0), "i32"), wrapped, pos, "i32")
+
+    rank = len(idx.shape)
+    ids = e.generic([idx], [affine_map(rank), affine_map(rank)], e.empty(idx.shape, "i32"), ["parallel"] * rank, wrap)
+    return e.gather_rows(x, ids)
+
+
 @_reg(aten.index_put.default)
 def _index_put(e: MlirEmitter, x: TValue, indices: Any, values: Any, accumulate: bool = False) -> TValue:
     """x[:, .., idx, ...] = values with one 1-D index tensor at dim d (index_copy, a KV cache update): the

@@ -80,3 +80,24 @@ def test_rotate_every_two_like_gptj() -> None:
 def test_strided_slice_and_repeat_on_large() -> None:
     x = torch.randn(2, 33, 256)
     _equal(lambda v: v[:, 1::2, ::2].repeat(1, 2, 1) * 2.0, x, config="large")
+
+
+def test_index_with_one_tensor_on_dim_0() -> None:
+    """x[idx] (Falcon's cos[position_ids]): a row gather; negative indices count from the end."""
+    x, idx = torch.randn(40, 12), torch.tensor([[3, -1, 0, 39], [-40, 7, 7, 2]])
+    _equal(lambda v, i: v[i] * 2.0, x, idx)
+
+
+@pytest.mark.parametrize("bad", [40, -41])
+def test_index_out_of_range_traps(bad: int) -> None:
+    from codegen_helpers import trace
+
+    from codegen import compile_graph
+    from device_sim.executable import run_fresh
+    from device_sim.machine import CtpuTrap
+    from device_sim.runners import SimulatorRunner
+
+    x = torch.randn(40, 12)
+    exe = compile_graph(trace(lambda v, i: v[i] * 2.0, x, torch.tensor([1, 2])), [x, torch.tensor([1, 2])], "small")
+    with pytest.raises(CtpuTrap, match="out of bounds"):
+        run_fresh(exe, [x.numpy(), np.array([1, bad])], SimulatorRunner("small"))

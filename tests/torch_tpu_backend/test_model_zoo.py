@@ -34,10 +34,33 @@ def _model(name: str) -> torch.nn.Module:
         return t.GPTJForCausalLM(t.GPTJConfig(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64, **common))
     if name == "bloom":
         return t.BloomForCausalLM(t.BloomConfig(hidden_size=64, n_layer=2, n_head=4, **common))
+    llama_like = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "max_position_embeddings": 64, **common}
+    if name in LLAMA_LIKE:
+        config, model = LLAMA_LIKE[name]
+        extra = {"head_dim": 16} if name.startswith("gemma") else {"pad_token_id": 0} if name == "phi3" else {}
+        if name == "phi":
+            llama_like.pop("num_key_value_heads")
+        if name == "gpt_neox":
+            return t.GPTNeoXForCausalLM(t.GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                        num_attention_heads=4, max_position_embeddings=64, **common))
+        if name == "falcon":
+            return t.FalconForCausalLM(t.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                      **common))
+        return getattr(t, model)(getattr(t, config)(**llama_like, **extra))
     return t.MixtralForCausalLM(t.MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                                 num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                                 num_experts_per_tok=2, max_position_embeddings=64, **common))
 
+
+LLAMA_LIKE = {  # name -> (config class, model class)
+    "llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi": ("PhiConfig", "PhiForCausalLM"), "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"), "stablelm": ("StableLmConfig", "StableLmForCausalLM"),
+    "gpt_neox": ("", ""), "falcon": ("", ""),
+}
 
 # model -> the ops that run on the CPU, and why (empty: the whole forward is CTPU programs)
 CPU_OPS = {
@@ -47,6 +70,8 @@ CPU_OPS = {
     "bert": {"aten.gather.default": 1},  # token_type_ids from the buffered ids: an element gather
     "gptj": {"aten.gather.default": 2},  # sin/cos rows gathered with an index repeated along the row
     "bloom": {"aten.pow.Tensor_Tensor": 1},  # ALiBi slopes: tensor ** tensor
+    **{name: {} for name in LLAMA_LIKE},
+    "falcon": {"aten.index.Tensor": 4},  # an index tensor on an inner dim (only dim 0 of a 2-D tensor lowers)
 }
 
 
