@@ -157,8 +157,8 @@ class Profile:
             events.append({"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": track}})
             events.append({"ph": "M", "pid": 1, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}})
         for s in self.spans:
-            events.append({"ph": "X", "pid": 1, "tid": tids[s.track], "name": s.name, "ts": s.start * us,
-                           "dur": s.cycles * us, "args": {"cycle": s.start, "cycles": s.cycles, **s.args}})
+            events.append({"ph": "X", "pid": 1, "tid": tids[s.track], "name": s.name, "ts": round(s.start * us, 6),
+                           "dur": round(s.cycles * us, 6), "args": {"cycle": s.start, "cycles": s.cycles, **s.args}})
         return {"traceEvents": events, "displayTimeUnit": "ns",
                 "otherData": {"config": self.config.name, "clock_mhz": self.config.clock_mhz, "cycles": self.cycles}}
 
