@@ -141,7 +141,8 @@ class Profile:
             rows.append({"kernel": k.label, "name": k.name, "kind": k.kind, "module": k.module, "cycles": k.cycles,
                          "share": k.cycles / self.cycles if self.cycles else 0.0, "bundles": k.bundles,
                          "stall_cycles": sum(k.stall_cycles.values()),
-                         "hbm_bytes": k.dma_bytes_loaded + k.dma_bytes_stored, "macs": k.macs,
+                         "hbm_bytes": k.dma_bytes_loaded + k.dma_bytes_stored, "dma_commands": k.dma_commands,
+                         "macs": k.macs,
                          "weight_loads": k.weight_loads, "hbm_cycles": round(need["hbm"], 1),
                          "mxu_cycles": round(need["mxu"], 1), "vpu_cycles": round(need["vpu"], 1),
                          "bound": unit if pct >= 50.0 else "latency", "pct_of_bound": round(pct, 1)})

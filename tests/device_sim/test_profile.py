@@ -145,6 +145,7 @@ def test_roofline_names_the_binding_unit(profiled: tuple[RunStats, P.Profile]) -
     assert k2["pct_of_bound"] == pytest.approx(100 * 600 / 102, abs=0.1)
     k0 = rows["k0"]  # 1.3 KB over 32 B/cycle = 40 cycles in 101: mostly waiting
     assert k0["hbm_bytes"] == 40 * 32 and k0["hbm_cycles"] == 40.0 and k0["bound"] == "latency"
+    assert k0["dma_commands"] == 3
     k1 = rows["k1"]  # 200 vadds over two vector slots in 101 cycles
     assert k1["vpu_cycles"] == 100.0 and k1["bound"] == "vpu" and k1["pct_of_bound"] == pytest.approx(99.0, abs=0.1)
     text = P.format_roofline(prof.roofline(), top=2)  # the two longest (the exit's drain, k2), in program order
