@@ -255,7 +255,8 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
         ctx.end()
         funcs.append(func)
         per_kernel.append({"index": i, "kind": _kind(k), "instructions": sum(len(blk.instrs) for blk in func.blocks),
-                           "mlir": k.text.splitlines()[0] if k.text else ""})
+                           "mlir": k.text.splitlines()[0] if k.text else "", "node": k.origin[0],
+                           "module": k.origin[1]})
     funcs.append(Function(name="exit"))
     b.start_function(funcs[-1], "exit")
     b.emit("halt")

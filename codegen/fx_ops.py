@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -865,7 +866,9 @@ def emit_module(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]
             if node.target is operator.getitem:
                 env[node] = env[node.args[0]][node.args[1]]  # type: ignore[index]
                 continue
+            first = len(e.lines)
             env[node] = lower_node(e, node, env)
+            _locate(e.lines, first, node)
         elif node.op == "output":
             outs = node.args[0] if isinstance(node.args[0], (tuple, list)) else [node.args[0]]
             for o in outs:
@@ -878,6 +881,45 @@ def emit_module(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]
                                 f"submodules by inlining them first)")
     # the mutated inputs' new values are returned after the outputs: bufferized, each is its input's buffer
     return e.module(args, [*results, *(v for _, v in e.mutations)]), args, results
+
+
+def _locate(lines: list[str], first: int, node: torch.fx.Node) -> None:
+    """Give the top-level ops of `lines[first:]` (what `node` emitted) the MLIR location
+    `loc("node name"("module path"))`: upstream passes keep it (a fused generic keeps its consumer's), so each
+    kernel can name the FX node and nn.Module it came from (the profiler's spans). An op with a region takes
+    its location after the region's closing line."""
+    where = f'"{_loc_text(node.name)}"'
+    module = module_path(node)
+    if module:
+        where += f'("{_loc_text(module)}")'
+    depth = 0
+    for i in range(first, len(lines)):
+        line = lines[i]
+        if line.startswith("}"):
+            depth -= 1
+        if depth == 0 and not line.endswith("{"):
+            lines[i] = f"{line} loc({where})"
+        if line.endswith("{"):
+            depth += 1
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """The nn.Module a node came from, as a dotted path ("model.layers.0.mlp.up_proj"), from dynamo's
+    `nn_module_stack`; "" when unknown (a graph traced without dynamo)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = str(list(stack.values())[-1][0])
+    return _ROOT.sub(lambda m: "" if m.group(1) in ("self", "fn") else m.group(1), path).removeprefix(".")
+
+
+# dynamo's name of the module's root: L['self'] (a compiled module), L['fn'] (a module called through the
+# compiled wrapper); a module passed in by another name keeps it (L['model'].layers.0 -> model.layers.0)
+_ROOT = re.compile(r"^[LG]\['([^']*)'\]")
+
+
+def _loc_text(text: str) -> str:
+    return text.replace("\\", "/").replace('"', "'")
 
 
 def unsupported_reason(node: torch.fx.Node) -> str | None:

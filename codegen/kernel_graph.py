@@ -20,6 +20,7 @@ Integer and bool constants are kept as the fp32 value with the same 32-bit patte
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -82,6 +83,7 @@ class GenericKernel:
     output: Access
     body: ScalarProgram
     text: str = ""
+    origin: tuple[str, str] = ("", "")  # (FX node, nn.Module path) from its MLIR location
 
 
 @dataclass
@@ -89,6 +91,7 @@ class FillKernel:
     output: View
     value: float
     text: str = ""
+    origin: tuple[str, str] = ("", "")  # (FX node, nn.Module path) from its MLIR location
 
 
 @dataclass
@@ -97,6 +100,7 @@ class MatmulKernel:
     b: View  # [B?, K, N]
     c: View  # [B?, M, N]
     text: str = ""
+    origin: tuple[str, str] = ("", "")  # (FX node, nn.Module path) from its MLIR location
 
 
 @dataclass
@@ -105,6 +109,7 @@ class IotaKernel:
 
     output: View
     text: str = ""
+    origin: tuple[str, str] = ("", "")  # (FX node, nn.Module path) from its MLIR location
 
 
 @dataclass
@@ -117,6 +122,7 @@ class GatherKernel:
     output: View
     sizes: tuple[int, ...]
     text: str = ""
+    origin: tuple[str, str] = ("", "")  # (FX node, nn.Module path) from its MLIR location
 
 
 @dataclass
@@ -129,6 +135,7 @@ class ScatterKernel:
     indices: View
     updates: View
     text: str = ""
+    origin: tuple[str, str] = ("", "")  # (FX node, nn.Module path) from its MLIR location
 
 
 Kernel = GenericKernel | FillKernel | MatmulKernel | IotaKernel | GatherKernel | ScatterKernel
@@ -197,48 +204,64 @@ def read_function(module: ir.Module) -> KernelGraph:
         g.arguments.append(name)
         views[name] = View(name, offset, shape, strides, dtype)
     for op in block.operations:
-        name = op.name
-        if name == "arith.constant":
-            if isinstance(op.results[0].type, ir.ShapedType):
-                raise LoweringError(f"tensor constant:\n{op}")
-            constants[op.results[0].get_name()] = constant_value(op.attributes["value"])
-        elif name == "memref.alloc":
-            r = op.results[0]
-            shape, dtype, strides, offset = _memref(r.type)
-            g.buffers[r.get_name()] = Buffer(r.get_name(), shape, dtype, "temp")
-            views[r.get_name()] = View(r.get_name(), offset, shape, strides, dtype)
-        elif name in ("memref.expand_shape", "memref.collapse_shape", "memref.subview", "memref.cast",
-                      "memref.reinterpret_cast"):
-            src = views[op.operands[0].get_name()]
-            r = op.results[0]
-            shape, dtype, strides, offset = _memref(r.type)
-            views[r.get_name()] = View(src.buffer, offset, shape, strides, dtype)
-        elif name == "linalg.fill":
-            value = constants[op.operands[0].get_name()]
-            g.kernels.append(FillKernel(views[op.operands[1].get_name()], value, str(op)))
-        elif name in ("linalg.matmul", "linalg.batch_matmul"):
-            a, b, c = (views[o.get_name()] for o in op.operands)
-            g.kernels.append(MatmulKernel(a, b, c, str(op)))
-        elif name == "linalg.generic":
-            g.kernels.extend(_generic(op, views, constants, g))
-        elif name == "memref.copy":
-            src, dst = (views[o.get_name()] for o in op.operands)
-            value = _fill_value(g, src.buffer)
-            if value is not None and _whole(g, src):
-                g.kernels.append(FillKernel(dst, value, str(op)))  # CSE shared one fill (matmul / reduction inits)
-                continue
+        first = len(g.kernels)
+        _read_op(op, g, views, constants)
+        origin = location_origin(op.location)
+        for k in g.kernels[first:]:
+            k.origin = origin
+    return g
+
+
+def location_origin(loc: ir.Location) -> tuple[str, str]:
+    """(FX node, module path) from the `loc("node"("module"))` fx_ops gives each op; ("", "") without one."""
+    m = _NAME_LOC.fullmatch(str(loc))  # not a file:line:col location (an op the emitter did not write)
+    return (m.group(1), m.group(2) or "") if m else ("", "")
+
+
+_NAME_LOC = re.compile(r'loc\("([^"]*)"(?:\("([^"]*)"\))?\)')
+
+
+def _read_op(op: ir.Operation, g: KernelGraph, views: dict[str, View], constants: dict[str, float]) -> None:
+    """One op of the function body: its views, constants and kernels into `g`."""
+    name = op.name
+    if name == "arith.constant":
+        if isinstance(op.results[0].type, ir.ShapedType):
+            raise LoweringError(f"tensor constant:\n{op}")
+        constants[op.results[0].get_name()] = constant_value(op.attributes["value"])
+    elif name == "memref.alloc":
+        r = op.results[0]
+        shape, dtype, strides, offset = _memref(r.type)
+        g.buffers[r.get_name()] = Buffer(r.get_name(), shape, dtype, "temp")
+        views[r.get_name()] = View(r.get_name(), offset, shape, strides, dtype)
+    elif name in ("memref.expand_shape", "memref.collapse_shape", "memref.subview", "memref.cast",
+                  "memref.reinterpret_cast"):
+        src = views[op.operands[0].get_name()]
+        r = op.results[0]
+        shape, dtype, strides, offset = _memref(r.type)
+        views[r.get_name()] = View(src.buffer, offset, shape, strides, dtype)
+    elif name == "linalg.fill":
+        value = constants[op.operands[0].get_name()]
+        g.kernels.append(FillKernel(views[op.operands[1].get_name()], value, str(op)))
+    elif name in ("linalg.matmul", "linalg.batch_matmul"):
+        a, b, c = (views[o.get_name()] for o in op.operands)
+        g.kernels.append(MatmulKernel(a, b, c, str(op)))
+    elif name == "linalg.generic":
+        g.kernels.extend(_generic(op, views, constants, g))
+    elif name == "memref.copy":
+        src, dst = (views[o.get_name()] for o in op.operands)
+        value = _fill_value(g, src.buffer)
+        if value is not None and _whole(g, src):
+            g.kernels.append(FillKernel(dst, value, str(op)))  # CSE shared one fill (matmul / reduction inits)
+        else:
             body = ScalarProgram(["%in", "%out"], [], ["%in"], {})
             g.kernels.append(GenericKernel(dst.shape, False, [Access(src, src.strides)], Access(dst, dst.strides),
                                            body, str(op)))
-        elif name == "iree_linalg_ext.scatter":
-            g.kernels.append(_scatter(op, views))
-        elif name == "func.return":
-            g.results = [views[o.get_name()] for o in op.operands]
-        elif name == "memref.dealloc":
-            continue
-        else:
-            raise LoweringError(f"MLIR op {name} has no CTPU lowering:\n{op}")
-    return g
+    elif name == "iree_linalg_ext.scatter":
+        g.kernels.append(_scatter(op, views))
+    elif name == "func.return":
+        g.results = [views[o.get_name()] for o in op.operands]
+    elif name != "memref.dealloc":
+        raise LoweringError(f"MLIR op {name} has no CTPU lowering:\n{op}")
 
 
 def _scatter(op: ir.Operation, views: dict[str, View]) -> ScatterKernel:

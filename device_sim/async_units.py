@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from device_sim import isa, numerics
 from device_sim.config import HardwareConfig
+
+if TYPE_CHECKING:
+    from device_sim.profile import Recording
 
 
 class Machine(Protocol):
@@ -111,6 +114,7 @@ class Mxu:
         self.busy_cycles = 0
         self.weight_loads = 0
         self.macs = 0
+        self.rec: Recording | None = None  # the profiler's, while one records
 
     def load_weights(self, m: Machine, row: int, flag: int, transpose: bool, t: int) -> None:
         n = self.n
@@ -122,6 +126,8 @@ class Mxu:
         self.shadow = np.ascontiguousarray(w.T if transpose else w)
         self.weight_port_free = self.weights_ready = done
         self.weight_loads += 1
+        if self.rec is not None:
+            self.rec.mxu_weights(m.pc, start, done, transpose)
         self.fifo.push(start)
         m.complete_on(flag, done)
 
@@ -149,6 +155,8 @@ class Mxu:
         self.data_port_free = start + rows
         self.busy_cycles += rows
         self.macs += rows * n * n
+        if self.rec is not None:
+            self.rec.mxu_stream(m.pc, start, start + rows, done, rows * n * n)
         self.fifo.push(start)
         m.complete_on(flag, done)
 
@@ -166,6 +174,7 @@ class Dma:
         self.bytes_loaded = 0
         self.bytes_stored = 0
         self.stored: list[tuple[int, int]] = []  # HBM byte ranges [lo, hi) the stores covered, in issue order
+        self.rec: Recording | None = None  # the profiler's, while one records
 
     def copy(self, m: Machine, hbm: int, vmem: int, shape: int, stride: int, flag: int, store: bool, bf16: bool,
              t: int) -> None:
@@ -207,5 +216,7 @@ class Dma:
             block[:, :cols] = numerics.bf16_bits_to_f32(view).view(np.uint32) if bf16 else view
             self.bytes_loaded += rows * cols * esize
         self.commands += 1
+        if self.rec is not None:
+            self.rec.dma(m.pc, start, start + xfer, done, rows * cols * esize, store)
         self.fifo.push(start)
         m.complete_on(flag, done)

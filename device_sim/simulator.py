@@ -17,6 +17,7 @@ import numpy as np
 from device_sim import isa
 from device_sim.config import HardwareConfig, get_config
 from device_sim.machine import CtpuTrap, Machine, Operands
+from device_sim.profile import Recording
 from device_sim.program import Program
 from device_sim.semantics import SEMANTICS, Semantics
 
@@ -90,13 +91,15 @@ class Simulator:
     """Loads a Program, holds HBM, runs to halt and reports RunStats. See docs/simulator_api.md."""
 
     def __init__(self, config: str | HardwareConfig = "small", max_cycles: int = DEFAULT_MAX_CYCLES,
-                 trace: bool = False) -> None:
+                 trace: bool = False, profile: bool = False) -> None:
         self.config = get_config(config)
         self.max_cycles = max_cycles
         self.m = Machine(self.config)
         if trace:
             self.m.trace = []
         self.decoded: list[DecodedBundle] = []
+        self.profile = profile  # record what each unit did (device_sim.profile); off costs one test a bundle
+        self.recording: Recording | None = None  # the last profiled run's
 
     # state, as the API promises
     @property
@@ -182,6 +185,9 @@ class Simulator:
         stalls = stats.stall_cycles
         slot_counts = [0] * isa.NUM_SLOTS
         trace = m.trace
+        rec = Recording(self.config, m.program, [b.slot_mask for b in decoded]) if self.profile else None
+        m.dma.rec = m.mxu.rec = rec
+        self.recording = None
         started = time.perf_counter()
         pc, c, bundles = 0, 0, 0
         m.pc, m.cycle = 0, 0
@@ -194,14 +200,20 @@ class Simulator:
                 t = c
                 if b.wait_flag is not None and m.flag_done[b.wait_flag] > t:
                     stalls["wait"] += m.flag_done[b.wait_flag] - t
+                    if rec is not None:
+                        rec.stall("wait", t, m.flag_done[b.wait_flag], pc, b.wait_flag)
                     t = m.flag_done[b.wait_flag]
                 if b.issues_dma:
                     t2 = m.dma.fifo.ready(t)
                     stalls["dma_queue"] += t2 - t
+                    if rec is not None and t2 > t:
+                        rec.stall("dma_queue", t, t2, pc)
                     t = t2
                 if b.issues_mxu:
                     t2 = m.mxu.fifo.ready(t)
                     stalls["mxu_queue"] += t2 - t
+                    if rec is not None and t2 > t:
+                        rec.stall("mxu_queue", t, t2, pc)
                     t = t2
                 if t > self.max_cycles:
                     m.pc, m.cycle, m.current = pc, t, None
@@ -211,6 +223,8 @@ class Simulator:
                 m.owners.expire(t)
                 if trace is not None:
                     trace.append((t, pc))
+                if rec is not None:
+                    rec.issue(t, pc)
                 next_pc = pc + 1
                 for fn, op in b.ops:
                     m.current = op
@@ -234,4 +248,7 @@ class Simulator:
         stats.dma_commands = m.dma.commands
         stats.dma_bytes_loaded, stats.dma_bytes_stored = m.dma.bytes_loaded, m.dma.bytes_stored
         stats.hbm_written = merge_ranges(m.dma.stored)
+        if rec is not None:
+            rec.end = end
+            self.recording = rec
         return stats

@@ -16,6 +16,12 @@
                                          local Hugging Face checkpoint), forward compiled with backend="ctpu" and
                                          a static KV cache; streams tokens, then prefill / decode figures
                                          (--check: exit 1 unless the tokens are eager PyTorch's)
+    ctpu profile [--decode] [--config small|large] [--dtype float32|bfloat16] [--layers 2] [--hidden 64]
+                 [--vocab 128] [--tokens 8] [--out trace.json] [--top N] [--json]
+                                         profile a Llama (default: the tiny one) on the simulator: its prefill, or
+                                         with --decode one decode step; writes a Chrome / Perfetto trace (a track
+                                         per slot, the DMA channel, the MXU's ports, kernels named after their FX
+                                         nodes, layers, stalls by cause) and prints the per-kernel roofline table
     ctpu bench [--models-only]           benchmarks (JSON): compiled GEMM utilization vs the hand-written one,
                                          bundles / cycles / ops per bundle per graph, whole models (Llama)
     ctpu isa                             the instruction table, as markdown
@@ -117,6 +123,34 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 1 if result["check"] is not None and not result["check"]["passed"] else 0
 
 
+def _cmd_profile(args: argparse.Namespace) -> int:
+    import logging
+
+    import torch
+
+    from torch_tpu_backend import profiler
+
+    def progress(text: str) -> None:
+        print(f"ctpu profile: {text}", file=sys.stderr, flush=True)
+
+    handler = logging.StreamHandler(sys.stderr)  # the compiler's progress (kernels compiled) on long compiles
+    handler.setFormatter(logging.Formatter("ctpu profile: %(message)s"))
+    backend_log = logging.getLogger("ctpu.backend")
+    backend_log.addHandler(handler)
+    level = backend_log.level
+    backend_log.setLevel(logging.INFO)
+    try:
+        result = profiler.run(args.out, decode=args.decode, config=args.config, dtype=getattr(torch, args.dtype),
+                              tokens=args.tokens, layers=args.layers, hidden=args.hidden, vocab=args.vocab,
+                              precision=args.precision, progress=progress)
+    finally:
+        backend_log.removeHandler(handler)
+        backend_log.setLevel(level)
+    result.pop("profile")
+    print(json.dumps(result, indent=2) if args.json else profiler.summary(result, args.top))
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from codegen import bench
     from torch_tpu_backend import model_bench
@@ -204,6 +238,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--check", action="store_true", help="compare the tokens with eager PyTorch's (exit 1 if not equal)")
     g.add_argument("--json", action="store_true", help="print the tokens and figures as JSON (no streaming)")
     g.set_defaults(fn=_cmd_generate)
+
+    pr = sub.add_parser("profile", help="profile a Llama's prefill (or --decode: one decode step) on the "
+                        "simulator: a Chrome / Perfetto trace and a per-kernel roofline table")
+    pr.add_argument("--decode", action="store_true", help="one decode step of greedy generation with a static KV "
+                    "cache (after a --tokens prefill), instead of the prefill")
+    pr.add_argument("--config", choices=["small", "large"], default="small")
+    pr.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    pr.add_argument("--tokens", type=_positive, default=8, help="prompt tokens")
+    pr.add_argument("--layers", type=_positive, default=2)
+    pr.add_argument("--hidden", type=_positive, default=64, help="a multiple of 32 (head dim 16, GQA 2:1)")
+    pr.add_argument("--vocab", type=_positive, default=128)
+    pr.add_argument("--precision", choices=["highest", "high", "medium"], default="highest")
+    pr.add_argument("--out", default="trace.json", help="the trace file (default trace.json)")
+    pr.add_argument("--top", type=_positive, default=None, help="only the N kernels with the most cycles")
+    pr.add_argument("--json", action="store_true", help="print the figures and the roofline table as JSON")
+    pr.set_defaults(fn=_cmd_profile)
 
     b = sub.add_parser("bench", help="compiler benchmarks, printed as JSON: the compiled GEMM's MXU utilization "
                        "against the hand-written one, small graphs, pipelining, whole models through torch.compile")

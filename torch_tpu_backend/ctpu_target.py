@@ -61,29 +61,31 @@ class CtpuTarget:
 
     def launch(self, exe: Executable, args: Sequence[Any], outputs: Sequence[OutputSpec], name: str,
                bumped_after: frozenset[int] = frozenset()) -> list[Any]:
-        return launch_executable(exe, args, outputs, self.name, name, bumped_after)
+        return launch_executable(exe, args, outputs, self.name, name, bumped_after, self.opts.profile)
 
 
 def launch_executable(exe: Executable, tensors: Sequence[Any], outputs: Sequence[OutputSpec], target: str,
-                      name: str, bumped_after: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+                      name: str, bumped_after: frozenset[int] = frozenset(),
+                      profile: str | None = None) -> list[torch.Tensor]:
     """Launch on the device of the executable's configuration. ctpu tensors already in its HBM are read in
     place (their addresses go in the argument table); CPU tensors are read from their resident HBM copies
     (torch_tpu_backend.resident: uploaded when new or updated in place, so a CPU model's weights cross once);
     anything else is copied into HBM for this launch. The arena lives for the launch. Each output is made as
-    `outputs` says (a ctpu tensor written in HBM, or a CPU tensor). Host <-> HBM bytes go to the statistics."""
+    `outputs` says (a ctpu tensor written in HBM, or a CPU tensor). Host <-> HBM bytes go to the statistics.
+    `profile`: a folder to write the launch's trace in (device_sim.profile)."""
     device = runtime.get_device(exe.config)
     with device.resident.launch_lock:  # no other launch evicts the copies this one reads
         try:
-            return _launch(device, exe, tensors, outputs, target, name, bumped_after)
+            return _launch(device, exe, tensors, outputs, target, name, bumped_after, profile)
         except runtime.HbmOutOfMemory:
             if not device.resident.evict():  # HBM full: the copies of host tensors are what can go
                 raise
             device.allocator.uncount_oom()
-            return _launch(device, exe, tensors, outputs, target, name, bumped_after)
+            return _launch(device, exe, tensors, outputs, target, name, bumped_after, profile)
 
 
 def _launch(device: runtime.CtpuDevice, exe: Executable, tensors: Sequence[Any], outputs: Sequence[OutputSpec],
-            target: str, name: str, bumped_after: frozenset[int]) -> list[torch.Tensor]:
+            target: str, name: str, bumped_after: frozenset[int], profile: str | None) -> list[torch.Tensor]:
     allocations: list[int] = []
     uploaded = read_back = 0
     try:
@@ -110,7 +112,7 @@ def _launch(device: runtime.CtpuDevice, exe: Executable, tensors: Sequence[Any],
             input_addrs.append(addr)
         arena = device.allocator.alloc(max(exe.arena_bytes, 1))
         allocations.append(arena)
-        arrays, run_stats = device.launch(exe, input_addrs, arena, target=target, name=name)
+        arrays, run_stats = device.launch(exe, input_addrs, arena, target=target, name=name, profile_dir=profile)
         # The program wrote a CPU input's HBM copy in place: the host tensor gets the bytes it wrote (a KV cache
         # step: the new rows only), and a resident copy stays current through the version bump the caller makes
         # after the call (a CPU KV cache is not uploaded again next step; any other change to it is).

@@ -155,9 +155,10 @@ class TokenStreamer:
 def run(model_dir: str | None = None, prompt_ids: Sequence[Sequence[int]] | None = None,
         prompts: Sequence[str] | None = None, max_new_tokens: int = 8, dtype: torch.dtype = torch.float32,
         config: str = "small", target: str = "sim", batch: int = 1, check: bool = False,
-        write: Callable[[str], None] | None = None, **shape: int) -> dict[str, Any]:
+        write: Callable[[str], None] | None = None, profile: str | None = None, **shape: int) -> dict[str, Any]:
     """Generate greedily with the forward compiled for the CTPU; the figures as a JSON-able dict. `shape`
-    (layers, hidden, vocab) sizes the random-weight Llama used without a checkpoint."""
+    (layers, hidden, vocab) sizes the random-weight Llama used without a checkpoint; `profile`: the backend
+    option (a folder for one trace per launch)."""
     from device_sim.config import get_config
 
     if max_new_tokens < 1:
@@ -177,7 +178,8 @@ def run(model_dir: str | None = None, prompt_ids: Sequence[Sequence[int]] | None
             eager = model.generate(ids, **kwargs)[:, ids.shape[1]:].tolist()
         clock = get_config(config).clock_mhz
         prefill, decode = Phase(clock_mhz=clock), Phase(clock_mhz=clock)
-        compiled = torch.compile(model.forward, backend="ctpu", options={"target": target, "config": config})
+        options = {"target": target, "config": config} | ({"profile": profile} if profile is not None else {})
+        compiled = torch.compile(model.forward, backend="ctpu", options=options)
 
         @functools.wraps(model.forward)  # generate() reads the forward's signature (logits_to_keep, ...)
         def forward(*args: Any, **kw: Any) -> Any:

@@ -7,6 +7,7 @@
     matmul_precision  "highest" | "high" | "medium" (default: torch.get_float32_matmul_precision())
     pipeline          software-pipeline loops (default True)
     verify            run the compiler's schedule / allocation verifiers on every kernel (default False)
+    profile           a folder: each launch on `sim` writes a Chrome / Perfetto trace there (device_sim.profile)
 
 This is the only place the compile path reads the environment; the layers below get a frozen value.
 """
@@ -31,6 +32,7 @@ class CompileOptions:
     matmul_precision: str | None = None
     pipeline: bool = True
     verify: bool = False
+    profile: str | None = None
 
     @classmethod
     def resolve(cls, options: dict[str, Any] | None) -> CompileOptions:
@@ -52,5 +54,10 @@ class CompileOptions:
             raise ValueError(f"ctpu backend: matmul_precision {precision!r}; expected one of {MATMUL_PRECISIONS}")
         dump = dump_root(options.get("dump_dir"))
         use_cache = bool(options.get("cache", True)) and cache.cache_dir() is not None
+        profile = options.get("profile")
+        if profile is not None and target != "sim":
+            raise ValueError(f"ctpu backend: profile needs target 'sim' (the simulator records the trace), not "
+                             f"{target!r}")
         return cls(target, config, str(dump) if dump else None, use_cache, precision,
-                   bool(options.get("pipeline", True)), bool(options.get("verify", False)))
+                   bool(options.get("pipeline", True)), bool(options.get("verify", False)),
+                   str(profile) if profile is not None else None)

@@ -10,15 +10,18 @@ table), so a launch reads and writes tensors in place. Tensors in and out: torch
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from device_sim.config import HardwareConfig, get_config
 from device_sim.executable import Executable, launch
+from device_sim.profile import analyze, write_trace
 from device_sim.runners import Runner, SimulatorRunner
 from device_sim.simulator import RunStats
 from torch_tpu_backend import stats as exec_stats
@@ -159,6 +162,7 @@ class CtpuDevice:
     allocator: HbmAllocator = field(init=False)
     resident: ResidentCopies = field(init=False)  # host tensors' HBM copies, kept across launches
     lock: threading.Lock = field(default_factory=threading.Lock)
+    profiled: int = 0  # launches profiled so far (numbers their traces)
 
     def __post_init__(self) -> None:
         self.simulator = SimulatorRunner(self.config)
@@ -179,12 +183,32 @@ class CtpuDevice:
         raise ValueError(f"target {target!r} does not run CTPU binaries (ptx kernels launch on a GPU)")
 
     def launch(self, exe: Executable, input_addrs: Sequence[int], arena_addr: int, target: str = "sim",
-               name: str = "kernel", max_cycles: int | None = None) -> tuple[list[np.ndarray], RunStats]:
+               name: str = "kernel", max_cycles: int | None = None, profile_dir: str | None = None
+               ) -> tuple[list[np.ndarray], RunStats]:
         """Run `exe` on `target` with its inputs at `input_addrs` and its arena at `arena_addr` (HBM is
-        read and written in place); returns its outputs and statistics, and counts the launch."""
+        read and written in place); returns its outputs and statistics, and counts the launch. With
+        `profile_dir` (target sim), the launch is profiled: its trace is written there as NAME_N.json and its
+        Profile kept in the launch's statistics record."""
+        profile = None
         with self.lock:
-            outputs, run_stats = launch(exe, self.runner(target), self.hbm, input_addrs, arena_addr, max_cycles)
-        exec_stats.record_launch(exec_stats.LaunchRecord(name, target, run_stats))
+            if profile_dir is None:
+                outputs, run_stats = launch(exe, self.runner(target), self.hbm, input_addrs, arena_addr, max_cycles)
+            else:
+                if target != "sim":
+                    raise ValueError(f"profiling needs target 'sim' (the simulator records the trace), not {target!r}")
+                sim = self.simulator.simulator
+                sim.profile = True
+                try:
+                    outputs, run_stats = launch(exe, self.simulator, self.hbm, input_addrs, arena_addr, max_cycles)
+                finally:
+                    sim.profile = False
+                assert sim.recording is not None
+                profile = analyze(sim.recording, exe.summary.get("kernels"))
+                self.profiled += 1
+                folder = Path(profile_dir)
+                folder.mkdir(parents=True, exist_ok=True)
+                write_trace(profile, folder / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}_{self.profiled}.json")
+        exec_stats.record_launch(exec_stats.LaunchRecord(name, target, run_stats, profile))
         return outputs, run_stats
 
 

@@ -24,6 +24,7 @@ class LaunchRecord:
     name: str
     target: str
     stats: Any
+    profile: Any = None  # a device_sim.profile.Profile when the launch was profiled (option `profile`)
 
 
 @dataclass

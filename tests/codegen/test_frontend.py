@@ -109,3 +109,32 @@ def test_cat_is_insert_slice_then_copies_into_subviews() -> None:
     assert text.count("tensor.insert_slice") == 2
     final = res.stages[-1][1]
     assert "memref.subview" in final and "memref.copy" in final
+
+
+def test_kernels_name_the_fx_node_and_module_they_came_from() -> None:
+    """Each op carries loc("node"("module")); a fused generic keeps its consumer's, a gather split out of a
+    generic its generic's, and ops the emitter did not write have no origin."""
+    from codegen_helpers import capture
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 8)
+            self.proj = torch.nn.Linear(8, 8, bias=False)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return torch.exp(self.proj(self.emb(ids)) * 2.0)
+
+    gm, args = capture(Block(), torch.tensor([[1, 3, 5]]))
+    text, _, _ = emit_module(gm, args)
+    assert 'loc("' in text and '("emb"))' in text and '("proj"))' in text
+    res = run_pipeline(text)
+    with res.context:
+        g = read_function(res.module)
+    origins = [(type(k).__name__, k.origin) for k in g.kernels]
+    nodes = {n.name: n for n in gm.graph.nodes}
+    assert all(node in nodes for _, (node, _) in origins)  # every kernel names a node of the graph
+    # the lookup fused into the projection's contraction generic: the gather split out of it is the mm's too
+    assert origins[-3:] == [("GatherKernel", ("mm", "proj")), ("GenericKernel", ("mm", "proj")),
+                            ("GenericKernel", ("exp", ""))]  # exp(.. * 2): one generic, named after its consumer
+    assert nodes["mm"].target == torch.ops.aten.mm.default and nodes["exp"].target == torch.ops.aten.exp.default
