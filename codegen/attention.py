@@ -29,16 +29,22 @@ from device_sim.config import HardwareConfig
 # vmem rows per score row of a tile: the tile's generics (a few operands, double-buffered) then fit even
 # `small`'s vmem with rows to spare (a row of S keys used to take S / lanes vmem rows per operand)
 KEY_TILE_VMEM_ROWS = 16
-# a tile's f32 scores take at most this share of HBM (a long prefill has many query rows)
+# a tile's f32 scores take at most this share of HBM (a long prefill has many query rows) ...
 SCORE_HBM_SHARE = 64
+# ... unless that makes more tiles than this: linalg-fuse-elementwise-ops fuses the running sum and output
+# updates of every tile into the final division, one generic with 3 operands per tile, and register
+# allocation runs out of spill slots at 8 tiles (small, L = 64, S = 1024)
+MAX_KEY_TILES = 4
 
 
 def key_tile(cfg: HardwareConfig, query_rows: int, keys: int) -> int:
-    """Keys per tile: KEY_TILE_VMEM_ROWS vmem rows of the configuration, fewer (whole vmem rows, at least one)
-    when `query_rows` (B * H * L) rows of f32 scores of that width would take more than 1/SCORE_HBM_SHARE of
-    HBM; all keys when fewer."""
-    by_hbm = cfg.hbm_bytes // SCORE_HBM_SHARE // (4 * max(query_rows, 1)) // cfg.lanes * cfg.lanes
-    return min(keys, max(cfg.lanes, min(cfg.lanes * KEY_TILE_VMEM_ROWS, by_hbm)))
+    """Keys per tile, whole vmem rows: KEY_TILE_VMEM_ROWS vmem rows of the configuration, fewer (at least one
+    vmem row) when `query_rows` (B * H * L) rows of f32 scores of that width would take more than
+    1/SCORE_HBM_SHARE of HBM, more when there would be more than MAX_KEY_TILES tiles; all keys when fewer."""
+    lanes = cfg.lanes
+    by_hbm = cfg.hbm_bytes // SCORE_HBM_SHARE // (4 * max(query_rows, 1)) // lanes * lanes
+    tile = max(lanes, min(lanes * KEY_TILE_VMEM_ROWS, by_hbm))
+    return min(keys, max(tile, -(-keys // (MAX_KEY_TILES * lanes)) * lanes))
 
 
 def _mask_5d(e: MlirEmitter, mask: TValue, b: int, hkv: int, rep: int, length: int, keys: int) -> TValue:
