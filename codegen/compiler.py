@@ -148,7 +148,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tenso
     clock = _Clock()
     stages: dict[str, str] = {"fx.txt": gm.print_readable(print_output=False) if hasattr(gm, "print_readable")
                               else str(gm.graph)}
-    text, _, user_results = emit_module(gm, example_inputs)
+    text, _, user_results = emit_module(gm, example_inputs, cfg)
     clock.lap("fx_to_mlir")
     mlir = run_pipeline(text)
     for name, ir_text in mlir.stages:

@@ -17,7 +17,9 @@ from typing import Any
 import torch
 import torch.fx
 
+from codegen.attention import attention
 from codegen.fx_to_mlir import DTYPES, BodyWriter, MlirEmitter, TValue, UnsupportedOp, affine_map
+from device_sim.config import SMALL, HardwareConfig
 
 aten = torch.ops.aten
 Lowering = Callable[..., Any]
@@ -784,55 +786,6 @@ def _rope(e: MlirEmitter, x: TValue, cos: TValue, sin: TValue) -> TValue:
         "arith.addf", w.op("arith.mulf", v[0], v[1]), w.op("arith.mulf", v[2], v[3])))
 
 
-def _heads(e: MlirEmitter, t: TValue, rep: int, transpose: bool) -> TValue:
-    """[B, Hkv, S, D] -> [B * Hkv * rep, S, D] (or [.., D, S] transposed), each kv head repeated `rep` times
-    (grouped-query attention: query head h reads kv head h // rep), as one copy generic in f32."""
-    b, h, s, d = t.shape
-    last = ("d3", "d4") if not transpose else ("d4", "d3")
-    shape = (b, h, rep, s, d) if not transpose else (b, h, rep, d, s)
-    rank = 5
-    maps = [affine_map(rank, ["d0", "d1", *last]), affine_map(rank)]
-    init = e.empty(shape, "f32")
-    out = e.generic([t], maps, init, ["parallel"] * rank, lambda a, w: w.cast(a[0], t.dtype, "f32"))
-    return e.reshape(out, (b * h * rep, *shape[3:]))
-
-
-def _attention(e: MlirEmitter, q: TValue, k: TValue, v: TValue, mask: TValue | None, causal: bool,
-               scale: float, safe: bool = True) -> TValue:
-    """softmax(q @ k^T * scale (+ mask, causal)) @ v with grouped-query heads, in f32, cast to q's dtype;
-    `safe`: a row whose scores are all -inf gives 0, else NaN (fx_passes/ops.py: attention_ref)."""
-    b, hq, length, d = q.shape
-    hkv, keys = k.shape[1], k.shape[2]
-    if hq % hkv:
-        raise UnsupportedOp(f"{hq} query heads over {hkv} kv heads")
-    rep = hq // hkv
-    qf = e.reshape(e.elementwise([q], lambda a, w: a[0], dtype="f32") if q.dtype != "f32" else q,
-                   (b * hq, length, d))
-    scores = e.reshape(e.matmul(qf, _heads(e, k, rep, True), "f32"), (b, hq, length, keys))
-    operands: list[Any] = [scores]
-    if mask is not None:
-        operands.append(mask)
-    if causal:
-        operands.append(e.iota((length, keys), lambda i, w: w.cmp(
-            "sle", i[1], w.op("arith.addi", i[0], w.const_int(keys - length), dtype="i32"), "i32"), "i1"))
-    neg_inf = -math.inf
-
-    def masked(vals: list[str], w: BodyWriter) -> str:
-        y = w.op("arith.mulf", vals[0], w.const(scale))
-        rest = vals[1:]
-        if mask is not None:
-            m, rest = rest[0], rest[1:]
-            y = w.select(m, y, w.const(neg_inf)) if mask.dtype == "i1" else w.op("arith.addf", y, m)
-        if causal:
-            y = w.select(rest[0], y, w.const(neg_inf))
-        return y
-
-    probs = _softmax_last(e, e.elementwise(operands, masked, dtype="f32", keep_bool=True), safe)
-    out = e.matmul(e.reshape(probs, (b * hq, length, keys)), _heads(e, v, rep, False), "f32")
-    out = e.reshape(out, (b, hq, length, v.shape[-1]))
-    return e.elementwise([out], lambda a, w: a[0], dtype=q.dtype) if q.dtype != "f32" else out
-
-
 # Looked up by name when a node calls a ctpu:: op: the ops are registered by fx_passes (a layer above
 # codegen), so codegen does not import them.
 CTPU_TABLE: dict[str, Lowering] = {
@@ -842,15 +795,15 @@ CTPU_TABLE: dict[str, Lowering] = {
     "linear": _linear,
     "swiglu": _swiglu,
     "rope": _rope,
-    "attention": _attention,
+    "attention": attention,
 }
 
 
 # ---- the graph walk ---------------------------------------------------------------------------------
-def emit_module(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> tuple[str, list[TValue],
-                                                                                           list[TValue]]:
-    """Returns (module text, argument values, result values) for the graph."""
-    e = MlirEmitter()
+def emit_module(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor],
+                config: HardwareConfig = SMALL) -> tuple[str, list[TValue], list[TValue]]:
+    """Returns (module text, argument values, result values) for the graph, built for `config`."""
+    e = MlirEmitter(config)
     env: dict[torch.fx.Node, object] = {}
     args = e.arguments
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

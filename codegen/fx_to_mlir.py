@@ -26,6 +26,7 @@ import torch
 import torch.fx
 
 from codegen.errors import UnsupportedError
+from device_sim.config import SMALL, HardwareConfig
 
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i32", torch.bool: "i1"}
 FLOATS = ("f32", "bf16")
@@ -146,9 +147,11 @@ def affine_map(rank: int, results: Sequence[str] | None = None) -> str:
 
 
 class MlirEmitter:
-    """Builds the text of one `func.func @main` from an FX graph."""
+    """Builds the text of one `func.func @main` from an FX graph; `config` is the configuration it is built
+    for (lowerings that tile at the graph level size their tiles from it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: HardwareConfig = SMALL) -> None:
+        self.config = config
         self.lines: list[str] = []
         self._n = 0
         self.arguments: list[TValue] = []  # the function's arguments: the only values `copy_` may write

@@ -1,0 +1,152 @@
+"""`ctpu::attention` as linalg: tiled over keys with an online softmax (flash-style, at the graph level), the
+query heads of a kv group folded into the matmul rows (no copy of K or V per query head).
+
+q [B, H, L, D], k [B, KVH, S, D], v [B, KVH, S, Dv], rep = H / KVH (query head h reads kv head h // rep).
+q viewed [B*KVH, rep*L, D] (a free reshape) times the tile's K^T [B*KVH, D, Tk] gives the tile's scores
+[B*KVH, rep*L, Tk], viewed [B, KVH, rep, L, Tk] for the generics, so a mask [B|1, H|1, L|1, S|1]
+broadcasts into them through affine maps. For each tile of Tk keys (the last one partial), in f32:
+
+    y  = scores * scale, with -inf where the boolean mask or the causal keep-mask (j <= i + S - L) drops a
+         key, + an additive mask
+    m' = max(m, rowmax(y));  c = m' where m' > -inf else 0 (a row with every key so far masked)
+    p  = exp(y - c);  l' = exp(m - c) l + rowsum(p);  o' = exp(m - c) o + p @ V_tile
+
+and at the end o / l, cast to q's dtype. A row whose keys are all masked has m = -inf, l = 0, o = 0: 0 with
+`safe` (torch._safe_softmax), else 0 / 0 = NaN (torch.softmax); NaN or +inf scores make the row NaN, as in
+eager (fx_passes/ops.py: attention_ref defines the op). One tile is the degenerate case: no rescaling.
+
+Tk (`key_tile`) bounds what one tile materializes: the scores of a tile are [B, H, L, Tk], never [.., S].
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from codegen.fx_to_mlir import BodyWriter, MlirEmitter, TValue, UnsupportedOp, affine_map
+from device_sim.config import HardwareConfig
+
+# vmem rows per score row of a tile: the tile's generics (a few operands, double-buffered) then fit even
+# `small`'s vmem with rows to spare (a row of S keys used to take S / lanes vmem rows per operand)
+KEY_TILE_VMEM_ROWS = 16
+# a tile's f32 scores take at most this share of HBM (a long prefill has many query rows) ...
+SCORE_HBM_SHARE = 64
+# ... unless that makes more tiles than this: linalg-fuse-elementwise-ops fuses the running sum and output
+# updates of every tile into the final division, one generic with 3 operands per tile, and register
+# allocation runs out of spill slots at 8 tiles (small, L = 64, S = 1024)
+MAX_KEY_TILES = 4
+
+
+def key_tile(cfg: HardwareConfig, query_rows: int, keys: int) -> int:
+    """Keys per tile, whole vmem rows: KEY_TILE_VMEM_ROWS vmem rows of the configuration, fewer (at least one
+    vmem row) when `query_rows` (B * H * L) rows of f32 scores of that width would take more than
+    1/SCORE_HBM_SHARE of HBM, more when there would be more than MAX_KEY_TILES tiles; all keys when fewer."""
+    lanes = cfg.lanes
+    by_hbm = cfg.hbm_bytes // SCORE_HBM_SHARE // (4 * max(query_rows, 1)) // lanes * lanes
+    tile = max(lanes, min(lanes * KEY_TILE_VMEM_ROWS, by_hbm))
+    return min(keys, max(tile, -(-keys // (MAX_KEY_TILES * lanes)) * lanes))
+
+
+def _mask_5d(e: MlirEmitter, mask: TValue, b: int, hkv: int, rep: int, length: int, keys: int) -> TValue:
+    """The mask viewed [B|1, KVH|1, rep|1, L|1, S|1] (a reshape: its head dim is H or 1)."""
+    if len(mask.shape) > 4:
+        raise UnsupportedOp(f"attention mask {mask.type} of rank > 4")
+    mb, mh, ml, ms = (1,) * (4 - len(mask.shape)) + mask.shape
+    if mb not in (1, b) or mh not in (1, hkv * rep) or ml not in (1, length) or ms not in (1, keys):
+        raise UnsupportedOp(f"attention mask {mask.type} does not broadcast to [{b}, {hkv * rep}, {length}, {keys}]")
+    heads = (hkv, rep) if mh != 1 else (1, 1)
+    return e.reshape(mask, (mb, *heads, ml, ms))
+
+
+def _key_slice(e: MlirEmitter, x: TValue, dim: int, start: int, end: int) -> TValue:
+    return x if x.shape[dim] == 1 or (start, end) == (0, x.shape[dim]) else e.extract_slice(x, dim, start, end)
+
+
+def _kv_operand(e: MlirEmitter, t: TValue, start: int, end: int, dtype: str, transpose: bool) -> TValue:
+    """Keys [start, end) of k or v [B, KVH, S, D] as a matmul operand [B*KVH, Tk, D] (or [.., D, Tk]) of
+    `dtype`: a reshape when nothing changes, else one copy generic (cast, slice, transpose), which fusion
+    folds into the matmul."""
+    b, h, s, d = t.shape
+    tile = _key_slice(e, t, 2, start, end)
+    if tile is t and t.dtype == dtype and not transpose:
+        return e.reshape(t, (b * h, s, d))
+    shape = (b, h, d, end - start) if transpose else (b, h, end - start, d)
+    maps = [affine_map(4, ["d0", "d1", "d3", "d2"] if transpose else None), affine_map(4)]
+    copy = e.generic([tile], maps, e.empty(shape, dtype), ["parallel"] * 4,
+                     lambda a, w: w.cast(a[0], t.dtype, dtype))
+    return e.reshape(copy, (b * h, *shape[2:]))
+
+
+def _finite_base(m: str, w: BodyWriter) -> str:
+    """The row max to subtract: 0 where every key so far is masked (m = -inf: -inf - -inf would be NaN)."""
+    return w.select(w.cmp("oeq", m, w.const(-math.inf)), w.const(0.0), m)
+
+
+def attention(e: MlirEmitter, q: TValue, k: TValue, v: TValue, mask: TValue | None, causal: bool, scale: float,
+              safe: bool = True) -> TValue:
+    b, hq, length, d = q.shape
+    hkv, keys, dv = k.shape[1], k.shape[2], v.shape[-1]
+    if hq % hkv:
+        raise UnsupportedOp(f"{hq} query heads over {hkv} kv heads")
+    if not keys or not length:
+        raise UnsupportedOp(f"attention over {keys} keys and {length} queries")
+    rep = hq // hkv
+    rows5 = (b, hkv, rep, length)
+    # Q K^T: bf16 operands go to the MXU as they are (exact products, fp32 accumulation: eager's upcast
+    # matmul); otherwise both in f32
+    qk_dtype = "bf16" if q.dtype == k.dtype == "bf16" else "f32"
+    qm = e.reshape(q if q.dtype == qk_dtype else e.elementwise([q], lambda a, w: a[0], dtype=qk_dtype),
+                   (b * hkv, rep * length, d))
+    mask5 = _mask_5d(e, mask, b, hkv, rep, length, keys) if mask is not None else None
+    tile = key_tile(e.config, b * hq * length, keys)
+    m = l_sum = o = None
+    for start in range(0, keys, tile):
+        end = min(keys, start + tile)
+        scores = e.matmul(qm, _kv_operand(e, k, start, end, qk_dtype, True), "f32")
+        operands: list[Any] = [e.reshape(scores, (*rows5, end - start))]
+        if mask5 is not None:
+            operands.append(_key_slice(e, mask5, 4, start, end))
+        if causal:  # key start + j is kept for query i when start + j <= i + S - L
+            operands.append(e.iota((length, end - start), lambda i, w, s=start: w.cmp(
+                "sle", i[1], w.op("arith.addi", i[0], w.const_int(keys - length - s), dtype="i32"), "i32"), "i1"))
+        y = e.elementwise(operands, _masked(mask, causal, scale), dtype="f32", keep_bool=True)
+        m_tile = e.reduce_last(y, "max", True)
+        m_new = m_tile if m is None else e.elementwise([m, m_tile], lambda a, w: w.op("arith.maximumf", a[0], a[1]))
+        p = e.elementwise([y, m_new], lambda a, w: w.op("math.exp", w.op("arith.subf", a[0], _finite_base(a[1], w))))
+        p_sum = e.reduce_last(p, "sum", True)
+        pv = e.matmul(e.reshape(p, (b * hkv, rep * length, end - start)),
+                      _kv_operand(e, v, start, end, "f32", False), "f32")
+        pv = e.reshape(pv, (*rows5, dv))
+        if m is None:
+            l_sum, o = p_sum, pv
+        else:
+            l_sum = e.elementwise([l_sum, m, m_new, p_sum], _rescaled)
+            o = e.elementwise([o, m, m_new, pv], _rescaled)
+        m = m_new
+    assert m is not None and l_sum is not None and o is not None
+
+    def normalise(a: list[str], w: BodyWriter) -> str:
+        r = w.op("arith.divf", a[0], a[1])
+        return w.select(w.cmp("oeq", a[2], w.const(-math.inf)), w.const(0.0), r) if safe else r
+
+    return e.reshape(e.elementwise([o, l_sum, m], normalise, dtype=q.dtype), (b, hq, length, dv))
+
+
+def _masked(mask: TValue | None, causal: bool, scale: float) -> Any:
+    """The body of y: [scores, mask?, causal keep?] -> scores * scale, masked."""
+    def body(vals: list[str], w: BodyWriter) -> str:
+        y = w.op("arith.mulf", vals[0], w.const(scale))
+        rest = vals[1:]
+        if mask is not None:
+            mv, rest = rest[0], rest[1:]
+            y = w.select(mv, y, w.const(-math.inf)) if mask.dtype == "i1" else w.op("arith.addf", y, mv)
+        if causal:
+            y = w.select(rest[0], y, w.const(-math.inf))
+        return y
+    return body
+
+
+def _rescaled(a: list[str], w: BodyWriter) -> str:
+    """[acc, m, m', tile term] -> exp(m - c(m')) acc + tile term."""
+    alpha = w.op("math.exp", w.op("arith.subf", a[1], _finite_base(a[2], w)))
+    return w.op("arith.addf", w.op("arith.mulf", alpha, a[0]), a[3])

@@ -1,0 +1,186 @@
+"""`ctpu::attention` tiled over keys with an online softmax, GQA heads folded into the matmul rows
+(codegen/attention.py), against eager `F.scaled_dot_product_attention`.
+
+Before: K and V were copied once per query head and the whole [B*H, L, S] score matrix was one buffer. Most
+cases here have more keys than one tile of `small` (key_tile: 128 keys), the last tile partial, so the
+running max / sum and the rescaled output are exercised; masks broadcast as [B|1, H|1, L|1, S|1].
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from codegen_helpers import trace
+
+from codegen import compile_graph
+from codegen.attention import key_tile
+from device_sim.config import get_config
+from device_sim.executable import Executable, run_fresh
+from device_sim.runners import SimulatorRunner
+
+F32, BF16 = torch.float32, torch.bfloat16
+TOL = {F32: dict(rtol=2e-5, atol=2e-5), BF16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def _ctpu():
+    import fx_passes.ops  # noqa: F401  (registers torch.ops.ctpu; codegen itself never imports fx_passes)
+
+    return torch.ops.ctpu
+
+
+def _r(*shape: int, seed: int, dtype: torch.dtype = F32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _causal_keep(length: int, keys: int) -> torch.Tensor:
+    """ctpu::attention's causal mask (bottom-right: j <= i + S - L); SDPA's is_causal is top-left."""
+    return torch.arange(keys)[None, :] <= torch.arange(length)[:, None] + keys - length
+
+
+def _sdpa(q, k, v, mask, causal: bool, scale: float) -> torch.Tensor:
+    """Eager SDPA with ctpu's causal alignment folded into the mask (SDPA takes one or the other)."""
+    if causal:
+        keep = _causal_keep(q.shape[-2], k.shape[-2])
+        if mask is None:
+            mask = keep
+        elif mask.dtype == torch.bool:
+            mask = mask & keep
+        else:
+            mask = mask.masked_fill(~keep, -math.inf)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def run_attention(q, k, v, mask, causal: bool, scale: float, safe: bool = True, config: str = "small"
+                  ) -> tuple[np.ndarray, Executable]:
+    op = _ctpu().attention
+    xs = [q, k, v] + ([mask] if mask is not None else [])
+
+    def f(q, k, v, *m):
+        return op(q, k, v, m[0] if m else None, causal, scale, safe)
+
+    exe = compile_graph(trace(f, *xs), xs, config, matmul_precision="highest")
+    (out,), _ = run_fresh(exe, [x.float().numpy() for x in xs], SimulatorRunner(config))
+    return out, exe
+
+
+def check(q, k, v, mask=None, causal: bool = False, config: str = "small", tiles: bool = True) -> Executable:
+    scale = q.shape[-1] ** -0.5
+    if tiles:  # the case is meant to run more than one key tile
+        b, h, length, _ = q.shape
+        assert key_tile(get_config(config), b * h * length, k.shape[2]) < k.shape[2]
+    out, exe = run_attention(q, k, v, mask, causal, scale, config=config)
+    ref = _sdpa(q, k, v, mask, causal, scale).float().numpy()
+    np.testing.assert_allclose(out, ref, **TOL[q.dtype])
+    return exe
+
+
+def _qkv(b: int, h: int, kvh: int, length: int, keys: int, d: int, dtype: torch.dtype = F32) -> tuple:
+    return (_r(b, h, length, d, seed=0, dtype=dtype), _r(b, kvh, keys, d, seed=1, dtype=dtype),
+            _r(b, kvh, keys, d, seed=2, dtype=dtype))
+
+
+@pytest.mark.parametrize(("heads", "kv", "length", "keys"), [
+    (4, 2, 33, 150),  # GQA rep 2, odd prefill, 128 + 22 keys
+    (8, 2, 1, 300),  # GQA rep 4, one query (a decode step): 128 + 128 + 44 keys
+    (2, 2, 77, 133),  # MHA, odd length
+])
+def test_causal(heads: int, kv: int, length: int, keys: int) -> None:
+    check(*_qkv(1, heads, kv, length, keys, 16), causal=True)
+
+
+def test_padding_mask_and_causal_batch_of_two() -> None:
+    """A boolean [B, 1, 1, S] padding mask (left padding of different lengths) with the causal mask."""
+    q, k, v = _qkv(2, 4, 2, 9, 140, 16)
+    keep = torch.ones(2, 1, 1, 140, dtype=torch.bool)
+    keep[0, ..., :3] = False
+    keep[1, ..., :131] = False  # row 1 sees keys of the last tile only
+    check(q, k, v, keep, causal=True)
+
+
+def test_additive_per_head_mask() -> None:
+    """An additive [B, H, L, S] mask: its head dim viewed [KVH, rep] (query head h of kv head h // rep)."""
+    q, k, v = _qkv(1, 4, 2, 7, 150, 16)
+    check(q, k, v, _r(1, 4, 7, 150, seed=3) * 2)
+
+
+def test_edge_rows_across_tiles() -> None:
+    """Rows whose keys are all masked (0, as SDPA), masked in the first tile only (the running max starts at
+    -inf), NaN or +inf in the last tile (NaN rows, as eager), and scores of huge magnitude."""
+    q, k, v = _qkv(1, 2, 1, 6, 200, 16)
+    mask = torch.zeros(1, 1, 6, 200)
+    mask[..., 0, :] = -math.inf
+    mask[..., 1, :150] = -math.inf
+    mask[..., 2, 170] = math.nan
+    mask[..., 3, 171] = math.inf
+    mask[..., 4, :] = _r(200, seed=4) * 1e30
+    mask[..., 4, 190] = 3e38  # the only key that counts, in the last tile
+    check(q, k, v, mask)
+
+
+def test_fully_masked_rows_without_safe_are_nan() -> None:
+    """safe=False (a hand-written softmax): a row whose keys are all masked is 0 / 0 = NaN, as eager; the
+    other rows are unchanged."""
+    q, k, v = _qkv(1, 2, 1, 4, 140, 16)
+    keep = torch.ones(1, 1, 4, 140, dtype=torch.bool)
+    keep[..., 1, :] = False
+    keep[..., 2, :135] = False
+    out, _ = run_attention(q, k, v, keep, False, 0.25, safe=False)
+    ref = _ctpu().attention(q, k, v, keep, False, 0.25, False).numpy()
+    assert np.isnan(out[:, :, 1]).all() and not np.isnan(np.delete(out, 1, axis=2)).any()
+    np.testing.assert_allclose(out, ref, **TOL[F32])
+
+
+@pytest.mark.parametrize(("d", "dtype"), [(64, BF16), (128, F32)])
+def test_head_dims_on_small(d: int, dtype: torch.dtype) -> None:
+    check(*_qkv(1, 4, 2, 5, 130, d, dtype), causal=True)
+
+
+def test_bf16_gqa_odd_length() -> None:
+    check(*_qkv(1, 4, 1, 33, 150, 16, BF16), causal=True)
+
+
+@pytest.mark.parametrize(("d", "dtype"), [(64, BF16), (128, F32)])
+def test_large_llama_shapes(d: int, dtype: torch.dtype) -> None:
+    """`large`, a Llama-like head: 8 query heads over 2 kv heads, 33 queries over 300 keys (one tile there)."""
+    check(*_qkv(1, 8, 2, 33, 300, d, dtype), causal=True, config="large", tiles=False)
+
+
+def test_long_context_on_small() -> None:
+    """1024 keys on `small`: 4 tiles of 256 keys. Tiles of 128 keys (8 tiles) made one generic of 24 operands
+    (the fused updates of every tile) that ran out of spill slots; before tiling, P @ V's K = 1024 did not
+    fit vmem."""
+    check(*_qkv(1, 4, 2, 8, 1024, 16), causal=True)
+    assert key_tile(get_config("small"), 4 * 8, 1024) == 256
+
+
+def test_no_buffer_holds_the_whole_score_matrix() -> None:
+    """Every buffer of the compiled graph holds at most one key tile of scores (B*H*L*Tk values): before,
+    the scores [B*H, L, S] (and K / V repeated per query head) were buffers of the program."""
+    b, h, kvh, length, keys, d = 1, 4, 2, 33, 300, 16
+    q, k, v = _qkv(b, h, kvh, length, keys, d)
+    exe = check(q, k, v, causal=True)
+    tile = key_tile(get_config("small"), b * h * length, keys)
+    sizes = {n: math.prod(buf["shape"]) for n, buf in exe.summary["buffers"].items()}
+    assert max(sizes.values()) == b * h * length * tile, sizes
+    assert b * h * length * keys > max(sizes.values())
+
+
+def test_causal_gqa_33_positions_compiles_with_no_cpu_op() -> None:
+    """Issue 12's report (`small`, causal GQA, 33 positions, head dim 16): SDPA through the ctpu backend is
+    one program with nothing on the CPU, and eager's values."""
+    import torch_tpu_backend.stats as ctpu_stats
+
+    q, k, v = _qkv(1, 4, 2, 33, 33, 16)
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    torch._dynamo.reset()
+    ctpu_stats.reset()
+    out = torch.compile(f, backend="ctpu")(q, k, v)
+    assert dict(ctpu_stats.last().fallback_ops) == {}
+    np.testing.assert_allclose(out.numpy(), f(q, k, v).numpy(), **TOL[F32])
