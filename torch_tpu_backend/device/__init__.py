@@ -54,6 +54,9 @@ def register() -> None:
                 for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
         if getattr(torch, "ctpu", None) is not ctpu:
             torch._register_device_module("ctpu", ctpu)
+        # autocast("ctpu") casts with the policies csrc/ctpu/autocast.cpp registers; its default dtype is the
+        # MXU's bf16 (torch defaults a new device to fp16, which the CTPU does not compute in)
+        torch.set_autocast_dtype("ctpu", torch.bfloat16)
         library = torch.library.Library("_", "IMPL")
         library.fallback(ctpu_fallback, dispatch_key="PrivateUse1")
         # Convolutions on other devices go to these two ops, whose default kernels only raise.

@@ -1,0 +1,77 @@
+"""torch.autocast("ctpu"): torch's cast policies on the ctpu device (csrc/ctpu/autocast.cpp). Matmuls run in
+bf16 (the default autocast dtype: the MXU's), numerically sensitive ops in fp32, other ops unchanged; eager,
+compiled, and through a training step's backward (fp32 master weights get fp32 gradients)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def _pair(seed: int, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+
+
+def test_default_dtype_is_bf16() -> None:
+    assert torch.get_autocast_dtype("ctpu") == torch.bfloat16
+    with torch.autocast("ctpu"):
+        assert torch.is_autocast_enabled("ctpu")
+
+
+def test_policies_eager() -> None:
+    a, b = _pair(0, 8, 16)
+    x, y = a.to("ctpu"), b.to("ctpu")
+    with torch.autocast("ctpu", dtype=torch.bfloat16):
+        mm = x @ y.T
+        lin = torch.nn.functional.linear(x, y)
+        bmm = torch.bmm(x[None], y.T[None])
+        soft = torch.softmax(x.bfloat16(), -1)  # fp32 policy: a bf16 input is computed in fp32
+        norm = torch.nn.functional.layer_norm(x.bfloat16(), (16,))
+        added = x + y  # no policy: unchanged
+    assert (mm.dtype, lin.dtype, bmm.dtype) == (torch.bfloat16,) * 3
+    assert (soft.dtype, norm.dtype, added.dtype) == (torch.float32,) * 3
+    expected = (a.bfloat16() @ b.bfloat16().T)  # autocast's meaning: the inputs cast, then the op
+    torch.testing.assert_close(mm.cpu(), expected, rtol=0, atol=0)
+    torch.testing.assert_close(lin.cpu(), expected, rtol=0, atol=0)
+    torch.testing.assert_close(soft.cpu(), torch.softmax(a.bfloat16().float(), -1))
+    with torch.autocast("ctpu", enabled=False):
+        assert (x @ y.T).dtype == torch.float32
+
+
+def test_compiled_function_under_autocast() -> None:
+    a, b = _pair(1, 16, 32)
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autocast("ctpu", dtype=torch.bfloat16):
+            h = torch.nn.functional.linear(x, w)
+            return h, torch.softmax(h, -1)
+
+    torch._dynamo.reset()
+    h, p = torch.compile(f, backend="ctpu", options={"cache": False})(a.to("ctpu"), b.to("ctpu"))
+    assert (h.dtype, p.dtype) == (torch.bfloat16, torch.float32)
+    ref = a.bfloat16() @ b.bfloat16().T
+    torch.testing.assert_close(h.cpu(), ref, rtol=0, atol=0)
+    torch.testing.assert_close(p.cpu(), torch.softmax(ref.float(), -1))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_training_step_keeps_fp32_master_weights(compiled: bool) -> None:
+    torch.manual_seed(2)
+    cpu = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    dev = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    dev.load_state_dict(cpu.state_dict())
+    dev = dev.to("ctpu")
+    x, target = _pair(3, 8, 16)[0], torch.randn(8, 4)
+    step = torch.compile(dev, backend="ctpu", options={"cache": False}) if compiled else dev
+    torch._dynamo.reset()
+    with torch.autocast("ctpu", dtype=torch.bfloat16):
+        loss = torch.nn.functional.mse_loss(step(x.to("ctpu")).float(), target.to("ctpu"))
+    loss.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss = torch.nn.functional.mse_loss(cpu(x).float(), target)
+    ref_loss.backward()
+    torch.testing.assert_close(loss.cpu(), ref_loss, rtol=2e-2, atol=1e-3)
+    for p, q in zip(dev.parameters(), cpu.parameters(), strict=True):
+        assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=5e-2, atol=5e-3)
