@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
 
 import ptx_kernels
 from codegen import compile_graph
@@ -176,16 +175,22 @@ def _tensor_args(args: tuple) -> list[torch.Tensor]:
 
 
 def _fused_graph(op: str, args: tuple) -> torch.fx.GraphModule:
-    """A graph holding one ctpu::op node (tensor arguments as placeholders)."""
+    """A graph holding one ctpu::op node (tensor arguments as placeholders), built by hand: tracing the
+    custom op with make_fx, case after case, left torch's custom-op dispatch corrupted, and a later
+    torch.compile in the same process segfaulted inside it (torch 2.13; tests/codegen/test_parity.py or
+    tests/torch_tpu_backend/test_compile.py run after this file crashed)."""
     index = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-
-    def call(*values: torch.Tensor) -> torch.Tensor:
-        full = list(args)
-        for i, value in zip(index, values, strict=True):
-            full[i] = value
-        return ctpu_op(op)(*full)
-
-    return make_fx(call)(*_tensor_args(args))
+    graph = torch.fx.Graph()
+    values = [graph.placeholder(f"x{i}") for i in index]
+    full: list = list(args)
+    for i, v in zip(index, values, strict=True):
+        full[i] = v
+    for v, t in zip(values, _tensor_args(args), strict=True):
+        v.meta["val"] = t
+    node = graph.call_function(ctpu_op(op), tuple(full))
+    node.meta["val"] = ctpu_op(op)(*args)
+    graph.output(node)
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
 def _run_ctpu(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> torch.Tensor:
