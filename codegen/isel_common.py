@@ -41,9 +41,10 @@ class Flag(IntEnum):
     INDEX = 10  # gather ids / scatter index rows in
     ROWS = 11  # gathered rows in / scatter update rows in
     OUT = 12  # gather / scatter / iota results out
+    WEIGHTS = 13  # width 2: matmul weight loads (`mxu.lw*`) done: their B panel may be overwritten
 
 
-FLAG_WIDTH = {Flag.LOAD: 2, Flag.STORE: 2, Flag.MXU: 2}
+FLAG_WIDTH = {Flag.LOAD: 2, Flag.STORE: 2, Flag.MXU: 2, Flag.WEIGHTS: 2}
 assert all(f + FLAG_WIDTH.get(f, 1) <= nxt for f, nxt in zip(Flag, [*list(Flag)[1:], NUM_FLAGS], strict=True))
 MAX_SPILL_ROW = 1 << 13  # spill loads / stores address vmem through s0 + imm14 (signed)
 

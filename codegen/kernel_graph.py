@@ -238,7 +238,50 @@ def read_function(module: ir.Module) -> KernelGraph:
             continue
         else:
             raise LoweringError(f"MLIR op {name} has no CTPU lowering:\n{op}")
+    _fold_transposed_weights(g)
     return g
+
+
+def _fold_transposed_weights(g: KernelGraph) -> None:
+    """`x @ W.T` (nn.Linear's weight [out, in]) reaches the reader as a copy of W transposed into a dense
+    temporary, read only as a matmul's B: the matmul reads W itself instead, as a B view contiguous along
+    K (isel_matmul loads its rows with `mxu.lwt`), and the copy goes. Only when nothing writes W between
+    the copy and the matmul and the temporary has no other reader."""
+    for mm in [k for k in g.kernels if isinstance(k, MatmulKernel) and len(k.b.shape) == 2]:
+        tmp = mm.b
+        buf = g.buffers[tmp.buffer]
+        users = [k for k in g.kernels if any(v.buffer == tmp.buffer for v in views_of(k))]
+        if buf.kind != "temp" or not _whole(g, tmp) or not _dense_rows(tmp, 0) or len(users) != 2 \
+                or users[1] is not mm or any(v.buffer == tmp.buffer for v in g.results):
+            continue
+        copy = users[0]
+        if not isinstance(copy, GenericKernel) or copy.body.ops or copy.body.yields != copy.body.args[:1] \
+                or len(copy.inputs) != 1 or copy.reduction or copy.sizes != tmp.shape \
+                or copy.output.view != tmp or copy.output.iter_strides != tmp.strides:
+            continue
+        src = copy.inputs[0]
+        K = tmp.shape[0]
+        if src.view.dtype != tmp.dtype or (src.iter_strides[0] != 1 and K > 1):
+            continue
+        first, last = g.kernels.index(copy), g.kernels.index(mm)
+        if any(_written(k) == src.view.buffer for k in g.kernels[first + 1:last]):
+            continue
+        mm.b = View(src.view.buffer, src.view.offset, tmp.shape, src.iter_strides, tmp.dtype)
+        g.kernels.remove(copy)
+        del g.buffers[tmp.buffer]
+
+
+def views_of(k: Kernel) -> list[View]:
+    """Every view a kernel reads or writes."""
+    if isinstance(k, GenericKernel):
+        return [o.view for o in k.inputs] + [k.output.view]
+    if isinstance(k, FillKernel | IotaKernel):
+        return [k.output]
+    if isinstance(k, GatherKernel):
+        return [k.table, k.ids.view, k.output]
+    if isinstance(k, ScatterKernel):
+        return [k.dest, k.indices, k.updates]
+    return [k.a, k.b, k.c]
 
 
 def _scatter(op: ir.Operation, views: dict[str, View]) -> ScatterKernel:
