@@ -44,6 +44,9 @@ HI16 = 0xFFFF0000  # the bits of a bf16 value in an fp32 word
 BF16_FINITE_MAX = 0x7F7F7FFF  # the largest fp32 that rounds to a finite bf16 (0x7f7f, 3.39e38)
 SIGN = 0x80000000
 UNROLL_SPLIT_CHUNKS = 4  # splits of up to this many chunks of 8 vmem rows are unrolled, longer ones loop
+HEAD_GROUP_ROWS = 640  # DMA rows per load group of a pipelined first n-tile (more than the DMA latency)
+HEAD_MAX_K_TILES = 64  # first n-tiles of up to this many k-tiles are pipelined (unrolled by group)
+MAX_M_TILE = 1024  # rows of A and C per m-tile: each m-tile pays a pipeline fill and drain
 UNROLL_BATCHES = 2  # batched matmuls of more batches run a batch loop
 MIN_N_TILE_PAIRS = 2  # n loops of fewer pairs of n-tiles are unrolled
 UNROLL_K_TILES = 4  # k loops up to this many tiles are unrolled, longer ones run as loops (more unrolled
@@ -189,21 +192,7 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
         return c_at.addr(ctx, c, elem)
 
     def load(at: _At, ncols: int, kc: int, p: int) -> None:
-        """DMA chunk kc of the n-tile whose B starts at `at` (and A's chunk kc when A is chunked) into
-        buffers p. Transposed B: one DMA per k-tile, W's rows n0 .. n0 + ncols as they are (mxu.lwt reads
-        vmem row n as weight column n), lanes past K zero-filled."""
-        k0 = kc * t.KC * L
-        kk = min(t.KC * L, K - k0)
-        raw = t.b_sets[p][0]
-        if t.a_chunked:
-            _dma_tiles(ctx, a, a_at.addr(ctx, a, k0), t.a_sets[p][0], mt, t.tiles(kc), rows, kk, Flag.LOAD, p)
-        if t.trans_b:
-            _dma_tiles(ctx, bm, at.addr(ctx, bm, k0), raw, L, t.tiles(kc), ncols, kk, Flag.LOAD, p)
-            return
-        if kk % L and nch > 1:  # rows past K in the last chunk's panel (other chunks wrote them)
-            _zero_rows(ctx, [raw], kk // 8 * 8, t.tiles(kc) * L)
-        ctx.dma(True, bm.dtype, at.addr(ctx, bm, k0 * bm.strides[-2]), raw, 0, kk, ncols, bm.strides[-2],
-                Flag.LOAD, p)
+        _load_panel(ctx, k, t, a_at, rows, at, ncols, kc, p)
 
     def step(pc: int, kc: int, wait_store: bool, store_prev: tuple[Reg, int] | None,
              load_next: tuple[_At, int, int] | None) -> None:
@@ -245,8 +234,12 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
         n_tile(nt % 2, nt >= 2, (c_addr((nt - 1) * L), cols(nt - 1)) if nt >= 1 else None, b_col(nt),
                b_col(nt + 1) if nt + 1 < t.NT else None)
 
-    load(*b_col(0), 0, 0)
-    if not t.a_chunked:
+    group = _head_group(t, rows, L)
+    if group:
+        _pipelined_first_tile(ctx, k, t, rows, a_at, b_col(0), b_col(1) if t.NT > 1 else None, group)
+    else:
+        load(*b_col(0), 0, 0)
+    if not t.a_chunked and not group:
         _dma_tiles(ctx, a, a_at.addr(ctx, a, 0), t.a_sets[0][0], mt, t.KT, rows, K, Flag.MATMUL_A, 0)
         b.emit("wait", flag=ctx.flag(Flag.MATMUL_A))
         if len(t.a_sets[0]) > 1:
@@ -255,7 +248,7 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
     # the B and C addresses are pointer registers): their neighbours' loads and stores are full tiles
     NT = t.NT
     pairs = max(0, (NT - 4) // 2) if NT - 4 >= 2 * MIN_N_TILE_PAIRS else 0
-    for nt in range(min(NT, 2)):
+    for nt in range(1 if group else 0, min(NT, 2)):
         static_tile(nt)
     if pairs:
         b_ptr, c_ptr = b.sreg(), b.sreg()
@@ -274,6 +267,82 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
     last = (NT - 1) % 2
     _store_c(ctx, t, t.c_tiles[last], c_addr((NT - 1) * L), rows, cols(NT - 1), c, last)
     ctx.end()
+
+
+def _load_panel(ctx: KernelContext, k: MatmulKernel, t: _Tiling, a_at: _At, rows: int, at: _At, ncols: int, kc: int,
+                p: int) -> None:
+    """DMA chunk kc of the n-tile whose B starts at `at` (and A's chunk kc when A is chunked) into
+    buffers p. Transposed B: one DMA per k-tile, W's rows n0 .. n0 + ncols as they are (mxu.lwt reads
+    vmem row n as weight column n), lanes past K zero-filled."""
+    a, bm = k.a, k.b
+    L, K, nch, mt = ctx.lanes, k.a.shape[-1], t.nch, t.mt
+    k0 = kc * t.KC * L
+    kk = min(t.KC * L, K - k0)
+    raw = t.b_sets[p][0]
+    if t.a_chunked:
+        _dma_tiles(ctx, a, a_at.addr(ctx, a, k0), t.a_sets[p][0], mt, t.tiles(kc), rows, kk, Flag.LOAD, p)
+    if t.trans_b:
+        _dma_tiles(ctx, bm, at.addr(ctx, bm, k0), raw, L, t.tiles(kc), ncols, kk, Flag.LOAD, p)
+        return
+    if kk % L and nch > 1:  # rows past K in the last chunk's panel (other chunks wrote them)
+        _zero_rows(ctx, [raw], kk // 8 * 8, t.tiles(kc) * L)
+    ctx.dma(True, bm.dtype, at.addr(ctx, bm, k0 * bm.strides[-2]), raw, 0, kk, ncols, bm.strides[-2],
+            Flag.LOAD, p)
+
+
+def _head_group(t: _Tiling, rows: int, L: int) -> int:
+    """k-tiles per load group of a pipelined first n-tile (0: not pipelined). The first n-tile needs all
+    of A's m-tile and B's first panel: loaded in groups of k-tiles (a group at least a DMA latency's rows,
+    so that two groups in flight keep the channel busy), its MXU commands start as the first group lands
+    instead of after all of them. bf16 (one part: no split) with A whole and one k-chunk, k loops that
+    are short enough to unroll by group."""
+    if len(t.a_sets[0]) > 1 or t.a_chunked or t.nch > 1 or t.KT > HEAD_MAX_K_TILES:
+        return 0
+    group = -(-HEAD_GROUP_ROWS // (L + rows))
+    return group if -(-t.KT // group) >= 3 else 0
+
+
+def _pipelined_first_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _At,
+                          cur: tuple[_At, int], nxt: tuple[_At, int] | None, group: int) -> None:
+    """n-tile 0 of an m-tile with its loads pipelined by group of k-tiles (`_head_group`): group g's B rows
+    and A blocks complete on MATMUL_A (g % 2); groups 0 and 1 are issued first, group g + 2 once group g has
+    landed; panel 1 is loaded after the last group."""
+    b, L = ctx.b, ctx.lanes
+    a, bm = k.a, k.b
+    K = a.shape[-1]
+    raw = t.b_sets[0][0]
+    groups = [range(g, min(g + group, t.KT)) for g in range(0, t.KT, group)]
+
+    def issue(g: int) -> None:
+        at, ncols = cur
+        for kt in groups[g]:
+            kk = min(L, K - kt * L)
+            if t.trans_b:
+                ctx.dma(True, bm.dtype, at.addr(ctx, bm, kt * L), raw, kt * L, ncols, kk, bm.strides[-1],
+                        Flag.MATMUL_A, g % 2)
+            else:
+                ctx.dma(True, bm.dtype, at.addr(ctx, bm, kt * L * bm.strides[-2]), raw, kt * L, kk, ncols,
+                        bm.strides[-2], Flag.MATMUL_A, g % 2)
+            ctx.dma(True, a.dtype, a_at.addr(ctx, a, kt * L), t.a_sets[0][0], kt * t.mt, rows, kk, a.strides[-2],
+                    Flag.MATMUL_A, g % 2)
+
+    issue(0)
+    issue(1)
+    for g, kts in enumerate(groups):
+        b.emit("wait", flag=ctx.flag(Flag.MATMUL_A, g % 2))
+        if g + 2 < len(groups):
+            issue(g + 2)
+        elif g + 2 == len(groups) and nxt is not None:  # the DMA queue is free of head groups: panel 1
+            b.emit("wait", flag=ctx.flag(Flag.WEIGHTS, 1))
+            _load_panel(ctx, k, t, a_at, rows, *nxt, 0, 1)
+        commands = [(0, 0, kt, kt) for kt in kts]
+        if g == 0:
+            _mxu(ctx, t, t.a_sets[0], t.b_sets[0], t.c_tiles[0], commands[:1], rows, first=True, overwrite=True,
+                 parity=0)
+            commands = commands[1:]
+        _mxu(ctx, t, t.a_sets[0], t.b_sets[0], t.c_tiles[0], commands, rows, first=False, overwrite=False, parity=0)
+    if len(groups) < 2 and nxt is not None:
+        _load_panel(ctx, k, t, a_at, rows, *nxt, 0, 1)
 
 
 def _dma_tiles(ctx: KernelContext, v: View, hbm: Reg, region: Region, row_step: int, count: int, rows: int,
@@ -323,7 +392,7 @@ def _layout(precision: str, M: int, KT: int, L: int, free: int) -> tuple[list[st
         a_tiles = parts * (2 if a_chunked else 1) * (KC if a_chunked else KT)
         a_regions = parts * (2 if a_chunked else 1)
         budget = free - b_rows - 8 * a_regions - 32
-        mt = min(-(-M // 8) * 8, max(8, (budget // (a_tiles + 2)) // 8 * 8), 512)
+        mt = min(-(-M // 8) * 8, max(8, (budget // (a_tiles + 2)) // 8 * 8), MAX_M_TILE)
         divisors = [d for d in range(8, mt + 1, 8) if M % d == 0 and 2 * d >= mt]
         mt = divisors[-1] if divisors else mt  # no tail m-tile: less code
         return mt if a_tiles * mt + 2 * mt + b_rows + 8 * a_regions + 32 <= free else None
