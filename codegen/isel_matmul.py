@@ -213,13 +213,23 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
         _mxu(ctx, t, a_parts, weights, t.c_tiles[pc], commands[:1], rows, first=True, overwrite=kc == 0, parity=p)
         if store_prev is not None:
             _store_c(ctx, t, t.c_tiles[1 - pc], store_prev[0], rows, store_prev[1], c, 1 - pc)
+        stream: _TileStream | None = None
         if load_next is not None:
             # buffers 1 - p were read by the previous step: its weight loads (and its mms, for A) are done
             b.emit("wait", flag=ctx.flag(Flag.WEIGHTS, 1 - p))
             if t.a_chunked:
                 b.emit("wait", flag=ctx.flag(Flag.MXU, 1 - p))
-            load(*load_next, 1 - p)
-        _mxu(ctx, t, a_parts, weights, t.c_tiles[pc], commands[1:], rows, first=False, overwrite=False, parity=p)
+            if t.trans_b and not t.a_chunked:  # W's k-tiles issued along the MXU commands
+                at, ncols, kc_next = load_next
+                k0 = kc_next * t.KC * L
+                stream = _TileStream(ctx, bm, at.addr(ctx, bm, k0), t.b_sets[1 - p][0], L, t.tiles(kc_next), ncols,
+                                     min(t.KC * L, K - k0), Flag.LOAD, 1 - p)
+            else:
+                load(*load_next, 1 - p)
+        _mxu(ctx, t, a_parts, weights, t.c_tiles[pc], commands[1:], rows, first=False, overwrite=False, parity=p,
+             stream=stream)
+        if stream is not None:
+            stream.rest()
 
     def n_tile(pc: int, wait_store: bool, store_prev: tuple[Reg, int] | None, cur: tuple[_At, int],
                nxt: tuple[_At, int] | None) -> None:
@@ -345,33 +355,56 @@ def _pipelined_first_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows:
         _load_panel(ctx, k, t, a_at, rows, *nxt, 0, 1)
 
 
+class _TileStream:
+    """DMAs of `count` k-tiles of an operand contiguous along K (A, or B = W.T), issued a few at a time
+    (`one`, e.g. one per MXU command: both FIFOs are shallow, so issuing a panel's k-tiles at once would
+    stall the MXU's issue behind the DMA queue) and the rest at the end (`rest`). Tile j is `rows` rows (HBM
+    row stride v.strides[-2], or W's row stride for B) of the j-th N lanes of the kk columns from `hbm`,
+    at region row j * row_step, lanes past kk zero-filled (the last tile, when kk % N, by `rest`)."""
+
+    def __init__(self, ctx: KernelContext, v: View, hbm: Reg, region: Region, row_step: int, count: int,
+                 rows: int, kk: int, flag: Flag, p: int) -> None:
+        b, L = ctx.b, ctx.lanes
+        self.ctx, self.v, self.hbm, self.region, self.row_step = ctx, v, hbm, region, row_step
+        self.count, self.rows, self.kk, self.flag, self.p = count, rows, kk, flag, p
+        self.stride = v.strides[-2] if v.strides[-1] == 1 else v.strides[-1]
+        self.full = kk // L if kk % L else count  # tiles of N columns, issued from pointer registers
+        self.issued = 0
+        self.h, self.row = b.sreg(), b.sreg()
+        b.emit("addi", self.h, (hbm,), imm=0)
+        b.emit("li", self.row, imm=region.row)
+
+    def remaining(self) -> int:
+        return self.full - self.issued
+
+    def one(self) -> None:
+        """Issue the next full tile (in a loop body too: it advances the pointer registers)."""
+        b, L = self.ctx.b, self.ctx.lanes
+        op = "dma.ld" + (".bf16" if self.v.dtype == "bf16" else "")
+        shape = b.const(self.rows << DMA_SHAPE_ROWS_SHIFT | L)
+        b.emit(op, None, (self.h, self.row, shape, b.const(self.stride)), flag=self.ctx.flag(self.flag, self.p),
+               mem=(self.region.mem(write=True),))
+        b.addi(self.h, L * _esize(self.v), self.h)
+        b.emit("addi", self.row, (self.row,), imm=self.row_step)
+
+    def rest(self) -> None:
+        n = self.remaining()
+        if n > UNROLL_K_TILES:
+            self.ctx.b.counted_loop(n, self.one, "dmatile")
+        else:
+            for _ in range(n):
+                self.one()
+        self.issued = self.full
+        L = self.ctx.lanes
+        for j in range(self.full, self.count):
+            self.ctx.dma(True, self.v.dtype, self.ctx.b.offset_reg(self.hbm, j * L * _esize(self.v)), self.region,
+                         j * self.row_step, self.rows, min(L, self.kk - j * L), self.stride, self.flag, self.p)
+
+
 def _dma_tiles(ctx: KernelContext, v: View, hbm: Reg, region: Region, row_step: int, count: int, rows: int,
                kk: int, flag: Flag, p: int) -> None:
-    """Load `count` k-tiles of an operand contiguous along K (A, or B = W.T): tile j is `rows` rows (HBM row
-    stride v.strides[-2], or W's row stride for B) of the j-th N lanes of the kk columns from `hbm`, at
-    region row j * row_step, lanes past kk zero-filled. Runs longer than UNROLL_K_TILES loop."""
-    b, L = ctx.b, ctx.lanes
-    stride = v.strides[-2] if v.strides[-1] == 1 else v.strides[-1]
-    full = kk // L if kk % L else count
-    if full > UNROLL_K_TILES:
-        h, row = b.sreg(), b.sreg()
-        b.emit("addi", h, (hbm,), imm=0)
-        b.emit("li", row, imm=region.row)
-        op = "dma.ld" + (".bf16" if v.dtype == "bf16" else "")
-        shape, st = b.const(rows << DMA_SHAPE_ROWS_SHIFT | L), b.const(stride)
-
-        def body() -> None:
-            b.emit(op, None, (h, row, shape, st), flag=ctx.flag(flag, p), mem=(region.mem(write=True),))
-            b.addi(h, L * _esize(v), h)
-            b.emit("addi", row, (row,), imm=row_step)
-
-        b.counted_loop(full, body, "dmatile")
-        done = full
-    else:
-        done = 0
-    for j in range(done, count):
-        ctx.dma(True, v.dtype, b.offset_reg(hbm, j * L * _esize(v)), region, j * row_step, rows,
-                min(L, kk - j * L), stride, flag, p)
+    """All of a `_TileStream` at once."""
+    _TileStream(ctx, v, hbm, region, row_step, count, rows, kk, flag, p).rest()
 
 
 def _store_c(ctx: KernelContext, t: _Tiling, tile: Region, addr: Reg, rows: int, cols: int, c: View,
@@ -478,11 +511,13 @@ def _chunks(ctx: KernelContext, chunks: int, chunk: Callable[..., None], hint: s
 
 
 def _mxu(ctx: KernelContext, t: _Tiling, a_parts: list[Region], weights: list[Region], c_tile: Region,
-         commands: list[tuple[int, int, int, int]], rows: int, first: bool, overwrite: bool, parity: int) -> None:
+         commands: list[tuple[int, int, int, int]], rows: int, first: bool, overwrite: bool, parity: int,
+         stream: _TileStream | None = None) -> None:
     """Issue lw(t) + mm(a)s for each (part of A, part of B, A's k-tile, the panel's k-tile); the first
     mm of an n-tile overwrites C (`overwrite`), the others accumulate. Runs of one pass longer than
     UNROLL_K_TILES become a counted loop with pointer registers. Weight loads complete on WEIGHTS
-    (their panel is then free), mms on MXU, both of the step's parity."""
+    (their panel is then free), mms on MXU, both of the step's parity. `stream`: one of its DMAs is
+    issued with each command while it has any."""
     b = ctx.b
     f, fw = ctx.flag(Flag.MXU, parity), ctx.flag(Flag.WEIGHTS, parity)
     lw = "mxu.lwt" if t.trans_b else "mxu.lw"
@@ -498,14 +533,21 @@ def _mxu(ctx: KernelContext, t: _Tiling, a_parts: list[Region], weights: list[Re
             b.emit("li", w_ptr, imm=weights[qb].row + kb * L)
             b.emit("li", a_ptr, imm=a_parts[qa].row + ka * mt)
 
-            def body(w_ptr: Reg = w_ptr, a_ptr: Reg = a_ptr, qa: int = qa, qb: int = qb) -> None:
+            def body(w_ptr: Reg = w_ptr, a_ptr: Reg = a_ptr, qa: int = qa, qb: int = qb, dma: bool = False) -> None:
                 b.emit(lw, None, (w_ptr,), flag=fw, mem=(weights[qb].mem(),))
                 b.emit("mxu.mmas", None, (a_ptr, b.const(c_tile.row), b.const(rows)), flag=f,
                        mem=(a_parts[qa].mem(), c_tile.mem(0, rows, True)))
                 b.emit("addi", w_ptr, (w_ptr,), imm=L)
                 b.emit("addi", a_ptr, (a_ptr,), imm=mt)
+                if dma:
+                    stream.one()  # type: ignore[union-attr]
 
-            b.counted_loop(len(run), body, "ktile")
+            with_dma = min(len(run), stream.remaining()) if stream is not None else 0
+            if with_dma:
+                b.counted_loop(with_dma, lambda body=body: body(dma=True), "ktile")
+                stream.issued += with_dma  # type: ignore[union-attr]
+            if len(run) > with_dma:
+                b.counted_loop(len(run) - with_dma, body, "ktile")
             n_rows, c_row = b.const(rows), b.const(c_tile.row)
             i += len(run)
             continue
@@ -515,4 +557,7 @@ def _mxu(ctx: KernelContext, t: _Tiling, a_parts: list[Region], weights: list[Re
         a_row = a_parts[qa].row + ka * mt
         b.emit(op, None, (b.const(a_row), c_row, n_rows), flag=f,
                mem=(a_parts[qa].mem(ka * mt, ka * mt + rows), c_tile.mem(0, rows, True)))
+        if stream is not None and stream.remaining():
+            stream.one()
+            stream.issued += 1
         i += 1
