@@ -245,8 +245,10 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
                b_col(nt + 1) if nt + 1 < t.NT else None)
 
     group = _head_group(t, rows, L)
+    head = min(t.NT, 2) if group else 0  # n-tiles the pipelined start computes
     if group:
-        _pipelined_first_tile(ctx, k, t, rows, a_at, b_col(0), b_col(1) if t.NT > 1 else None, group)
+        _pipelined_start(ctx, k, t, rows, a_at, [b_col(nt) for nt in range(head)],
+                         b_col(head) if head < t.NT else None, (c_addr(0), cols(0)))
     else:
         load(*b_col(0), 0, 0)
     if not t.a_chunked and not group:
@@ -258,7 +260,7 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
     # the B and C addresses are pointer registers): their neighbours' loads and stores are full tiles
     NT = t.NT
     pairs = max(0, (NT - 4) // 2) if NT - 4 >= 2 * MIN_N_TILE_PAIRS else 0
-    for nt in range(1 if group else 0, min(NT, 2)):
+    for nt in range(head, min(NT, 2)):
         static_tile(nt)
     if pairs:
         b_ptr, c_ptr = b.sreg(), b.sreg()
@@ -308,50 +310,82 @@ def _head_group(t: _Tiling, rows: int, L: int) -> int:
     are short enough to unroll by group."""
     if len(t.a_sets[0]) > 1 or t.a_chunked or t.nch > 1 or t.KT > HEAD_MAX_K_TILES:
         return 0
-    group = -(-HEAD_GROUP_ROWS // (L + rows))
-    return group if -(-t.KT // group) >= 3 else 0
+    return 1 if t.KT * (L + rows) >= 3 * HEAD_GROUP_ROWS else 0
 
 
-def _pipelined_first_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _At,
-                          cur: tuple[_At, int], nxt: tuple[_At, int] | None, group: int) -> None:
-    """n-tile 0 of an m-tile with its loads pipelined by group of k-tiles (`_head_group`): group g's B rows
-    and A blocks complete on MATMUL_A (g % 2); groups 0 and 1 are issued first, group g + 2 once group g has
-    landed; panel 1 is loaded after the last group."""
+def _pipelined_start(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _At,
+                     tiles: list[tuple[_At, int]], nxt: tuple[_At, int] | None, c0: tuple[Reg, int]) -> None:
+    """The first one or two n-tiles of an m-tile, their loads pipelined with the MXU: n-tile 0 alone needs
+    all of A's m-tile and a B panel, more DMA rows than MXU rows. So with two n-tiles (C tiles 0 and 1
+    from panels 0 and 1) the MXU first runs k-tiles 0 .. h for both (two MXU rows per A row loaded), then
+    h .. KT for C tile 0, whose store and the load of panel 2 then overlap h .. KT for C tile 1. Loads are
+    issued in the order the commands need them, in groups of at least HEAD_GROUP_ROWS DMA rows on
+    MATMUL_A (group parity), groups g + 1 and g + 2 in flight while the MXU works on group g's."""
     b, L = ctx.b, ctx.lanes
-    a, bm = k.a, k.b
-    K = a.shape[-1]
-    raw = t.b_sets[0][0]
-    groups = [range(g, min(g + group, t.KT)) for g in range(0, t.KT, group)]
+    a, bm, c = k.a, k.b, k.c
+    K, KT = a.shape[-1], t.KT
+    two = len(tiles) == 2
+    h = KT // 2 if two else KT
+    order = [(n, kt) for kt in range(h) for n in range(len(tiles))] + [(0, kt) for kt in range(h, KT)]
+    if two:
+        order += [(1, kt) for kt in range(h, KT)]
+    # loads (n-tile, or -1 for A; k-tile) in the order the commands need them, grouped at command
+    # boundaries: the first group is the first command's, so that the MXU starts as early as it can
+    groups: list[list[tuple[int, int]]] = [[]]
+    group_of: dict[tuple[int, int], int] = {}
+    size = 0
+    for i, (n, kt) in enumerate(order):
+        for item in ((-1, kt), (n, kt)):
+            if item not in group_of:
+                group_of[item] = len(groups) - 1
+                groups[-1].append(item)
+                size += rows if item[0] < 0 else L
+        if (i == 0 or size >= HEAD_GROUP_ROWS) and i + 1 < len(order):
+            groups.append([])
+            size = 0
 
     def issue(g: int) -> None:
-        at, ncols = cur
-        for kt in groups[g]:
+        for n, kt in groups[g]:
             kk = min(L, K - kt * L)
+            if n < 0:
+                ctx.dma(True, a.dtype, a_at.addr(ctx, a, kt * L), t.a_sets[0][0], kt * t.mt, rows, kk,
+                        a.strides[-2], Flag.MATMUL_A, g % 2)
+                continue
+            at, ncols = tiles[n]
+            raw = t.b_sets[n][0]
             if t.trans_b:
                 ctx.dma(True, bm.dtype, at.addr(ctx, bm, kt * L), raw, kt * L, ncols, kk, bm.strides[-1],
                         Flag.MATMUL_A, g % 2)
             else:
                 ctx.dma(True, bm.dtype, at.addr(ctx, bm, kt * L * bm.strides[-2]), raw, kt * L, kk, ncols,
                         bm.strides[-2], Flag.MATMUL_A, g % 2)
-            ctx.dma(True, a.dtype, a_at.addr(ctx, a, kt * L), t.a_sets[0][0], kt * t.mt, rows, kk, a.strides[-2],
-                    Flag.MATMUL_A, g % 2)
 
-    issue(0)
-    issue(1)
-    for g, kts in enumerate(groups):
-        b.emit("wait", flag=ctx.flag(Flag.MATMUL_A, g % 2))
-        if g + 2 < len(groups):
-            issue(g + 2)
-        elif g + 2 == len(groups) and nxt is not None:  # the DMA queue is free of head groups: panel 1
-            b.emit("wait", flag=ctx.flag(Flag.WEIGHTS, 1))
-            _load_panel(ctx, k, t, a_at, rows, *nxt, 0, 1)
-        commands = [(0, 0, kt, kt) for kt in kts]
-        if g == 0:
-            _mxu(ctx, t, t.a_sets[0], t.b_sets[0], t.c_tiles[0], commands[:1], rows, first=True, overwrite=True,
-                 parity=0)
-            commands = commands[1:]
-        _mxu(ctx, t, t.a_sets[0], t.b_sets[0], t.c_tiles[0], commands, rows, first=False, overwrite=False, parity=0)
-    if len(groups) < 2 and nxt is not None:
+    issued = min(2, len(groups))
+    for g in range(issued):
+        issue(g)
+    waited = -1
+    for i, (n, kt) in enumerate(order):
+        tail = two and i == len(order) - (KT - h)  # the first command of C tile 1's k-tiles h .. KT
+        if tail or (not two and issued == len(groups) and nxt is not None and i == len(order) - 1):
+            for g in range(issued, len(groups)):  # the last groups, then the next panel behind them
+                issue(g)
+            issued = len(groups)
+            if nxt is not None:
+                b.emit("wait", flag=ctx.flag(Flag.WEIGHTS, 0 if two else 1))
+                _load_panel(ctx, k, t, a_at, rows, *nxt, 0, 0 if two else 1)
+                nxt = None
+        while waited < max(group_of[(-1, kt)], group_of[(n, kt)]):
+            waited += 1
+            b.emit("wait", flag=ctx.flag(Flag.MATMUL_A, waited % 2))
+            if issued < len(groups) and issued == waited + 2:
+                issue(issued)
+                issued += 1
+        _mxu(ctx, t, t.a_sets[0], t.b_sets[n], t.c_tiles[n], [(0, 0, kt, kt)], rows, first=True,
+             overwrite=kt == 0, parity=n)
+        if tail:  # C tile 0 is complete: its store overlaps C tile 1's last k-tiles
+            _store_c(ctx, t, t.c_tiles[0], c0[0], rows, c0[1], c, 0)
+    if not two and nxt is not None:
+        b.emit("wait", flag=ctx.flag(Flag.WEIGHTS, 1))
         _load_panel(ctx, k, t, a_at, rows, *nxt, 0, 1)
 
 
