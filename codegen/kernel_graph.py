@@ -482,7 +482,7 @@ def _contraction(sizes: list[int], iters: list[str], operands: list[Access], arg
 
     batch, m, n, k = dims("batch"), dims("m"), dims("n"), dims("k")
     av = _matrix(a, [batch, m, k], sizes, g, prelude)
-    bv = _matrix(b, [batch, k, n], sizes, g, prelude)
+    bv = _matrix(b, [batch, k, n], sizes, g, prelude, transposed=True)
     cv = _matrix(c, [batch, m, n], sizes, g, None)
     if av is None or bv is None or cv is None:
         raise LoweringError(f"contraction whose result is not a dense matrix:\n{text}")
@@ -562,11 +562,13 @@ def _merge(sizes: list[int], strides: list[int]) -> tuple[int, int] | None:
 
 
 def _matrix(o: Access, groups: list[list[int]], sizes: list[int], g: KernelGraph,
-            prelude: list[Kernel] | None) -> View | None:
+            prelude: list[Kernel] | None, transposed: bool = False) -> View | None:
     """A 3-D view [g0, g1, g2] of the operand (each group of iteration dims merged), copying it into a
-    dense temporary first (when `prelude` is given) if its strides do not allow that."""
+    dense temporary first (when `prelude` is given) if its strides do not allow that. `transposed`: a
+    view contiguous along g1 instead of g2 will do (a matmul's B = W.T, which isel loads with mxu.lwt)."""
     merged = [_merge([sizes[d] for d in grp], [o.iter_strides[d] for d in grp]) for grp in groups]
-    if all(mg is not None for mg in merged) and merged[2][1] == 1:  # type: ignore[index]
+    if all(mg is not None for mg in merged) and (merged[2][1] == 1  # type: ignore[index]
+                                                 or (transposed and merged[1][1] == 1)):  # type: ignore[index]
         return View(o.view.buffer, o.view.offset, tuple(mg[0] for mg in merged),  # type: ignore[index]
                     tuple(mg[1] for mg in merged), o.view.dtype)  # type: ignore[index]
     if prelude is None:
