@@ -1,13 +1,21 @@
 """Instruction selection for linalg.matmul / batch_matmul on the MXU.
 
-Layout (N = lanes = MXU size). For one batch and one m-tile of Mt rows:
+Layout (N = lanes = MXU size). For one batch and one m-tile of Mt rows (up to MAX_M_TILE):
 - A is held as KT = ceil(K / N) column blocks of Mt vmem rows (block kt, row m = A[m, kt*N : kt*N + N]),
   one strided DMA per block; lanes past K are zero-filled by the DMA;
-- for each n-tile, B[:, n0 : n0 + N] is one DMA of K vmem rows (rows K .. KT*N are zeroed once), so the
-  weight tile (kt) is the N consecutive rows kt*N .. kt*N + N: `mxu.lw` loads it into the shadow buffer while
-  the previous `mxu.mm(a)s` streams, which swaps it in and streams the Mt rows of A's block kt;
+- B is loaded by *panel*: the k-rows of one chunk of KC k-tiles of one n-tile (KC = KT, one chunk, unless
+  two panels do not fit vmem: then K is tiled and C accumulates across the chunks, `_layout`). B[:, n0 :
+  n0 + N] is one DMA (rows past K in the last k-tile zeroed), so weight tile kt is N consecutive rows:
+  `mxu.lw` loads it into the shadow buffer while the previous `mxu.mm(a)s` streams, which swaps it in and
+  streams the Mt rows of A's block kt. B = W.T (W [N, K] row-major: nn.Linear's weight, a view the kernel
+  reader keeps) is loaded as it is: one DMA per k-tile of W's rows n0 .. n0 + N (lanes past K zeroed), and
+  `mxu.lwt` makes vmem row n weight column n, so a transposed weight costs nothing extra;
 - C[m-tile, n-tile] accumulates in Mt vmem rows (`mxu.mms` first, `mxu.mmas` after) and is stored with one DMA.
-B tiles, C tiles and their flags are double-buffered across n-tiles, so the MXU streams back to back.
+B panels are double-buffered by step (n-tile x chunk), C tiles by n-tile, so the MXU streams back to back; a
+panel is reloaded once the weight loads that read it are done (flag WEIGHTS). When A's m-tile over all of K
+does not fit either, A is loaded by chunk with its panel (`a_chunked`, small configurations and huge K).
+An m-tile's first two n-tiles start pipelined (`_pipelined_start`): loads grouped by the commands that
+need them, so the MXU starts after the first A block and weight tile, not after all of A.
 
 fp32 operands follow `torch.get_float32_matmul_precision()`: each is split in vmem into bf16 parts
 (hi = bf(x), mid = bf(x - hi), lo = bf(x - hi - mid), with `vcvt.bf` and `vsub.f`; `_split` says how hi
