@@ -44,6 +44,7 @@ from codegen.kernel_graph import (
     View,
     describe,
     read_function,
+    views_of,
 )
 from codegen.machine_code import MachineCode, compile_functions
 from codegen.mir import Function, Reg
@@ -70,7 +71,7 @@ def plan_memory(g: KernelGraph) -> tuple[dict[str, BufferPlacement], int]:
     last = len(g.kernels)
     live: dict[str, list[int]] = {}
     for i, k in enumerate(g.kernels):
-        for v in _views(k):
+        for v in views_of(k):
             span = live.setdefault(v.buffer, [i, i])
             span[0], span[1] = min(span[0], i), max(span[1], i)
     for v in g.results:
@@ -99,25 +100,13 @@ def plan_memory(g: KernelGraph) -> tuple[dict[str, BufferPlacement], int]:
     return placements, arena
 
 
-def _views(k: Kernel) -> list[View]:
-    if isinstance(k, GenericKernel):
-        return [o.view for o in k.inputs] + [k.output.view]
-    if isinstance(k, FillKernel | IotaKernel):
-        return [k.output]
-    if isinstance(k, GatherKernel):
-        return [k.table, k.ids.view, k.output]
-    if isinstance(k, ScatterKernel):
-        return [k.dest, k.indices, k.updates]
-    return [k.a, k.b, k.c]
-
-
 def _drop_matmul_fills(kernels: list[Kernel]) -> list[Kernel]:
     """A zero fill of a buffer whose next reader or writer is a matmul writing all of it is implied by
     `mxu.mms` (the first pass overwrites C)."""
     out: list[Kernel] = []
     for i, k in enumerate(kernels):
         if isinstance(k, FillKernel) and k.value == 0.0:
-            nxt = next((n for n in kernels[i + 1:] if any(v.buffer == k.output.buffer for v in _views(n))), None)
+            nxt = next((n for n in kernels[i + 1:] if any(v.buffer == k.output.buffer for v in views_of(n))), None)
             if isinstance(nxt, MatmulKernel) and nxt.c.buffer == k.output.buffer and nxt.c.offset == k.output.offset \
                     and math.prod(nxt.c.shape) == math.prod(k.output.shape) and _dense(nxt.c) and _dense(k.output):
                 continue

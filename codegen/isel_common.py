@@ -35,15 +35,16 @@ class Flag(IntEnum):
 
     LOAD = 0  # width 2: vector tiles in; matmul B (weight) panels
     STORE = 2  # width 2: tiles out; matmul C tiles out
-    MATMUL_A = 4  # matmul A panels
+    MATMUL_A = 4  # width 2: matmul A panels (and, in a pipelined start, the first B panel's k-tiles by group)
     COPY = 6  # a strided copy through HBM scratch (transposes)
     MXU = 8  # width 2: matmul passes done
     INDEX = 10  # gather ids / scatter index rows in
     ROWS = 11  # gathered rows in / scatter update rows in
     OUT = 12  # gather / scatter / iota results out
+    WEIGHTS = 13  # width 2: matmul weight loads (`mxu.lw*`) done: their B panel may be overwritten
 
 
-FLAG_WIDTH = {Flag.LOAD: 2, Flag.STORE: 2, Flag.MXU: 2}
+FLAG_WIDTH = {Flag.LOAD: 2, Flag.STORE: 2, Flag.MATMUL_A: 2, Flag.MXU: 2, Flag.WEIGHTS: 2}
 assert all(f + FLAG_WIDTH.get(f, 1) <= nxt for f, nxt in zip(Flag, [*list(Flag)[1:], NUM_FLAGS], strict=True))
 MAX_SPILL_ROW = 1 << 13  # spill loads / stores address vmem through s0 + imm14 (signed)
 

@@ -1,13 +1,21 @@
 """Instruction selection for linalg.matmul / batch_matmul on the MXU.
 
-Layout (N = lanes = MXU size). For one batch and one m-tile of Mt rows:
+Layout (N = lanes = MXU size). For one batch and one m-tile of Mt rows (up to MAX_M_TILE):
 - A is held as KT = ceil(K / N) column blocks of Mt vmem rows (block kt, row m = A[m, kt*N : kt*N + N]),
   one strided DMA per block; lanes past K are zero-filled by the DMA;
-- for each n-tile, B[:, n0 : n0 + N] is one DMA of K vmem rows (rows K .. KT*N are zeroed once), so the
-  weight tile (kt) is the N consecutive rows kt*N .. kt*N + N: `mxu.lw` loads it into the shadow buffer while
-  the previous `mxu.mm(a)s` streams, which swaps it in and streams the Mt rows of A's block kt;
+- B is loaded by *panel*: the k-rows of one chunk of KC k-tiles of one n-tile (KC = KT, one chunk, unless
+  two panels do not fit vmem: then K is tiled and C accumulates across the chunks, `_layout`). B[:, n0 :
+  n0 + N] is one DMA (rows past K in the last k-tile zeroed), so weight tile kt is N consecutive rows:
+  `mxu.lw` loads it into the shadow buffer while the previous `mxu.mm(a)s` streams, which swaps it in and
+  streams the Mt rows of A's block kt. B = W.T (W [N, K] row-major: nn.Linear's weight, a view the kernel
+  reader keeps) is loaded as it is: one DMA per k-tile of W's rows n0 .. n0 + N (lanes past K zeroed), and
+  `mxu.lwt` makes vmem row n weight column n, so a transposed weight costs nothing extra;
 - C[m-tile, n-tile] accumulates in Mt vmem rows (`mxu.mms` first, `mxu.mmas` after) and is stored with one DMA.
-B tiles, C tiles and their flags are double-buffered across n-tiles, so the MXU streams back to back.
+B panels are double-buffered by step (n-tile x chunk), C tiles by n-tile, so the MXU streams back to back; a
+panel is reloaded once the weight loads that read it are done (flag WEIGHTS). When A's m-tile over all of K
+does not fit either, A is loaded by chunk with its panel (`a_chunked`, small configurations and huge K).
+An m-tile's first two n-tiles start pipelined (`_pipelined_start`): loads grouped by the commands that
+need them, so the MXU starts after the first A block and weight tile, not after all of A.
 
 fp32 operands follow `torch.get_float32_matmul_precision()`: each is split in vmem into bf16 parts
 (hi = bf(x), mid = bf(x - hi), lo = bf(x - hi - mid), with `vcvt.bf` and `vsub.f`; `_split` says how hi
@@ -32,6 +40,7 @@ from dataclasses import dataclass
 from codegen.isel_common import Flag, KernelContext, Region, chunk_loop, row_mem
 from codegen.kernel_graph import LoweringError, MatmulKernel, View
 from codegen.mir import ZERO, Reg
+from device_sim.isa import DMA_SHAPE_ROWS_SHIFT
 
 PASSES = {  # (part of A, part of B), accumulated in this order (small terms first)
     "highest": [("lo", "hi"), ("mid", "mid"), ("hi", "lo"), ("mid", "hi"), ("hi", "mid"), ("hi_full", "hi_full")],
@@ -43,6 +52,9 @@ HI16 = 0xFFFF0000  # the bits of a bf16 value in an fp32 word
 BF16_FINITE_MAX = 0x7F7F7FFF  # the largest fp32 that rounds to a finite bf16 (0x7f7f, 3.39e38)
 SIGN = 0x80000000
 UNROLL_SPLIT_CHUNKS = 4  # splits of up to this many chunks of 8 vmem rows are unrolled, longer ones loop
+HEAD_GROUP_ROWS = 640  # DMA rows per load group of a pipelined first n-tile (more than the DMA latency)
+HEAD_MAX_K_TILES = 64  # first n-tiles of up to this many k-tiles are pipelined (unrolled by group)
+MAX_M_TILE = 1024  # rows of A and C per m-tile: each m-tile pays a pipeline fill and drain
 UNROLL_BATCHES = 2  # batched matmuls of more batches run a batch loop
 MIN_N_TILE_PAIRS = 2  # n loops of fewer pairs of n-tiles are unrolled
 UNROLL_K_TILES = 4  # k loops up to this many tiles are unrolled, longer ones run as loops (more unrolled
@@ -55,27 +67,34 @@ def lower_matmul(ctx: KernelContext, k: MatmulKernel) -> None:
     B = c.shape[0] if batched else 1
     M, K = a.shape[-2:]
     Nn = bm.shape[-1]
-    for v, what in ((a, "A"), (bm, "B"), (c, "C")):
+    for v, what in ((a, "A"), (c, "C")):
         if v.strides[-1] != 1:
             raise LoweringError(f"matmul operand {what} is not contiguous along its last dim: {v.strides}")
+    trans_b = bm.strides[-1] != 1 and Nn > 1  # B = W.T with W [N, K] row-major: loaded with mxu.lwt
+    if trans_b and bm.strides[-2] != 1 and K > 1:
+        raise LoweringError(f"matmul operand B is contiguous along neither dim: {bm.strides}")
     precision = "medium" if a.dtype == "bf16" and bm.dtype == "bf16" else ctx.matmul_precision
     L = ctx.lanes
     KT, NT = -(-K // L), -(-Nn // L)
-    names, mt = _layout(precision, M, KT, L, ctx.vmem_free())
-    if mt is None:
-        raise LoweringError(f"matmul {M}x{K}x{Nn} does not fit vmem (K too large for one tile)")
+    plan = _layout(precision, M, KT, L, ctx.vmem_free())
+    if plan is None:
+        raise LoweringError(f"matmul {M}x{K}x{Nn} does not fit vmem (not even 8 rows and one k-tile)")
+    names, mt, KC, a_chunked = plan
     parts = len(names)
     index = {name: i for i, name in enumerate(names)}
     index.setdefault("hi", 0)  # no separate hi: the in-place region is hi (and hi_full is hi)
-    passes = [(index[pa], index[pb]) for pa, pb in PASSES[precision]]
-    a_parts = [ctx.region(KT * mt, f"a{q}_") for q in range(parts)]
-    b_raw = [ctx.region(KT * L, "braw") for _ in range(2)]
-    b_parts = [b_raw] + [[ctx.region(KT * L, f"b{q}_") for _ in range(2)] for q in range(1, parts)]
-    c_tiles = [ctx.region(mt, "c") for _ in range(2)]
-    if K % L:  # weight rows K .. KT * L must be zero: the DMA never writes them, and 0 x stale NaN / inf is NaN
-        _zero_rows(ctx, b_raw, K // 8 * 8, KT * L)
+    a_tiles = KC if a_chunked else KT
+    t = _Tiling(
+        a_sets=[[ctx.region(a_tiles * mt, f"a{q}_") for q in range(parts)] for _ in range(2 if a_chunked else 1)],
+        b_sets=[[ctx.region(KC * L, f"b{q}_") for q in range(parts)] for _ in range(2)],
+        c_tiles=[ctx.region(mt, "c") for _ in range(2)],
+        passes=[(index[pa], index[pb]) for pa, pb in PASSES[precision]],
+        mt=mt, KT=KT, KC=KC, NT=NT, hi_full="hi" in names[1:], trans_b=trans_b, a_chunked=a_chunked)
+    if K % L and not trans_b and t.nch == 1:
+        # weight rows K .. KT * L must be zero: the DMA never writes them, and 0 x stale NaN / inf is NaN
+        # (with several k-chunks the last chunk zeroes them as it is loaded: other chunks share its panel)
+        _zero_rows(ctx, [s[0] for s in t.b_sets], K // 8 * 8, KT * L)
     m_tiles = [(m0, min(mt, M - m0)) for m0 in range(0, M, mt)]
-    tiles = (a_parts, b_raw, b_parts, c_tiles, passes, KT, NT, "hi" in names[1:])
     b = ctx.b
     if B > UNROLL_BATCHES:  # batches as a runtime loop: pointer registers at each batch's A, B and C
         pa, pb, pc = b.sreg(), b.sreg(), b.sreg()
@@ -84,7 +103,7 @@ def lower_matmul(ctx: KernelContext, k: MatmulKernel) -> None:
 
         def batch_body() -> None:
             for m0, rows in m_tiles:
-                _m_tile(ctx, k, rows, _At(pa, m0 * a.strides[-2]), _At(pb, 0), _At(pc, m0 * c.strides[-2]), *tiles)
+                _m_tile(ctx, k, t, rows, _At(pa, m0 * a.strides[-2]), _At(pb, 0), _At(pc, m0 * c.strides[-2]))
             for ptr, v in ((pa, a), (pb, bm), (pc, c)):
                 if v.strides[0]:
                     b.addi(ptr, v.strides[0] * _esize(v), ptr)
@@ -94,22 +113,22 @@ def lower_matmul(ctx: KernelContext, k: MatmulKernel) -> None:
     for batch in range(B):
         a0, b0, c0 = ((v.offset + (v.strides[0] * batch if batched else 0)) for v in (a, bm, c))
         rest = m_tiles
-        full = [t for t in m_tiles if t[1] == mt]
+        full = [tile for tile in m_tiles if tile[1] == mt]
         if len(full) >= 3:  # m-tiles as a runtime loop: pointer registers at the tile's A and C rows
             pa, pc = b.sreg(), b.sreg()
             b.emit("addi", pa, (ctx.hbm_addr(a, a0),), imm=0)
             b.emit("addi", pc, (ctx.hbm_addr(c, c0),), imm=0)
 
             def m_body(pa: Reg = pa, pc: Reg = pc, b0: int = b0) -> None:
-                _m_tile(ctx, k, mt, _At(pa, 0), _At(None, b0), _At(pc, 0), *tiles)
+                _m_tile(ctx, k, t, mt, _At(pa, 0), _At(None, b0), _At(pc, 0))
                 b.addi(pa, mt * a.strides[-2] * _esize(a), pa)
                 b.addi(pc, mt * c.strides[-2] * _esize(c), pc)
 
             b.counted_loop(len(full), m_body, "mtile")
             rest = m_tiles[len(full):]
         for m0, rows in rest:
-            _m_tile(ctx, k, rows, _At(None, a0 + m0 * a.strides[-2]), _At(None, b0),
-                    _At(None, c0 + m0 * c.strides[-2]), *tiles)
+            _m_tile(ctx, k, t, rows, _At(None, a0 + m0 * a.strides[-2]), _At(None, b0),
+                    _At(None, c0 + m0 * c.strides[-2]))
 
 
 @dataclass(frozen=True)
@@ -125,109 +144,346 @@ class _At:
             return ctx.hbm_addr(view, self.elem + elem)
         return ctx.b.offset_reg(self.reg, (self.elem + elem) * _esize(view))
 
+    def plus(self, elem: int) -> _At:
+        return _At(self.reg, self.elem + elem)
+
+
+@dataclass(frozen=True)
+class _Tiling:
+    """The vmem regions and tile counts of one matmul kernel. K is split into chunks of KC k-tiles (one
+    chunk when a whole B panel fits); B panels (one chunk of one n-tile) are double-buffered by step
+    (step = n-tile x chunk, buffer parity (n-tile parity * chunks + chunk) % 2), so are A's chunks when
+    A does not fit whole (`a_chunked`: reloaded for every step); C tiles alternate by n-tile parity."""
+
+    a_sets: list[list[Region]]  # [buffer][part]
+    b_sets: list[list[Region]]  # [buffer][part]: part 0 is the raw panel, split in place
+    c_tiles: list[Region]
+    passes: list[tuple[int, int]]
+    mt: int
+    KT: int
+    KC: int
+    NT: int
+    hi_full: bool
+    trans_b: bool
+    a_chunked: bool
+
+    @property
+    def nch(self) -> int:
+        return -(-self.KT // self.KC)
+
+    def parity(self, pc: int, kc: int) -> int:
+        """The buffer (and MXU / weight flag) parity of chunk kc of an n-tile of parity pc."""
+        return (pc * self.nch + kc) % 2
+
+    def tiles(self, kc: int) -> int:
+        return min(self.KC, self.KT - kc * self.KC)
+
 
 def _esize(v: View) -> int:
     return 2 if v.dtype == "bf16" else 4
 
 
-def _m_tile(ctx: KernelContext, k: MatmulKernel, rows: int, a_at: _At, b_at: _At, c_at: _At,
-            a_parts: list[Region], b_raw: list[Region], b_parts: list[list[Region]], c_tiles: list[Region],
-            passes: list[tuple[int, int]], KT: int, NT: int, hi_full: bool) -> None:
-    """One m-tile (`rows` rows of A and C) against all of B: A loaded and split once, B and C tiles
-    double-buffered across the n-tiles."""
+def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _At, b_at: _At, c_at: _At) -> None:
+    """One m-tile (`rows` rows of A and C) against all of B: A loaded and split once (or per step when
+    chunked), B panels and C tiles double-buffered across the steps and n-tiles."""
     b = ctx.b
     a, bm, c = k.a, k.b, k.c
     L = ctx.lanes
     K, Nn = a.shape[-1], bm.shape[-1]
-    mt = a_parts[0].rows // KT
-
-    def a_addr(elem: int) -> Reg:
-        return a_at.addr(ctx, a, elem)
-
-    def c_addr(elem: int) -> Reg:
-        return c_at.addr(ctx, c, elem)
+    nch, mt = t.nch, t.mt
+    col_elems = L * (bm.strides[-1] if t.trans_b else 1)  # from one n-tile's B to the next
 
     def cols(nt: int) -> int:
         return min(L, Nn - nt * L)
 
-    def b_addr(nt: int) -> Reg:
-        return b_at.addr(ctx, bm, nt * L)
+    def c_addr(elem: int) -> Reg:
+        return c_at.addr(ctx, c, elem)
 
-    def n_tile(p: int, wait_store: bool, store_prev: tuple[Reg, int] | None,
-               load_next: tuple[Reg, int] | None) -> None:
-        """One n-tile in buffer p: split B, the first MXU pass, the previous tile's C store and the next
-        tile's B load (both overlap the MXU), the other passes."""
+    def load(at: _At, ncols: int, kc: int, p: int) -> None:
+        _load_panel(ctx, k, t, a_at, rows, at, ncols, kc, p)
+
+    def step(pc: int, kc: int, wait_store: bool, store_prev: tuple[Reg, int] | None,
+             load_next: tuple[_At, int, int] | None) -> None:
+        """Chunk kc of an n-tile of parity pc: split the panel, the first MXU command, the previous tile's
+        C store and the next step's loads (both overlap the MXU), the other commands."""
+        p = t.parity(pc, kc)
         b.emit("wait", flag=ctx.flag(Flag.LOAD, p))
-        weights = [b_raw[p]] + [parts[p] for parts in b_parts[1:]]
+        kts = t.tiles(kc)
+        weights = t.b_sets[p]
+        a_parts, a_tile0 = (t.a_sets[p], 0) if t.a_chunked else (t.a_sets[0], kc * t.KC)
         if len(weights) > 1:
-            _split(ctx, weights, KT * L, hi_full)
-        if wait_store:
-            b.emit("wait", flag=ctx.flag(Flag.STORE, p))
-        commands = [(qa, qb, kt) for qa, qb in passes for kt in range(KT)]
-        _mxu(ctx, a_parts, weights, c_tiles[p], commands[:1], rows, mt, first=True, parity=p)
+            _split(ctx, weights, kts * L, t.hi_full)
+            if t.a_chunked:
+                _split(ctx, a_parts, kts * mt, t.hi_full)
+        if kc == 0 and wait_store:
+            b.emit("wait", flag=ctx.flag(Flag.STORE, pc))
+        commands = [(qa, qb, a_tile0 + j, j) for qa, qb in t.passes for j in range(kts)]
+        _mxu(ctx, t, a_parts, weights, t.c_tiles[pc], commands[:1], rows, first=True, overwrite=kc == 0, parity=p)
         if store_prev is not None:
-            _store_c(ctx, c_tiles[1 - p], store_prev[0], rows, store_prev[1], c, 1 - p)
+            _store_c(ctx, t, t.c_tiles[1 - pc], store_prev[0], rows, store_prev[1], c, 1 - pc)
+        stream: _TileStream | None = None
         if load_next is not None:
-            ctx.dma(True, bm.dtype, load_next[0], b_raw[1 - p], 0, K, load_next[1], bm.strides[-2], Flag.LOAD, 1 - p)
-        _mxu(ctx, a_parts, weights, c_tiles[p], commands[1:], rows, mt, first=False, parity=p)
+            # buffers 1 - p were read by the previous step: its weight loads (and its mms, for A) are done
+            b.emit("wait", flag=ctx.flag(Flag.WEIGHTS, 1 - p))
+            if t.a_chunked:
+                b.emit("wait", flag=ctx.flag(Flag.MXU, 1 - p))
+            if t.trans_b and not t.a_chunked:  # W's k-tiles issued along the MXU commands
+                at, ncols, kc_next = load_next
+                k0 = kc_next * t.KC * L
+                stream = _TileStream(ctx, bm, at.addr(ctx, bm, k0), t.b_sets[1 - p][0], L, t.tiles(kc_next), ncols,
+                                     min(t.KC * L, K - k0), Flag.LOAD, 1 - p)
+            else:
+                load(*load_next, 1 - p)
+        _mxu(ctx, t, a_parts, weights, t.c_tiles[pc], commands[1:], rows, first=False, overwrite=False, parity=p,
+             stream=stream)
+        if stream is not None:
+            stream.rest()
+
+    def n_tile(pc: int, wait_store: bool, store_prev: tuple[Reg, int] | None, cur: tuple[_At, int],
+               nxt: tuple[_At, int] | None) -> None:
+        for kc in range(nch):
+            following = (*cur, kc + 1) if kc + 1 < nch else (*nxt, 0) if nxt is not None else None
+            step(pc, kc, wait_store, store_prev if kc == 0 else None, following)
+
+    def b_col(nt: int) -> tuple[_At, int]:
+        return b_at.plus(nt * col_elems), cols(nt)
 
     def static_tile(nt: int) -> None:
-        n_tile(nt % 2, nt >= 2, (c_addr((nt - 1) * L), cols(nt - 1)) if nt >= 1 else None,
-               (b_addr(nt + 1), cols(nt + 1)) if nt + 1 < NT else None)
+        n_tile(nt % 2, nt >= 2, (c_addr((nt - 1) * L), cols(nt - 1)) if nt >= 1 else None, b_col(nt),
+               b_col(nt + 1) if nt + 1 < t.NT else None)
 
-    ctx.dma(True, bm.dtype, b_addr(0), b_raw[0], 0, K, cols(0), bm.strides[-2], Flag.LOAD)
-    for kt in range(KT):
-        ctx.dma(True, a.dtype, a_addr(kt * L), a_parts[0], kt * mt, rows, min(L, K - kt * L), a.strides[-2],
-                Flag.MATMUL_A)
-    b.emit("wait", flag=ctx.flag(Flag.MATMUL_A))
-    if len(a_parts) > 1:
-        _split(ctx, a_parts, KT * mt, hi_full)
+    group = _head_group(t, rows, L)
+    head = min(t.NT, 2) if group else 0  # n-tiles the pipelined start computes
+    if group:
+        _pipelined_start(ctx, k, t, rows, a_at, [b_col(nt) for nt in range(head)],
+                         b_col(head) if head < t.NT else None, (c_addr(0), cols(0)))
+    else:
+        load(*b_col(0), 0, 0)
+    if not t.a_chunked and not group:
+        _dma_tiles(ctx, a, a_at.addr(ctx, a, 0), t.a_sets[0][0], mt, t.KT, rows, K, Flag.MATMUL_A, 0)
+        b.emit("wait", flag=ctx.flag(Flag.MATMUL_A))
+        if len(t.a_sets[0]) > 1:
+            _split(ctx, t.a_sets[0], t.KT * mt, t.hi_full)
     # tiles 2 .. 2 * pairs + 1 run as a loop over pairs (buffers and flags alternate with constant names;
     # the B and C addresses are pointer registers): their neighbours' loads and stores are full tiles
+    NT = t.NT
     pairs = max(0, (NT - 4) // 2) if NT - 4 >= 2 * MIN_N_TILE_PAIRS else 0
-    for nt in range(min(NT, 2)):
+    for nt in range(head, min(NT, 2)):
         static_tile(nt)
     if pairs:
         b_ptr, c_ptr = b.sreg(), b.sreg()
-        b.emit("addi", b_ptr, (b_addr(3),), imm=0)
+        b.emit("addi", b_ptr, (b_at.addr(ctx, bm, 2 * col_elems),), imm=0)
         b.emit("addi", c_ptr, (c_addr(L),), imm=0)
 
         def pair() -> None:
             for p in (0, 1):
-                n_tile(p, True, (c_ptr, L), (b_ptr, L))
-                b.addi(b_ptr, L * _esize(bm), b_ptr)
+                n_tile(p, True, (c_ptr, L), (_At(b_ptr, 0), L), (_At(b_ptr, col_elems), L))
+                b.addi(b_ptr, col_elems * _esize(bm), b_ptr)
                 b.addi(c_ptr, L * _esize(c), c_ptr)
 
         b.counted_loop(pairs, pair, "ntile")
     for nt in range(2 + 2 * pairs, NT):
         static_tile(nt)
     last = (NT - 1) % 2
-    _store_c(ctx, c_tiles[last], c_addr((NT - 1) * L), rows, cols(NT - 1), c, last)
+    _store_c(ctx, t, t.c_tiles[last], c_addr((NT - 1) * L), rows, cols(NT - 1), c, last)
     ctx.end()
 
 
-def _store_c(ctx: KernelContext, tile: Region, addr: Reg, rows: int, cols: int, c: View, p: int) -> None:
-    ctx.b.emit("wait", flag=ctx.flag(Flag.MXU, p))
-    ctx.dma(False, c.dtype, addr, tile, 0, rows, cols, c.strides[-2], Flag.STORE, p)
+def _load_panel(ctx: KernelContext, k: MatmulKernel, t: _Tiling, a_at: _At, rows: int, at: _At, ncols: int, kc: int,
+                p: int) -> None:
+    """DMA chunk kc of the n-tile whose B starts at `at` (and A's chunk kc when A is chunked) into
+    buffers p. Transposed B: one DMA per k-tile, W's rows n0 .. n0 + ncols as they are (mxu.lwt reads
+    vmem row n as weight column n), lanes past K zero-filled."""
+    a, bm = k.a, k.b
+    L, K, nch, mt = ctx.lanes, k.a.shape[-1], t.nch, t.mt
+    k0 = kc * t.KC * L
+    kk = min(t.KC * L, K - k0)
+    raw = t.b_sets[p][0]
+    if t.a_chunked:
+        _dma_tiles(ctx, a, a_at.addr(ctx, a, k0), t.a_sets[p][0], mt, t.tiles(kc), rows, kk, Flag.LOAD, p)
+    if t.trans_b:
+        _dma_tiles(ctx, bm, at.addr(ctx, bm, k0), raw, L, t.tiles(kc), ncols, kk, Flag.LOAD, p)
+        return
+    if kk % L and nch > 1:  # rows past K in the last chunk's panel (other chunks wrote them)
+        _zero_rows(ctx, [raw], kk // 8 * 8, t.tiles(kc) * L)
+    ctx.dma(True, bm.dtype, at.addr(ctx, bm, k0 * bm.strides[-2]), raw, 0, kk, ncols, bm.strides[-2],
+            Flag.LOAD, p)
 
 
-def _layout(precision: str, M: int, KT: int, L: int, free: int) -> tuple[list[str], int | None]:
-    """The part regions of each operand, in order (the first is the raw values' region, rewritten in place),
-    and the m-tile rows: a separate finite-only hi next to hi_full when that costs no m-tile rows (module
-    docstring), else hi in place carrying nothing non-finite. mt None: K is too large for vmem."""
-    def rows_for(parts: int) -> int | None:
-        b_rows = 2 * parts * (KT * L + 8)
-        budget = free - b_rows - 64
-        mt = min(-(-M // 8) * 8, max(8, (budget // (parts * KT + 2)) // 8 * 8), 512)
+def _head_group(t: _Tiling, rows: int, L: int) -> int:
+    """k-tiles per load group of a pipelined first n-tile (0: not pipelined). The first n-tile needs all
+    of A's m-tile and B's first panel: loaded in groups of k-tiles (a group at least a DMA latency's rows,
+    so that two groups in flight keep the channel busy), its MXU commands start as the first group lands
+    instead of after all of them. bf16 (one part: no split) with A whole and one k-chunk, k loops that
+    are short enough to unroll by group."""
+    if len(t.a_sets[0]) > 1 or t.a_chunked or t.nch > 1 or t.KT > HEAD_MAX_K_TILES:
+        return 0
+    return 1 if t.KT * (L + rows) >= 3 * HEAD_GROUP_ROWS else 0
+
+
+def _pipelined_start(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _At,
+                     tiles: list[tuple[_At, int]], nxt: tuple[_At, int] | None, c0: tuple[Reg, int]) -> None:
+    """The first one or two n-tiles of an m-tile, their loads pipelined with the MXU: n-tile 0 alone needs
+    all of A's m-tile and a B panel, more DMA rows than MXU rows. So with two n-tiles (C tiles 0 and 1
+    from panels 0 and 1) the MXU first runs k-tiles 0 .. h for both (two MXU rows per A row loaded), then
+    h .. KT for C tile 0, whose store and the load of panel 2 then overlap h .. KT for C tile 1. Loads are
+    issued in the order the commands need them, in groups of at least HEAD_GROUP_ROWS DMA rows on
+    MATMUL_A (group parity), groups g + 1 and g + 2 in flight while the MXU works on group g's."""
+    b, L = ctx.b, ctx.lanes
+    a, bm, c = k.a, k.b, k.c
+    K, KT = a.shape[-1], t.KT
+    two = len(tiles) == 2
+    h = KT // 2 if two else KT
+    order = [(n, kt) for kt in range(h) for n in range(len(tiles))] + [(0, kt) for kt in range(h, KT)]
+    if two:
+        order += [(1, kt) for kt in range(h, KT)]
+    # loads (n-tile, or -1 for A; k-tile) in the order the commands need them, grouped at command
+    # boundaries: the first group is the first command's, so that the MXU starts as early as it can
+    groups: list[list[tuple[int, int]]] = [[]]
+    group_of: dict[tuple[int, int], int] = {}
+    size = 0
+    for i, (n, kt) in enumerate(order):
+        for item in ((-1, kt), (n, kt)):
+            if item not in group_of:
+                group_of[item] = len(groups) - 1
+                groups[-1].append(item)
+                size += rows if item[0] < 0 else L
+        if (i == 0 or size >= HEAD_GROUP_ROWS) and i + 1 < len(order):
+            groups.append([])
+            size = 0
+
+    def issue(g: int) -> None:
+        for n, kt in groups[g]:
+            kk = min(L, K - kt * L)
+            if n < 0:
+                ctx.dma(True, a.dtype, a_at.addr(ctx, a, kt * L), t.a_sets[0][0], kt * t.mt, rows, kk,
+                        a.strides[-2], Flag.MATMUL_A, g % 2)
+                continue
+            at, ncols = tiles[n]
+            raw = t.b_sets[n][0]
+            if t.trans_b:
+                ctx.dma(True, bm.dtype, at.addr(ctx, bm, kt * L), raw, kt * L, ncols, kk, bm.strides[-1],
+                        Flag.MATMUL_A, g % 2)
+            else:
+                ctx.dma(True, bm.dtype, at.addr(ctx, bm, kt * L * bm.strides[-2]), raw, kt * L, kk, ncols,
+                        bm.strides[-2], Flag.MATMUL_A, g % 2)
+
+    issued = min(2, len(groups))
+    for g in range(issued):
+        issue(g)
+    waited = -1
+    for i, (n, kt) in enumerate(order):
+        tail = two and i == len(order) - (KT - h)  # the first command of C tile 1's k-tiles h .. KT
+        if tail or (not two and issued == len(groups) and nxt is not None and i == len(order) - 1):
+            for g in range(issued, len(groups)):  # the last groups, then the next panel behind them
+                issue(g)
+            issued = len(groups)
+            if nxt is not None:
+                b.emit("wait", flag=ctx.flag(Flag.WEIGHTS, 0 if two else 1))
+                _load_panel(ctx, k, t, a_at, rows, *nxt, 0, 0 if two else 1)
+                nxt = None
+        while waited < max(group_of[(-1, kt)], group_of[(n, kt)]):
+            waited += 1
+            b.emit("wait", flag=ctx.flag(Flag.MATMUL_A, waited % 2))
+            if issued < len(groups) and issued == waited + 2:
+                issue(issued)
+                issued += 1
+        _mxu(ctx, t, t.a_sets[0], t.b_sets[n], t.c_tiles[n], [(0, 0, kt, kt)], rows, first=True,
+             overwrite=kt == 0, parity=n)
+        if tail:  # C tile 0 is complete: its store overlaps C tile 1's last k-tiles
+            _store_c(ctx, t, t.c_tiles[0], c0[0], rows, c0[1], c, 0)
+    if not two and nxt is not None:
+        b.emit("wait", flag=ctx.flag(Flag.WEIGHTS, 1))
+        _load_panel(ctx, k, t, a_at, rows, *nxt, 0, 1)
+
+
+class _TileStream:
+    """DMAs of `count` k-tiles of an operand contiguous along K (A, or B = W.T), issued a few at a time
+    (`one`, e.g. one per MXU command: both FIFOs are shallow, so issuing a panel's k-tiles at once would
+    stall the MXU's issue behind the DMA queue) and the rest at the end (`rest`). Tile j is `rows` rows (HBM
+    row stride v.strides[-2], or W's row stride for B) of the j-th N lanes of the kk columns from `hbm`,
+    at region row j * row_step, lanes past kk zero-filled (the last tile, when kk % N, by `rest`)."""
+
+    def __init__(self, ctx: KernelContext, v: View, hbm: Reg, region: Region, row_step: int, count: int,
+                 rows: int, kk: int, flag: Flag, p: int) -> None:
+        b, L = ctx.b, ctx.lanes
+        self.ctx, self.v, self.hbm, self.region, self.row_step = ctx, v, hbm, region, row_step
+        self.count, self.rows, self.kk, self.flag, self.p = count, rows, kk, flag, p
+        self.stride = v.strides[-2] if v.strides[-1] == 1 else v.strides[-1]
+        self.full = kk // L if kk % L else count  # tiles of N columns, issued from pointer registers
+        self.issued = 0
+        self.h, self.row = b.sreg(), b.sreg()
+        b.emit("addi", self.h, (hbm,), imm=0)
+        b.emit("li", self.row, imm=region.row)
+
+    def remaining(self) -> int:
+        return self.full - self.issued
+
+    def one(self) -> None:
+        """Issue the next full tile (in a loop body too: it advances the pointer registers)."""
+        b, L = self.ctx.b, self.ctx.lanes
+        op = "dma.ld" + (".bf16" if self.v.dtype == "bf16" else "")
+        shape = b.const(self.rows << DMA_SHAPE_ROWS_SHIFT | L)
+        b.emit(op, None, (self.h, self.row, shape, b.const(self.stride)), flag=self.ctx.flag(self.flag, self.p),
+               mem=(self.region.mem(write=True),))
+        b.addi(self.h, L * _esize(self.v), self.h)
+        b.emit("addi", self.row, (self.row,), imm=self.row_step)
+
+    def rest(self) -> None:
+        n = self.remaining()
+        if n > UNROLL_K_TILES:
+            self.ctx.b.counted_loop(n, self.one, "dmatile")
+        else:
+            for _ in range(n):
+                self.one()
+        self.issued = self.full
+        L = self.ctx.lanes
+        for j in range(self.full, self.count):
+            self.ctx.dma(True, self.v.dtype, self.ctx.b.offset_reg(self.hbm, j * L * _esize(self.v)), self.region,
+                         j * self.row_step, self.rows, min(L, self.kk - j * L), self.stride, self.flag, self.p)
+
+
+def _dma_tiles(ctx: KernelContext, v: View, hbm: Reg, region: Region, row_step: int, count: int, rows: int,
+               kk: int, flag: Flag, p: int) -> None:
+    """All of a `_TileStream` at once."""
+    _TileStream(ctx, v, hbm, region, row_step, count, rows, kk, flag, p).rest()
+
+
+def _store_c(ctx: KernelContext, t: _Tiling, tile: Region, addr: Reg, rows: int, cols: int, c: View,
+             pc: int) -> None:
+    """Store C tile pc once the MXU commands of its n-tile's last step are done (they run in order)."""
+    ctx.b.emit("wait", flag=ctx.flag(Flag.MXU, t.parity(pc, t.nch - 1)))
+    ctx.dma(False, c.dtype, addr, tile, 0, rows, cols, c.strides[-2], Flag.STORE, pc)
+
+
+def _layout(precision: str, M: int, KT: int, L: int, free: int) -> tuple[list[str], int, int, bool] | None:
+    """(part names, m-tile rows, k-tiles per chunk, A chunked): the part regions of each operand in order
+    (the first is the raw values' region, rewritten in place), with a separate finite-only hi next to
+    hi_full when that costs no m-tile rows (module docstring), else hi in place carrying nothing
+    non-finite. K is chunked only when a whole B panel does not fit, A only when its m-tile of 8 rows
+    over all of K does not either. None: nothing fits (not even one k-tile)."""
+    def rows_for(parts: int, KC: int, a_chunked: bool) -> int | None:
+        b_rows = 2 * parts * (KC * L + 8)
+        a_tiles = parts * (2 if a_chunked else 1) * (KC if a_chunked else KT)
+        a_regions = parts * (2 if a_chunked else 1)
+        budget = free - b_rows - 8 * a_regions - 32
+        mt = min(-(-M // 8) * 8, max(8, (budget // (a_tiles + 2)) // 8 * 8), MAX_M_TILE)
         divisors = [d for d in range(8, mt + 1, 8) if M % d == 0 and 2 * d >= mt]
         mt = divisors[-1] if divisors else mt  # no tail m-tile: less code
-        return mt if parts * KT * mt + 2 * mt + b_rows + 32 <= free else None
+        return mt if a_tiles * mt + 2 * mt + b_rows + 8 * a_regions + 32 <= free else None
 
     names = ["hi_full", *RESIDUALS[precision]]
-    mt = rows_for(len(names))
-    if len(names) > 1 and mt is not None and rows_for(len(names) + 1) == mt:
-        return [*names, "hi"], mt
-    return names, mt
+    for a_chunked in (False, True):
+        for KC in range(KT, 0, -1):
+            if KC < KT and -(-KT // KC) == -(-KT // (KC + 1)):
+                continue  # as many chunks as KC + 1 gives: take the larger
+            mt = rows_for(len(names), KC, a_chunked)
+            if mt is None:
+                continue
+            if len(names) > 1 and rows_for(len(names) + 1, KC, a_chunked) == mt:
+                return [*names, "hi"], mt, KC, a_chunked
+            return names, mt, KC, a_chunked
+    return None
 
 
 def _split(ctx: KernelContext, parts: list[Region], rows: int, hi_full: bool) -> None:
@@ -296,39 +552,54 @@ def _chunks(ctx: KernelContext, chunks: int, chunk: Callable[..., None], hint: s
         chunk_loop(ctx.b, chunks, chunk, hint)
 
 
-def _mxu(ctx: KernelContext, a_parts: list[Region], weights: list[Region], c_tile: Region,
-         commands: list[tuple[int, int, int]], rows: int, mt: int, first: bool, parity: int) -> None:
-    """Issue lw + mm(a)s for each (part of A, part of B, k tile); runs of one pass longer than
-    UNROLL_K_TILES become a counted loop with pointer registers."""
+def _mxu(ctx: KernelContext, t: _Tiling, a_parts: list[Region], weights: list[Region], c_tile: Region,
+         commands: list[tuple[int, int, int, int]], rows: int, first: bool, overwrite: bool, parity: int,
+         stream: _TileStream | None = None) -> None:
+    """Issue lw(t) + mm(a)s for each (part of A, part of B, A's k-tile, the panel's k-tile); the first
+    mm of an n-tile overwrites C (`overwrite`), the others accumulate. Runs of one pass longer than
+    UNROLL_K_TILES become a counted loop with pointer registers. Weight loads complete on WEIGHTS
+    (their panel is then free), mms on MXU, both of the step's parity. `stream`: one of its DMAs is
+    issued with each command while it has any."""
     b = ctx.b
-    f = ctx.flag(Flag.MXU, parity)
+    f, fw = ctx.flag(Flag.MXU, parity), ctx.flag(Flag.WEIGHTS, parity)
+    lw = "mxu.lwt" if t.trans_b else "mxu.lw"
+    mt, L = t.mt, ctx.lanes
     n_rows = b.const(rows)
     c_row = b.const(c_tile.row)
-    L = ctx.lanes
     i = 0
     while i < len(commands):
-        qa, qb, kt = commands[i]
+        qa, qb, ka, kb = commands[i]
         run = [cmd for cmd in commands[i:] if cmd[:2] == (qa, qb)]
         if len(run) > UNROLL_K_TILES and not first:
             w_ptr, a_ptr = b.sreg(), b.sreg()
-            b.emit("li", w_ptr, imm=weights[qb].row + kt * L)
-            b.emit("li", a_ptr, imm=a_parts[qa].row + kt * mt)
+            b.emit("li", w_ptr, imm=weights[qb].row + kb * L)
+            b.emit("li", a_ptr, imm=a_parts[qa].row + ka * mt)
 
-            def body(w_ptr: Reg = w_ptr, a_ptr: Reg = a_ptr, qa: int = qa, qb: int = qb) -> None:
-                b.emit("mxu.lw", None, (w_ptr,), flag=f, mem=(weights[qb].mem(),))
+            def body(w_ptr: Reg = w_ptr, a_ptr: Reg = a_ptr, qa: int = qa, qb: int = qb, dma: bool = False) -> None:
+                b.emit(lw, None, (w_ptr,), flag=fw, mem=(weights[qb].mem(),))
                 b.emit("mxu.mmas", None, (a_ptr, b.const(c_tile.row), b.const(rows)), flag=f,
                        mem=(a_parts[qa].mem(), c_tile.mem(0, rows, True)))
                 b.emit("addi", w_ptr, (w_ptr,), imm=L)
                 b.emit("addi", a_ptr, (a_ptr,), imm=mt)
+                if dma:
+                    stream.one()  # type: ignore[union-attr]
 
-            b.counted_loop(len(run), body, "ktile")
+            with_dma = min(len(run), stream.remaining()) if stream is not None else 0
+            if with_dma:
+                b.counted_loop(with_dma, lambda body=body: body(dma=True), "ktile")
+                stream.issued += with_dma  # type: ignore[union-attr]
+            if len(run) > with_dma:
+                b.counted_loop(len(run) - with_dma, body, "ktile")
             n_rows, c_row = b.const(rows), b.const(c_tile.row)
             i += len(run)
             continue
-        w_row = weights[qb].row + kt * L
-        b.emit("mxu.lw", None, (b.const(w_row),), flag=f, mem=(weights[qb].mem(kt * L, kt * L + L),))
-        op = "mxu.mms" if first and i == 0 else "mxu.mmas"
-        a_row = a_parts[qa].row + kt * mt
+        w_row = weights[qb].row + kb * L
+        b.emit(lw, None, (b.const(w_row),), flag=fw, mem=(weights[qb].mem(kb * L, kb * L + L),))
+        op = "mxu.mms" if overwrite and i == 0 else "mxu.mmas"
+        a_row = a_parts[qa].row + ka * mt
         b.emit(op, None, (b.const(a_row), c_row, n_rows), flag=f,
-               mem=(a_parts[qa].mem(kt * mt, kt * mt + rows), c_tile.mem(0, rows, True)))
+               mem=(a_parts[qa].mem(ka * mt, ka * mt + rows), c_tile.mem(0, rows, True)))
+        if stream is not None and stream.remaining():
+            stream.one()
+            stream.issued += 1
         i += 1

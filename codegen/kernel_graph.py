@@ -209,6 +209,7 @@ def read_function(module: ir.Module) -> KernelGraph:
         origin = location_origin(op.location)
         for k in g.kernels[first:]:
             k.origin = origin
+    _fold_transposed_weights(g)
     return g
 
 
@@ -262,6 +263,48 @@ def _read_op(op: ir.Operation, g: KernelGraph, views: dict[str, View], constants
         g.results = [views[o.get_name()] for o in op.operands]
     elif name != "memref.dealloc":
         raise LoweringError(f"MLIR op {name} has no CTPU lowering:\n{op}")
+
+
+def _fold_transposed_weights(g: KernelGraph) -> None:
+    """`x @ W.T` (nn.Linear's weight [out, in]) reaches the reader as a copy of W transposed into a dense
+    temporary, read only as a matmul's B: the matmul reads W itself instead, as a B view contiguous along
+    K (isel_matmul loads its rows with `mxu.lwt`), and the copy goes. Only when nothing writes W between
+    the copy and the matmul and the temporary has no other reader."""
+    for mm in [k for k in g.kernels if isinstance(k, MatmulKernel) and len(k.b.shape) == 2]:
+        tmp = mm.b
+        buf = g.buffers[tmp.buffer]
+        users = [k for k in g.kernels if any(v.buffer == tmp.buffer for v in views_of(k))]
+        if buf.kind != "temp" or not _whole(g, tmp) or not _dense_rows(tmp, 0) or len(users) != 2 \
+                or users[1] is not mm or any(v.buffer == tmp.buffer for v in g.results):
+            continue
+        copy = users[0]
+        if not isinstance(copy, GenericKernel) or copy.body.ops or copy.body.yields != copy.body.args[:1] \
+                or len(copy.inputs) != 1 or copy.reduction or copy.sizes != tmp.shape \
+                or copy.output.view != tmp or copy.output.iter_strides != tmp.strides:
+            continue
+        src = copy.inputs[0]
+        K = tmp.shape[0]
+        if src.view.dtype != tmp.dtype or (src.iter_strides[0] != 1 and K > 1):
+            continue
+        first, last = g.kernels.index(copy), g.kernels.index(mm)
+        if any(_written(k) == src.view.buffer for k in g.kernels[first + 1:last]):
+            continue
+        mm.b = View(src.view.buffer, src.view.offset, tmp.shape, src.iter_strides, tmp.dtype)
+        g.kernels.remove(copy)
+        del g.buffers[tmp.buffer]
+
+
+def views_of(k: Kernel) -> list[View]:
+    """Every view a kernel reads or writes."""
+    if isinstance(k, GenericKernel):
+        return [o.view for o in k.inputs] + [k.output.view]
+    if isinstance(k, FillKernel | IotaKernel):
+        return [k.output]
+    if isinstance(k, GatherKernel):
+        return [k.table, k.ids.view, k.output]
+    if isinstance(k, ScatterKernel):
+        return [k.dest, k.indices, k.updates]
+    return [k.a, k.b, k.c]
 
 
 def _scatter(op: ir.Operation, views: dict[str, View]) -> ScatterKernel:
@@ -473,7 +516,7 @@ def _contraction(sizes: list[int], iters: list[str], operands: list[Access], arg
 
     batch, m, n, k = dims("batch"), dims("m"), dims("n"), dims("k")
     av = _matrix(a, [batch, m, k], sizes, g, prelude)
-    bv = _matrix(b, [batch, k, n], sizes, g, prelude)
+    bv = _matrix(b, [batch, k, n], sizes, g, prelude, transposed=True)
     cv = _matrix(c, [batch, m, n], sizes, g, None)
     if av is None or bv is None or cv is None:
         raise LoweringError(f"contraction whose result is not a dense matrix:\n{text}")
@@ -561,11 +604,13 @@ def _merge(sizes: list[int], strides: list[int]) -> tuple[int, int] | None:
 
 
 def _matrix(o: Access, groups: list[list[int]], sizes: list[int], g: KernelGraph,
-            prelude: list[Kernel] | None) -> View | None:
+            prelude: list[Kernel] | None, transposed: bool = False) -> View | None:
     """A 3-D view [g0, g1, g2] of the operand (each group of iteration dims merged), copying it into a
-    dense temporary first (when `prelude` is given) if its strides do not allow that."""
+    dense temporary first (when `prelude` is given) if its strides do not allow that. `transposed`: a
+    view contiguous along g1 instead of g2 will do (a matmul's B = W.T, which isel loads with mxu.lwt)."""
     merged = [_merge([sizes[d] for d in grp], [o.iter_strides[d] for d in grp]) for grp in groups]
-    if all(mg is not None for mg in merged) and merged[2][1] == 1:  # type: ignore[index]
+    if all(mg is not None for mg in merged) and (merged[2][1] == 1  # type: ignore[index]
+                                                 or (transposed and merged[1][1] == 1)):  # type: ignore[index]
         return View(o.view.buffer, o.view.offset, tuple(mg[0] for mg in merged),  # type: ignore[index]
                     tuple(mg[1] for mg in merged), o.view.dtype)  # type: ignore[index]
     if prelude is None:

@@ -44,7 +44,7 @@ def test_compiled_models_match_the_simulator_and_eager() -> None:
         runs.append((cg, arrays, fn, x, tol))
     reports = diff_batch(jobs, list(cases))
     assert all(r.ok for r in reports), "\n".join(r.summary() for r in reports if not r.ok)
-    assert reports[0].cycles > 200_000
+    assert reports[0].cycles > 50_000  # a whole model ran (112k cycles since weights load with mxu.lwt)
     # the RTL's final HBM is the simulator's, bit for bit: so are the outputs read from it
     for cg, arrays, fn, x, tol in runs:
         (out,), _ = run_fresh(cg, arrays, SimulatorRunner(cg.config))
@@ -108,7 +108,7 @@ def test_a_decode_step_with_its_kv_cache_matches_the_simulator(monkeypatch: pyte
     assert report.ok, report.summary()
     after = hbm.copy()
     _, stats = launch(exe, SimulatorRunner(exe.config), after, addrs, arena)
-    assert stats.cycles == report.cycles > 100_000
+    assert stats.cycles == report.cycles > 50_000  # 94k since weights load with mxu.lwt
     spans = [slice(addrs[i], addrs[i] + exe.inputs[i].nbytes) for i in exe.mutated_inputs]
     written = [np.count_nonzero(after[span] != hbm[span]) for span in spans]
     assert sum(written) > 0  # the new K / V rows (and the counter) landed in the inputs' own buffers
