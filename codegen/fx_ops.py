@@ -380,23 +380,45 @@ def _last_dim_only(x: TValue, dims: Any) -> None:
         raise UnsupportedOp(f"reduction over dims {dims} of a rank-{len(x.shape)} tensor (only the last dim)")
 
 
+def _reduced_dims(x: TValue, dims: Any) -> list[int]:
+    """The dims a reduction's `dim` argument names (None or []: all of them, as torch reads it)."""
+    rank = len(x.shape)
+    dims = [dims] if isinstance(dims, int) else list(dims or range(rank))
+    return sorted({_norm_dim(d, rank) for d in dims})
+
+
+def _reduce(e: MlirEmitter, x: TValue, dims: Any, kind: str, keepdim: bool) -> TValue:
+    """sum / max over any set of dims (the backward of a broadcast sums over batch dims)."""
+    if not x.shape:
+        return x
+    reduced = _reduced_dims(x, dims)
+    if any(x.shape[d] == 0 for d in reduced) and kind == "max":
+        raise UnsupportedOp(f"max over an empty dim of a {x.type}")
+    return e.reduce(x, reduced, kind, keepdim)
+
+
 @_reg(aten.sum.dim_IntList)
 def _sum(e: MlirEmitter, x: TValue, dims: Any, keepdim: bool = False, dtype: Any = None) -> TValue:
-    _last_dim_only(x, dims)
-    return e.reduce_last(x, "sum", keepdim)
+    """Accumulated in f32 (integers and bools exactly up to 2^24), converted to the result dtype: the
+    input's, i32 for integers and bools (int64 in torch), or `dtype`."""
+    target = _creation_dtype(dtype) if dtype is not None else "i32" if x.dtype in ("i1", "i32") else x.dtype
+    out = _reduce(e, x, dims, "sum", keepdim)
+    return e.elementwise([out], lambda v, w: v[0], dtype=target) if target != out.dtype else out
 
 
 @_reg(aten.amax.default)
 def _amax(e: MlirEmitter, x: TValue, dims: Any = (), keepdim: bool = False) -> TValue:
-    _last_dim_only(x, dims)
-    return e.reduce_last(x, "max", keepdim)
+    out = _reduce(e, x, dims, "max", keepdim)
+    return e.elementwise([out], lambda v, w: v[0], dtype=x.dtype) if x.dtype != out.dtype else out
 
 
 @_reg(aten.mean.dim)
 def _mean(e: MlirEmitter, x: TValue, dims: Any, keepdim: bool = False, dtype: Any = None) -> TValue:
-    _last_dim_only(x, dims)
-    s = e.reduce_last(x, "sum", keepdim)
-    return e.elementwise([s, float(x.shape[-1])], lambda v, w: w.op("arith.divf", v[0], v[1]), dtype=x.dtype)
+    if (dtype is not None and DTYPES.get(dtype) != "f32") or x.dtype not in ("f32", "bf16"):
+        raise UnsupportedOp(f"mean of a {x.type} to {dtype}")
+    count = math.prod(x.shape[d] for d in _reduced_dims(x, dims)) if x.shape else 1
+    s = _reduce(e, x, dims, "sum", keepdim)
+    return e.elementwise([s, float(count)], lambda v, w: w.op("arith.divf", v[0], v[1]), dtype=x.dtype)
 
 
 @_reg(aten.any.dim, aten.any.dims, aten.any.default)

@@ -230,17 +230,24 @@ class MlirEmitter:
 
     def reduce_last(self, x: TValue, kind: str, keepdim: bool) -> TValue:
         """sum or max over the last dim (f32 accumulation)."""
+        return self.reduce(x, [len(x.shape) - 1], kind, keepdim)
+
+    def reduce(self, x: TValue, dims: Sequence[int], kind: str, keepdim: bool) -> TValue:
+        """sum or max over the dims `dims` (non-negative, any set: the kernel reader makes them innermost),
+        f32 accumulation."""
         rank = len(x.shape)
+        reduced = set(dims)
+        kept = [i for i in range(rank) if i not in reduced]
         identity = 0.0 if kind == "sum" else -math.inf
-        init = self.fill(identity, x.shape[:-1], "f32")
+        init = self.fill(identity, tuple(x.shape[i] for i in kept), "f32")
         op = "arith.addf" if kind == "sum" else "arith.maximumf"
 
         def body(args: list[str], w: BodyWriter) -> str:
             return w.op(op, w.cast(args[0], x.dtype, "f32"), args[1], dtype="f32")
 
-        maps = [affine_map(rank), affine_map(rank, [f"d{i}" for i in range(rank - 1)])]
-        r = self.generic([x], maps, init, ["parallel"] * (rank - 1) + ["reduction"], body)
-        return self.reshape(r, (*x.shape[:-1], 1)) if keepdim else r
+        maps = [affine_map(rank), affine_map(rank, [f"d{i}" for i in kept])]
+        r = self.generic([x], maps, init, ["reduction" if i in reduced else "parallel" for i in range(rank)], body)
+        return self.reshape(r, tuple(1 if i in reduced else s for i, s in enumerate(x.shape))) if keepdim else r
 
     def copy_map(self, x: TValue, shape: tuple[int, ...], results: list[str]) -> TValue:
         """out[d...] = x[results(d...)]: permutations and broadcasts, as a fusable copy."""
