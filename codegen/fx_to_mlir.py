@@ -346,6 +346,16 @@ class MlirEmitter:
                           f"{x.type} to {out.type}")
         return out
 
+    def insert_slice(self, dest: TValue, part: TValue, offsets: Sequence[int]) -> TValue:
+        """dest with `part` written at `offsets` (tensor.insert_slice: a copy into a subview)."""
+        out = TValue(self.fresh(), dest.shape, dest.dtype)
+        offs = ", ".join(str(o) for o in offsets)
+        sizes = ", ".join(str(s) for s in part.shape)
+        ones = ", ".join("1" for _ in part.shape)
+        self.lines.append(f"{out.name} = tensor.insert_slice {part.name} into {dest.name}[{offs}] [{sizes}] "
+                          f"[{ones}] : {part.type} into {dest.type}")
+        return out
+
     def concat(self, parts: Sequence[TValue], dim: int) -> TValue:
         """cat along `dim`: tensor.insert_slice of each part into an empty tensor (copies into subviews)."""
         shape = list(parts[0].shape)
@@ -376,7 +386,12 @@ class MlirEmitter:
         return r
 
     def module(self, args: list[TValue], results: list[TValue]) -> str:
-        sig = ", ".join(f"{a.name}: {a.type}" for a in args)
+        """The function text. An argument no copy_ writes is read-only to bufferization: a value built from
+        it in place (insert_slice, scatter, a reduction starting from it) gets a copy, and the caller's
+        tensor is never written behind its back."""
+        mutated = {i for i, _ in self.mutations}
+        sig = ", ".join(f"{a.name}: {a.type}" + ("" if i in mutated else " {bufferization.writable = false}")
+                        for i, a in enumerate(args))
         rtypes = ", ".join(r.type for r in results)
         body = "\n".join("    " + ln for ln in self.lines)
         rets = ", ".join(r.name for r in results)
