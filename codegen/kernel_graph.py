@@ -480,6 +480,8 @@ def _contraction(sizes: list[int], iters: list[str], operands: list[Access], arg
         return [d for d, k in enumerate(kinds) if k == kind]
 
     batch, m, n, k = dims("batch"), dims("m"), dims("n"), dims("k")
+    if not any(sizes[d] > 1 for d in (*m, *n)) and not prelude:
+        return None  # a dot product per output element (rowsum(a * b)): a vector reduction, not 1 x K x 1 matmuls
     av = _matrix(a, [batch, m, k], sizes, g, prelude)
     bv = _matrix(b, [batch, k, n], sizes, g, prelude)
     cv = _matrix(c, [batch, m, n], sizes, g, None)

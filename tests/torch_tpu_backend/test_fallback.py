@@ -130,3 +130,40 @@ def test_graph_compiler_asks_the_target_and_never_its_name() -> None:
     torch.testing.assert_close(out, f(x, y))
     assert dict(ctpu_stats.last().fallback_ops) == {"aten.mul.Tensor": 1}
     assert ctpu_stats.last().kernels_launched == 2
+
+
+def test_a_program_too_large_for_imem_is_split_not_sent_to_the_cpu() -> None:
+    """A segment whose program does not fit imem runs as several programs (cut near the middle until each
+    fits), one after the other: no op goes to the CPU for it (the backward graph of the tiny Llama is such
+    a segment on `small`)."""
+    from codegen.errors import ProgramTooLargeError
+    from torch_tpu_backend.ctpu_target import CtpuTarget
+    from torch_tpu_backend.options import CompileOptions
+
+    class SmallImem(CtpuTarget):
+        def compile(self, gm, example_inputs, name, dump):  # type: ignore[no-untyped-def]
+            ops = [n for n in gm.graph.nodes if n.op == "call_function"]
+            if len(ops) > 3:
+                raise ProgramTooLargeError(f"{len(ops)} ops do not fit the test's imem")
+            return super().compile(gm, example_inputs, name, dump)
+
+    opts = CompileOptions(cache=False)
+
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        a = torch.exp(x) * y + 1.0
+        b = torch.tanh(a) - x
+        return (b * b + a).sum(0) / 3.0
+
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    gm = make_fx(f, decomposition_table=core_aten_decompositions(), tracing_mode="fake")(x, y)
+    ctpu_stats.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CtpuFallbackWarning)
+        run = GraphCompiler(opts, SmallImem(opts))(gm, [x, y])
+    out = run([x, y])
+    torch.testing.assert_close(out, f(x, y), rtol=1e-5, atol=1e-6)
+    stats = ctpu_stats.last()
+    assert not stats.fallback_ops and stats.kernels_launched >= 3, stats.as_dict()
