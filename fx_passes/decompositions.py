@@ -1,7 +1,9 @@
 """The decomposition table the ctpu backend hands AOT autograd: the graphs fx_passes expects.
 
 `decomposition_table()` is torch's `core_aten_decompositions()` with one rule replaced:
-`_scaled_dot_product_flash_attention_for_cpu` (what `F.scaled_dot_product_attention` calls on the CPU).
+`_scaled_dot_product_flash_attention_for_cpu` (what `F.scaled_dot_product_attention` calls on the CPU),
+and one added: its backward, `_scaled_dot_product_flash_attention_for_cpu_backward`, as matmuls and row
+ops from the saved logsumexp, so a training step's backward graph runs on the CTPU (torch has no rule).
 
 Why: AOT autograd applies decompositions *below* autograd. Autograd records the op's own derivative,
 `_scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, logsumexp, ...)`, and the
