@@ -25,7 +25,7 @@ import torch.fx
 
 from codegen import isel_scalar_ops  # noqa: F401  (registers the extra body-op lowerings)
 from codegen.builder import Builder
-from codegen.errors import CapacityError
+from codegen.errors import ProgramTooLargeError
 from codegen.fx_ops import emit_module
 from codegen.isel_common import SPILL_ROWS, Flag, KernelContext, Region, table_rows
 from codegen.isel_gather import lower_gather, lower_iota, lower_scatter
@@ -161,7 +161,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tenso
     for info, n in zip(per_kernel, mc.function_bundles[1:-1], strict=True):  # without the entry and the exit
         info["bundles"] = n
     if len(mc.program) > cfg.imem_bundles:
-        raise CapacityError(f"program of {len(mc.program)} bundles does not fit imem ({cfg.imem_bundles} bundles)")
+        raise ProgramTooLargeError(f"program of {len(mc.program)} bundles does not fit imem "
+                                   f"({cfg.imem_bundles} bundles)")
     stages["machine_ir.txt"] = machine_ir
     stages["scheduled.txt"] = mc.scheduled_text()
     stages["program.s"] = mc.assembly

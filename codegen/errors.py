@@ -9,3 +9,10 @@ class UnsupportedError(NotImplementedError):
 
 class CapacityError(UnsupportedError):
     """The graph does not fit the configuration: vmem, imem or registers."""
+
+
+class ProgramTooLargeError(CapacityError):
+    """The graph's program has more bundles than imem holds. Smaller graphs may fit: the backend splits the
+    graph into several programs, launched one after the other (`splittable`)."""
+
+    splittable = True

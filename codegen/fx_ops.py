@@ -187,7 +187,9 @@ def _logical_not(e: MlirEmitter, x: TValue) -> TValue:
 @_reg(aten.where.self)
 def _where(e: MlirEmitter, cond: TValue, a: Any, b: Any) -> TValue:
     dtypes = [t.dtype for t in (a, b) if isinstance(t, TValue)]
-    dtype = "bf16" if dtypes and all(d == "bf16" for d in dtypes) else "f32"
+    # torch's promotion: integers stay integers (nll_loss' where(target != ignore, target, 0) is an index)
+    dtype = "bf16" if dtypes and all(d == "bf16" for d in dtypes) else "i32" if _promote(a, b) in ("i32", "i1") \
+        else "f32"
     return e.elementwise([_as_bool(e, cond), a, b], lambda v, w: w.select(v[0], v[1], v[2]), dtype=dtype,
                          keep_bool=True)
 
@@ -275,25 +277,28 @@ def _index_put(e: MlirEmitter, x: TValue, indices: Any, values: Any, accumulate:
     rows at the T runtime positions, as one scatter into x whose index rows are (i_0, .., i_{d-1},
     position), a negative position counted from the end as torch does; the kernel traps on a position
     outside [0, S) (the launch fails, as eager raises)."""
-    if accumulate:
-        raise UnsupportedOp("index_put with accumulate=True (a scatter-add)")
     given = [(d, t) for d, t in enumerate(indices) if t is not None]
     if len(given) != 1 or not isinstance(given[0][1], TValue):
         raise UnsupportedOp(f"index_put with {len(given)} index tensors (one, x[.., idx, ..] = v, is supported)")
     d, idx = given[0]
-    if idx.dtype != "i32" or len(idx.shape) != 1:
-        raise UnsupportedOp(f"index_put with a {idx.type} index (a 1-D integer tensor is supported)")
+    if idx.dtype != "i32" or not idx.shape or (len(idx.shape) != 1 and d != 0):
+        raise UnsupportedOp(f"index_put with a {idx.type} index at dim {d} (an integer tensor, 1-D unless at "
+                            "dim 0)")
     if not isinstance(values, TValue) or values.dtype != x.dtype:
         raise UnsupportedOp(f"index_put of {getattr(values, 'type', values)} values into a {x.type}")
     lead, size, rest = x.shape[:d], x.shape[d], x.shape[d + 1:]
-    n_rows = idx.shape[0]
-    target = (*lead, n_rows, *rest)
+    n_rows = math.prod(idx.shape)
+    target = (*lead, *idx.shape, *rest)
     if values.shape != target:
         try:
             torch.broadcast_shapes(values.shape, target)
         except RuntimeError:
             raise UnsupportedOp(f"index_put of {values.type} values into rows {list(target)}") from None
         values = _broadcast_to(e, values, target)
+    if len(idx.shape) != 1:  # x[ids] with ids [B, L] (the embedding's backward): the rows in row-major order
+        idx, values = e.reshape(idx, (n_rows,)), e.reshape(values, (n_rows, *rest))
+    if accumulate:
+        return _index_put_accumulate(e, x, d, idx, values)
     # one index row per updated row: (i_0, .., i_{d-1}, position); x itself is the scatter's destination
     # (a reshaped view of it would make bufferization copy the whole tensor)
     rank = d + 2
@@ -376,6 +381,116 @@ def _split_with_sizes(e: MlirEmitter, x: TValue, sizes: Any, dim: int = 0) -> li
     return [_slice(e, x, d, s, s + n) for s, n in zip(starts, sizes, strict=True)]
 
 
+@_reg(aten.slice_scatter.default)
+def _slice_scatter(e: MlirEmitter, x: TValue, src: TValue, dim: int = 0, start: Any = None, end: Any = None,
+                   step: int = 1) -> TValue:
+    """x with x[.., start:end, ..] = src (the backward of a slice): src inserted into x."""
+    d = _norm_dim(dim, len(x.shape))
+    size = x.shape[d]
+    start = 0 if start is None else max(0, start + size if start < 0 else start)
+    if step != 1:
+        raise UnsupportedOp("slice_scatter with step != 1")
+    if src.dtype != x.dtype:
+        src = e.elementwise([src], lambda v, w: v[0], dtype=x.dtype)
+    if src.shape == x.shape:
+        return src
+    return e.insert_slice(x, src, [start if i == d else 0 for i in range(len(x.shape))])
+
+
+@_reg(aten.constant_pad_nd.default)
+def _constant_pad_nd(e: MlirEmitter, x: TValue, pad: Any, value: float = 0.0) -> TValue:
+    """x inside a fill of `value` (pad: (before, after) pairs from the last dim backwards)."""
+    pad = [int(p) for p in pad]
+    if any(p < 0 for p in pad):
+        raise UnsupportedOp("constant_pad_nd with a negative pad (a crop)")
+    rank = len(x.shape)
+    before, shape = [0] * rank, list(x.shape)
+    for k in range(len(pad) // 2):
+        d = rank - 1 - k
+        before[d] = pad[2 * k]
+        shape[d] += pad[2 * k] + pad[2 * k + 1]
+    return e.insert_slice(e.fill(float(value), tuple(shape), x.dtype), x, before)
+
+
+@_reg(aten.gather.default)
+def _gather(e: MlirEmitter, x: TValue, dim: int, index: TValue, sparse_grad: bool = False) -> TValue:
+    """out[i] = x[i with i_dim = index[i]], as a reduction over x's dim: sum_c (c == index[i] ? x[.., c, ..]
+    : 0), one nonzero term (a -0 comes back +0). An index outside [0, size) gives NaN (eager raises)."""
+    rank = len(x.shape)
+    d = _norm_dim(dim, rank)
+    if index.dtype != "i32" or len(index.shape) != rank or x.dtype not in ("f32", "bf16") \
+            or any(index.shape[k] != x.shape[k] for k in range(rank) if k != d):
+        raise UnsupportedOp(f"gather of a {x.type} along dim {d} with a {index.type} index (same shape but at dim)")
+    size = x.shape[d]
+    it = rank + 1  # the index's dims, then c
+    maps = [affine_map(it, [f"d{rank}" if k == d else f"d{k}" for k in range(rank)]), affine_map(it, [
+        f"d{k}" for k in range(rank)]), affine_map(it, [f"d{k}" for k in range(rank)])]
+    init = e.fill(0.0, index.shape, "f32")
+
+    def body(a: list[str], w: BodyWriter) -> str:
+        w.dtype = "f32"
+        c = w.index(rank)
+        hit = w.cmp("eq", c, a[1], "i32")
+        miss = w.select(_in_range(a[1], size, w), w.const(0.0), w.const(math.nan))
+        return w.op("arith.addf", w.select(hit, w.cast(a[0], x.dtype, "f32"), miss), a[2])
+
+    out = e.generic([x, index], maps, init, ["parallel"] * rank + ["reduction"], body)
+    return e.elementwise([out], lambda v, w: v[0], dtype=x.dtype) if x.dtype != "f32" else out
+
+
+def _in_range(i: str, size: int, w: BodyWriter) -> str:
+    """i1: 0 <= i < size for an i32 index."""
+    return w.op("arith.andi", w.cmp("sge", i, w.const_int(0), "i32"), w.cmp("slt", i, w.const_int(size), "i32"),
+                dtype="i1")
+
+
+@_reg(aten.scatter.value)
+def _scatter_value(e: MlirEmitter, x: TValue, dim: int, index: TValue, value: float) -> TValue:
+    """x with x[i with i_dim = index[i]] = value, for an index of size 1 along dim and x's size elsewhere
+    (the backward of nll_loss): one select per element. An index outside [0, size) makes its row NaN
+    (eager raises)."""
+    rank = len(x.shape)
+    d = _norm_dim(dim, rank)
+    if index.dtype != "i32" or len(index.shape) != rank or index.shape[d] != 1 \
+            or any(index.shape[k] != x.shape[k] for k in range(rank) if k != d):
+        raise UnsupportedOp(f"scatter into a {x.type} with a {index.type} index (size 1 along dim {d} is supported)")
+    size = x.shape[d]
+    maps = [affine_map(rank), affine_map(rank, ["0" if k == d else f"d{k}" for k in range(rank)]), affine_map(rank)]
+
+    def body(a: list[str], w: BodyWriter) -> str:
+        w.dtype = "f32"
+        hit = w.cmp("eq", w.index(d), a[1], "i32")
+        r = w.select(hit, w.const(float(value)), w.cast(a[0], x.dtype, "f32"))
+        return w.cast(w.select(_in_range(a[1], size, w), r, w.const(math.nan)), "f32", x.dtype)
+
+    return e.generic([x, index], maps, e.empty(x.shape, x.dtype), ["parallel"] * rank, body)
+
+
+def _index_put_accumulate(e: MlirEmitter, x: TValue, d: int, idx: TValue, values: TValue) -> TValue:
+    """x[.., idx, ..] += values with duplicates summed (embedding's backward): out[.., v, ..] = x + sum over n
+    of (idx[n] == v ? values[.., n, ..] : 0), one reduction generic whose output starts as x, exact in the
+    sense that every update is added once. Costs x.numel() * n; a negative index counts from the end; an
+    index outside [-size, size) makes the whole result NaN (eager raises)."""
+    rank = len(x.shape)
+    size = x.shape[d]
+    it = rank + 1  # x's dims, then n
+    vals_map = [f"d{rank}" if k == d else f"d{k}" for k in range(rank)]
+    maps = [affine_map(it, vals_map), affine_map(it, [f"d{rank}"]), affine_map(it, [f"d{k}" for k in range(rank)])]
+    init = e.elementwise([x], lambda v, w: v[0], dtype="f32") if x.dtype != "f32" else x
+
+    def body(a: list[str], w: BodyWriter) -> str:
+        w.dtype = "f32"
+        pos = a[1]
+        wrapped = w.select(w.cmp("slt", pos, w.const_int(0), "i32"),
+                           w.op("arith.addi", pos, w.const_int(size), dtype="i32"), pos, "i32")
+        hit = w.cmp("eq", w.index(d), wrapped, "i32")
+        miss = w.select(_in_range(wrapped, size, w), w.const(0.0), w.const(math.nan))
+        return w.op("arith.addf", w.select(hit, w.cast(a[0], values.dtype, "f32"), miss), a[2])
+
+    out = e.generic([values, idx], maps, init, ["parallel"] * rank + ["reduction"], body)
+    return e.elementwise([out], lambda v, w: v[0], dtype=x.dtype) if x.dtype != "f32" else out
+
+
 @_reg(aten.pow.Tensor_Scalar)
 def _pow(e: MlirEmitter, x: TValue, p: float) -> TValue:
     if p in (2, 3, 4):
@@ -407,23 +522,45 @@ def _last_dim_only(x: TValue, dims: Any) -> None:
         raise UnsupportedOp(f"reduction over dims {dims} of a rank-{len(x.shape)} tensor (only the last dim)")
 
 
+def _reduced_dims(x: TValue, dims: Any) -> list[int]:
+    """The dims a reduction's `dim` argument names (None or []: all of them, as torch reads it)."""
+    rank = len(x.shape)
+    dims = [dims] if isinstance(dims, int) else list(dims or range(rank))
+    return sorted({_norm_dim(d, rank) for d in dims})
+
+
+def _reduce(e: MlirEmitter, x: TValue, dims: Any, kind: str, keepdim: bool) -> TValue:
+    """sum / max over any set of dims (the backward of a broadcast sums over batch dims)."""
+    if not x.shape:
+        return x
+    reduced = _reduced_dims(x, dims)
+    if any(x.shape[d] == 0 for d in reduced) and kind == "max":
+        raise UnsupportedOp(f"max over an empty dim of a {x.type}")
+    return e.reduce(x, reduced, kind, keepdim)
+
+
 @_reg(aten.sum.dim_IntList)
 def _sum(e: MlirEmitter, x: TValue, dims: Any, keepdim: bool = False, dtype: Any = None) -> TValue:
-    _last_dim_only(x, dims)
-    return e.reduce_last(x, "sum", keepdim)
+    """Accumulated in f32 (integers and bools exactly up to 2^24), converted to the result dtype: the
+    input's, i32 for integers and bools (int64 in torch), or `dtype`."""
+    target = _creation_dtype(dtype) if dtype is not None else "i32" if x.dtype in ("i1", "i32") else x.dtype
+    out = _reduce(e, x, dims, "sum", keepdim)
+    return e.elementwise([out], lambda v, w: v[0], dtype=target) if target != out.dtype else out
 
 
 @_reg(aten.amax.default)
 def _amax(e: MlirEmitter, x: TValue, dims: Any = (), keepdim: bool = False) -> TValue:
-    _last_dim_only(x, dims)
-    return e.reduce_last(x, "max", keepdim)
+    out = _reduce(e, x, dims, "max", keepdim)
+    return e.elementwise([out], lambda v, w: v[0], dtype=x.dtype) if x.dtype != out.dtype else out
 
 
 @_reg(aten.mean.dim)
 def _mean(e: MlirEmitter, x: TValue, dims: Any, keepdim: bool = False, dtype: Any = None) -> TValue:
-    _last_dim_only(x, dims)
-    s = e.reduce_last(x, "sum", keepdim)
-    return e.elementwise([s, float(x.shape[-1])], lambda v, w: w.op("arith.divf", v[0], v[1]), dtype=x.dtype)
+    if (dtype is not None and DTYPES.get(dtype) != "f32") or x.dtype not in ("f32", "bf16"):
+        raise UnsupportedOp(f"mean of a {x.type} to {dtype}")
+    count = math.prod(x.shape[d] for d in _reduced_dims(x, dims)) if x.shape else 1
+    s = _reduce(e, x, dims, "sum", keepdim)
+    return e.elementwise([s, float(count)], lambda v, w: w.op("arith.divf", v[0], v[1]), dtype=x.dtype)
 
 
 @_reg(aten.any.dim, aten.any.dims, aten.any.default)
@@ -541,6 +678,27 @@ def _softmax(e: MlirEmitter, x: TValue, dim: int, half_to_float: bool = False) -
     return _softmax_last(e, x, safe=False)
 
 
+@_reg(aten._log_softmax.default)
+def _log_softmax(e: MlirEmitter, x: TValue, dim: int, half_to_float: bool = False) -> TValue:
+    """x - max - log(sum(exp(x - max))) over the last dim: a -inf entry stays -inf, a row of -inf only is NaN
+    (as in torch); the largest entry's term is exp(0) = 1, so the log's argument is >= 1."""
+    if _norm_dim(dim, len(x.shape)) != len(x.shape) - 1 or not x.shape:
+        raise UnsupportedOp("log_softmax over a dim other than the last")
+    m = e.reduce_last(x, "max", True)
+    shifted = e.elementwise([x, m], lambda v, w: w.op("arith.subf", v[0], v[1]), dtype="f32")
+    s = e.reduce_last(e.elementwise([shifted], lambda v, w: w.op("math.exp", v[0]), dtype="f32"), "sum", True)
+    return e.elementwise([shifted, s], lambda v, w: w.op("arith.subf", v[0], w.op("math.log", v[1])), dtype=x.dtype)
+
+
+@_reg(aten._log_softmax_backward_data.default)
+def _log_softmax_backward(e: MlirEmitter, grad: TValue, out: TValue, dim: int, input_dtype: Any) -> TValue:
+    """grad - exp(out) * sum(grad) over dim (any dim: a reduction over it)."""
+    d = _norm_dim(dim, len(out.shape))
+    total = e.reduce(grad, [d], "sum", True)
+    return e.elementwise([grad, out, total], lambda v, w: w.op(
+        "arith.subf", v[0], w.op("arith.mulf", w.op("math.exp", v[1]), v[2])), dtype=_creation_dtype(input_dtype))
+
+
 def _softmax_last(e: MlirEmitter, x: TValue, safe: bool) -> TValue:
     """Max-subtracted softmax over the last dim. A row of -inf only is NaN (-inf - -inf), as torch.softmax
     gives; with `safe` it is 0, as torch._safe_softmax (SDPA) gives. The row max is -inf exactly for such
@@ -555,9 +713,16 @@ def _softmax_last(e: MlirEmitter, x: TValue, safe: bool) -> TValue:
 
 
 def _layer_norm(e: MlirEmitter, x: TValue, weight: TValue | None, bias: TValue | None, eps: float) -> TValue:
-    """(x - mean) rsqrt(var + eps) [* w] [+ b], stable at extreme magnitudes: the mean cannot overflow, and a
-    row whose sum of squared deviations overflows is normalised from its deviations scaled by SQ_SCALE,
-    x SQ_SCALE - mean SQ_SCALE (layer norm is scale invariant; eps SQ_SCALE^2 underflows to 0 there).
+    return _layer_norm_with_stats(e, x, weight, bias, eps)[0]
+
+
+def _layer_norm_with_stats(e: MlirEmitter, x: TValue, weight: TValue | None, bias: TValue | None,
+                           eps: float) -> tuple[TValue, TValue, TValue]:
+    """(y, mean, rstd), the statistics [.., 1] as native_layer_norm returns them for its backward (unused
+    ones are dead code). y = (x - mean) rsqrt(var + eps) [* w] [+ b], stable at extreme magnitudes: the
+    mean cannot overflow, and a row whose sum of squared deviations overflows is normalised from its
+    deviations scaled by SQ_SCALE, x SQ_SCALE - mean SQ_SCALE (layer norm is scale invariant; eps SQ_SCALE^2
+    underflows to 0 there).
 
     The deviations are one tensor, read by the flagged sum of squares and by the output (two consumers:
     not fused into either), so the output kernel reads one column (Q), as wide rows need."""
@@ -581,14 +746,23 @@ def _layer_norm(e: MlirEmitter, x: TValue, weight: TValue | None, bias: TValue |
         y = e.elementwise([y, weight], lambda v, w: w.op("arith.mulf", v[0], v[1]), dtype="f32")
     if bias is not None:
         y = e.elementwise([y, bias], lambda v, w: w.op("arith.addf", v[0], v[1]), dtype="f32")
-    return e.elementwise([y], lambda v, w: v[0], dtype=x.dtype) if x.dtype != "f32" else y
+
+    def rstd(v: list[str], w: BodyWriter) -> str:  # a scaled row's variance is -Q / (n SQ_SCALE^2)
+        scaled = w.op("arith.mulf", w.op("math.rsqrt", w.op("arith.divf", w.op("arith.negf", v[0]), w.const(n))),
+                      w.const(SQ_SCALE))
+        return w.select(_scaled(v[0], w), scaled, w.op("math.rsqrt", w.op("arith.addf", w.op(
+            "arith.divf", v[0], w.const(n)), w.const(eps))))
+
+    stats = [mean, e.elementwise([q], rstd, dtype="f32")]
+    return tuple(e.elementwise([t], lambda v, w: v[0], dtype=x.dtype) if x.dtype != "f32" else t  # type: ignore
+                 for t in (y, *stats))
 
 
 @_reg(aten.native_layer_norm.default)
 def _native_layer_norm(e: MlirEmitter, x: TValue, shape: Any, weight: Any, bias: Any, eps: float) -> tuple:
     if len(shape) != 1:
         raise UnsupportedOp("layer norm over more than the last dim")
-    return (_layer_norm(e, x, weight, bias, eps), None, None)
+    return _layer_norm_with_stats(e, x, weight, bias, eps)
 
 
 def _rms_norm(e: MlirEmitter, x: TValue, weight: TValue | None, eps: float) -> TValue:

@@ -233,17 +233,24 @@ class MlirEmitter:
 
     def reduce_last(self, x: TValue, kind: str, keepdim: bool) -> TValue:
         """sum or max over the last dim (f32 accumulation)."""
+        return self.reduce(x, [len(x.shape) - 1], kind, keepdim)
+
+    def reduce(self, x: TValue, dims: Sequence[int], kind: str, keepdim: bool) -> TValue:
+        """sum or max over the dims `dims` (non-negative, any set: the kernel reader makes them innermost),
+        f32 accumulation."""
         rank = len(x.shape)
+        reduced = set(dims)
+        kept = [i for i in range(rank) if i not in reduced]
         identity = 0.0 if kind == "sum" else -math.inf
-        init = self.fill(identity, x.shape[:-1], "f32")
+        init = self.fill(identity, tuple(x.shape[i] for i in kept), "f32")
         op = "arith.addf" if kind == "sum" else "arith.maximumf"
 
         def body(args: list[str], w: BodyWriter) -> str:
             return w.op(op, w.cast(args[0], x.dtype, "f32"), args[1], dtype="f32")
 
-        maps = [affine_map(rank), affine_map(rank, [f"d{i}" for i in range(rank - 1)])]
-        r = self.generic([x], maps, init, ["parallel"] * (rank - 1) + ["reduction"], body)
-        return self.reshape(r, (*x.shape[:-1], 1)) if keepdim else r
+        maps = [affine_map(rank), affine_map(rank, [f"d{i}" for i in kept])]
+        r = self.generic([x], maps, init, ["reduction" if i in reduced else "parallel" for i in range(rank)], body)
+        return self.reshape(r, tuple(1 if i in reduced else s for i, s in enumerate(x.shape))) if keepdim else r
 
     def copy_map(self, x: TValue, shape: tuple[int, ...], results: list[str]) -> TValue:
         """out[d...] = x[results(d...)]: permutations and broadcasts, as a fusable copy."""
@@ -343,6 +350,16 @@ class MlirEmitter:
                           f"{x.type} to {out.type}")
         return out
 
+    def insert_slice(self, dest: TValue, part: TValue, offsets: Sequence[int]) -> TValue:
+        """dest with `part` written at `offsets` (tensor.insert_slice: a copy into a subview)."""
+        out = TValue(self.fresh(), dest.shape, dest.dtype)
+        offs = ", ".join(str(o) for o in offsets)
+        sizes = ", ".join(str(s) for s in part.shape)
+        ones = ", ".join("1" for _ in part.shape)
+        self.lines.append(f"{out.name} = tensor.insert_slice {part.name} into {dest.name}[{offs}] [{sizes}] "
+                          f"[{ones}] : {part.type} into {dest.type}")
+        return out
+
     def concat(self, parts: Sequence[TValue], dim: int) -> TValue:
         """cat along `dim`: tensor.insert_slice of each part into an empty tensor (copies into subviews)."""
         shape = list(parts[0].shape)
@@ -373,7 +390,12 @@ class MlirEmitter:
         return r
 
     def module(self, args: list[TValue], results: list[TValue]) -> str:
-        sig = ", ".join(f"{a.name}: {a.type}" for a in args)
+        """The function text. An argument no copy_ writes is read-only to bufferization: a value built from
+        it in place (insert_slice, scatter, a reduction starting from it) gets a copy, and the caller's
+        tensor is never written behind its back."""
+        mutated = {i for i, _ in self.mutations}
+        sig = ", ".join(f"{a.name}: {a.type}" + ("" if i in mutated else " {bufferization.writable = false}")
+                        for i, a in enumerate(args))
         rtypes = ", ".join(r.type for r in results)
         body = "\n".join("    " + ln for ln in self.lines)
         rets = ", ".join(r.name for r in results)

@@ -392,8 +392,6 @@ def _generic(op: ir.Operation, views: dict[str, View], constants: dict[str, floa
     contraction = _contraction(sizes, iters, operands, args, ops, yields, consts, g, str(op))
     if contraction is not None:
         return contraction
-    if any(reduction[:-1]):
-        raise LoweringError(f"reduction over a dim other than the innermost:\n{op}")
     prelude: list[Kernel] = []
     inputs, out_arg = list(zip(args[:-1], operands[:-1], strict=True)), args[-1]
     for res, (table, idx) in loads.items():
@@ -408,8 +406,52 @@ def _generic(op: ir.Operation, views: dict[str, View], constants: dict[str, floa
             st = tuple(1 if d == dim else 0 for d in range(rank))
             inputs.append((res, Access(view, st)))
     body = ScalarProgram([a for a, _ in inputs] + [out_arg], ops, yields, consts)
-    return [*prelude, GenericKernel(tuple(sizes), reduction[-1] if rank else False, [o for _, o in inputs],
-                                    operands[-1], body, str(op))]
+    accesses, output = [o for _, o in inputs], operands[-1]
+    if any(reduction[:-1]):
+        sizes, accesses, output = _reductions_innermost(sizes, reduction, accesses, output, g, prelude)
+    return [*prelude, GenericKernel(tuple(sizes), any(reduction), accesses, output, body, str(op))]
+
+
+def _reductions_innermost(sizes: list[int], reduction: list[bool], inputs: list[Access], output: Access,
+                          g: KernelGraph, prelude: list[Kernel]) -> tuple[list[int], list[Access], Access]:
+    """A reduction over any set of iteration dims as one over the innermost dim (what the vector unit
+    reduces): the order of iteration is free, so the reduction dims move after the parallel ones and
+    merge into one. An input whose strides over them do not nest into one dim of stride 0 or 1 is first
+    copied densely (its own parallel dims, then the reduction dims) by a copy kernel over its dims only,
+    so a broadcast operand is not copied once per output element."""
+    red = [d for d, r in enumerate(reduction) if r]
+    par = [d for d, r in enumerate(reduction) if not r]
+    red_sizes = [sizes[d] for d in red]
+
+    def merged(a: Access) -> tuple[int, int] | None:
+        m = _merge(red_sizes, [a.iter_strides[d] for d in red])
+        return m if m is not None and m[1] in (0, 1) else None
+
+    def reordered(a: Access, m: tuple[int, int]) -> Access:
+        return Access(a.view, (*(a.iter_strides[d] for d in par), m[1]))
+
+    out: list[Access] = []
+    for a in inputs:
+        m = merged(a)
+        if m is None:
+            dims = [d for d in par if a.iter_strides[d]] + red
+            shape = tuple(sizes[d] for d in dims)
+            dense = _temp(g, "dense", shape, a.view.dtype)
+            copy = ScalarProgram(["%in", "%out"], [], ["%in"], {})
+            prelude.append(GenericKernel(shape, False, [Access(a.view, tuple(a.iter_strides[d] for d in dims))],
+                                         Access(dense, dense.strides), copy, "dense copy of a reduction operand"))
+            strides = [0] * len(sizes)
+            for d, st in zip(dims, dense.strides, strict=True):
+                strides[d] = st
+            a = Access(dense, tuple(strides))
+            m = merged(a)
+            assert m is not None, "a dense copy's trailing dims nest"
+        out.append(reordered(a, m))
+    m = _merge(red_sizes, [output.iter_strides[d] for d in red])
+    if m is None or (m[0] != 1 and m[1] != 0):
+        raise LoweringError("a reduction whose output is indexed by a reduction dim")
+    return [*(sizes[d] for d in par), math.prod(red_sizes)], out, Access(output.view, (*(
+        output.iter_strides[d] for d in par), 0))
 
 
 def _op_name(op: ir.Operation) -> str:
@@ -515,6 +557,8 @@ def _contraction(sizes: list[int], iters: list[str], operands: list[Access], arg
         return [d for d, k in enumerate(kinds) if k == kind]
 
     batch, m, n, k = dims("batch"), dims("m"), dims("n"), dims("k")
+    if not any(sizes[d] > 1 for d in (*m, *n)) and not prelude:
+        return None  # a dot product per output element (rowsum(a * b)): a vector reduction, not 1 x K x 1 matmuls
     av = _matrix(a, [batch, m, k], sizes, g, prelude)
     bv = _matrix(b, [batch, k, n], sizes, g, prelude, transposed=True)
     cv = _matrix(c, [batch, m, n], sizes, g, None)

@@ -1,7 +1,9 @@
 """The decomposition table the ctpu backend hands AOT autograd: the graphs fx_passes expects.
 
 `decomposition_table()` is torch's `core_aten_decompositions()` with one rule replaced:
-`_scaled_dot_product_flash_attention_for_cpu` (what `F.scaled_dot_product_attention` calls on the CPU).
+`_scaled_dot_product_flash_attention_for_cpu` (what `F.scaled_dot_product_attention` calls on the CPU),
+and one added: its backward, `_scaled_dot_product_flash_attention_for_cpu_backward`, as matmuls and row
+ops from the saved logsumexp, so a training step's backward graph runs on the CTPU (torch has no rule).
 
 Why: AOT autograd applies decompositions *below* autograd. Autograd records the op's own derivative,
 `_scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, logsumexp, ...)`, and the
@@ -35,6 +37,7 @@ def decomposition_table() -> dict[Any, Callable[..., Any]]:
 
     table = dict(core_aten_decompositions())
     table[aten._scaled_dot_product_flash_attention_for_cpu.default] = sdpa_flash_for_cpu
+    table[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = sdpa_flash_for_cpu_backward
     return table
 
 
@@ -85,6 +88,53 @@ def sdpa_flash_for_cpu(
     lse = torch.logsumexp(scores.to(acc), -1)
     lse = torch.where(lse == -math.inf, 0.0, lse)
     return out, lse
+
+
+def sdpa_flash_for_cpu_backward(
+    grad_out: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    out: Tensor,
+    logsumexp: Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    *,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_query, grad_key, grad_value) from the saved logsumexp, as the CPU kernel computes them, in ops the
+    CTPU lowers (matmuls, elementwise, row sums): the probabilities recomputed as exp(scores - logsumexp)
+    from the scores the forward rule computes (0 on a fully masked row, whose logsumexp is stored as 0),
+    dS = P (dP - rowsum(dO out)), dq = dS k scale, dk = dS^T q scale, dv = P^T dO; grouped-query heads sum
+    their kv gradients over the query heads that read them."""
+    torch._check(dropout_p == 0.0, lambda: f"dropout probability must be zero, got {dropout_p}")
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    factor = math.sqrt(abs(scale))
+    acc = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+    q, k, v, d_out, o = (t.to(acc) for t in (query, key, value, grad_out, out))
+    if is_causal:
+        keep = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
+        attn_mask = _additive_mask(keep, acc)
+    elif attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = _additive_mask(attn_mask, acc)
+    groups = query.shape[1] // key.shape[1]
+    if groups != 1:
+        k, v = k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3)
+    scores = torch.matmul(q * (-factor if scale < 0 else factor), k.transpose(-2, -1) * factor)
+    if attn_mask is not None:
+        scores = scores + attn_mask
+    probs = torch.exp(scores - logsumexp.to(acc).unsqueeze(-1))
+    grad_v = torch.matmul(probs.transpose(-2, -1), d_out)
+    grad_probs = torch.matmul(d_out, v.transpose(-2, -1))
+    grad_scores = probs * (grad_probs - (d_out * o).sum(-1, keepdim=True))
+    grad_q = torch.matmul(grad_scores, k) * scale
+    grad_k = torch.matmul(grad_scores.transpose(-2, -1), q) * scale
+    if groups != 1:
+        b, h, s, e = key.shape
+        grad_k = grad_k.view(b, h, groups, s, e).sum(2)
+        grad_v = grad_v.view(b, h, groups, s, value.shape[-1]).sum(2)
+    return grad_q.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype)
 
 
 def _additive_mask(keep: Tensor, dtype: torch.dtype) -> Tensor:

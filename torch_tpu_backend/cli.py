@@ -22,6 +22,11 @@
                                          with --decode one decode step; writes a Chrome / Perfetto trace (a track
                                          per slot, the DMA channel, the MXU's ports, kernels named after their FX
                                          nodes, layers, stalls by cause) and prints the per-kernel roofline table
+    ctpu train [--steps 10] [--optimizer sgd|adamw] [--lr LR] [--check] [--plot FILE.png] [--json]
+                                         trains the tiny Llama (forward and backward compiled with
+                                         backend="ctpu") on a synthetic token stream: loss and CTPU cycles per
+                                         step (--check: exit 1 unless every step's loss is eager's, relative
+                                         1e-5; --plot: the loss curve as a PNG)
     ctpu bench [--models-only]           benchmarks (JSON): compiled GEMM utilization vs the hand-written one,
                                          bundles / cycles / ops per bundle per graph, whole models (Llama)
     ctpu isa                             the instruction table, as markdown
@@ -151,6 +156,30 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from torch_tpu_backend import train
+
+    on_step, close = (None, None) if args.json else train.progress_printer(args.steps)
+    try:
+        result = train.run(steps=args.steps, optimizer=args.optimizer, lr=args.lr, check=args.check,
+                           config=args.config, target=args.target, progress=on_step)
+    finally:
+        if close is not None:
+            close()
+    if args.plot:
+        from torch_tpu_backend.png import write_line_plot
+
+        series = {"ctpu": [r["loss"] for r in result["steps"]]}
+        if args.check:
+            series["eager"] = [r["eager_loss"] for r in result["steps"]]
+        write_line_plot(args.plot, series)
+        result["plot"] = args.plot
+    print(json.dumps(result, indent=2) if args.json else train.summary(result))
+    if args.plot and not args.json:
+        print(f"loss curve: {args.plot}")
+    return 1 if result["check"] is not None and not result["check"]["passed"] else 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from codegen import bench
     from torch_tpu_backend import model_bench
@@ -254,6 +283,18 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--top", type=_positive, default=None, help="only the N kernels with the most cycles")
     pr.add_argument("--json", action="store_true", help="print the figures and the roofline table as JSON")
     pr.set_defaults(fn=_cmd_profile)
+    t = sub.add_parser("train", help="train the tiny Llama (forward and backward compiled with backend='ctpu') on "
+                       "a synthetic token stream: loss and CTPU cycles per step")
+    t.add_argument("--steps", type=_positive, default=10)
+    t.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    t.add_argument("--lr", type=float, default=None, help="default: 0.05 for sgd, 3e-3 for adamw")
+    t.add_argument("--config", choices=["small", "large"], default="small")
+    t.add_argument("--target", choices=["sim", "rtl"], default="sim")
+    t.add_argument("--check", action="store_true", help="train an eager copy alongside; exit 1 unless every step's "
+                   "loss matches (relative 1e-5)")
+    t.add_argument("--plot", metavar="FILE.png", help="write the loss curve as a PNG")
+    t.add_argument("--json", action="store_true", help="print the figures as JSON")
+    t.set_defaults(fn=_cmd_train)
 
     b = sub.add_parser("bench", help="compiler benchmarks, printed as JSON: the compiled GEMM's MXU utilization "
                        "against the hand-written one, small graphs, pipelining, whole models through torch.compile")

@@ -118,8 +118,10 @@ class GraphCompiler:
         import fx_passes
 
         forced: dict[torch.fx.Node, str] = {}
+        cuts: set[torch.fx.Node] = set()  # nodes that start a new target segment (a program too large)
         compiled: dict[str, Any] = {}  # a segment's graph text -> its executable, across re-splits
         while True:
+            partition = cut_segments(partition, cuts)
             split = split_segments(gm, partition)
             failure = None
             summaries = []
@@ -141,6 +143,11 @@ class GraphCompiler:
                 split.module.recompile()
                 return split.module, partition, summaries
             nodes, err = failure
+            cut = _middle(nodes) if getattr(err, "splittable", False) else None
+            if cut is not None:  # the program is too large, not wrong: two programs, launched one after the other
+                log.info("ctpu: a segment of %d nodes is split at %s: %s", len(nodes), cut.name, err)
+                cuts.add(cut)
+                continue
             if len(forced) >= MAX_FALLBACK_SEARCHES:
                 culprits = dict.fromkeys(nodes, _reason(err))
             else:
@@ -213,6 +220,30 @@ class SplitGraph:
     module: torch.fx.GraphModule
     placements: dict[str, str]  # submodule name -> "ctpu" | "cpu"
     segments: dict[str, list[torch.fx.Node]]  # submodule name -> the nodes of gm it holds
+
+
+def _middle(nodes: list[torch.fx.Node]) -> torch.fx.Node | None:
+    """The node to cut a segment at, near its middle: not a getitem (it stays with the node whose tuple it
+    reads: a tuple is not a segment's input). None when the segment cannot be cut."""
+    for i in [*range(len(nodes) // 2, len(nodes)), *range(len(nodes) // 2 - 1, 0, -1)]:
+        if nodes[i].target is not operator.getitem:
+            return nodes[i]
+    return None
+
+
+def cut_segments(partition: Any, cuts: Collection[torch.fx.Node]) -> Any:
+    """The partition with a new segment (same placement) starting at each node in `cuts`."""
+    if not cuts:
+        return partition
+    segments = []
+    for seg in partition.segments:
+        start = 0
+        for i, node in enumerate(seg.nodes):
+            if i > start and node in cuts:
+                segments.append(type(seg)(seg.placement, seg.nodes[start:i]))
+                start = i
+        segments.append(type(seg)(seg.placement, seg.nodes[start:]))
+    return type(partition)(segments)
 
 
 def split_segments(gm: torch.fx.GraphModule, partition: Any) -> SplitGraph:

@@ -143,14 +143,11 @@ def test_index_put_on_dim_0_and_a_scalar_counter() -> None:
 
 
 def test_unsupported_index_put_forms_are_refused_with_a_reason() -> None:
-    def accumulate(x: torch.Tensor, idx: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten.index_put.default(x, [idx], v, True)
-
     def two_indices(x: torch.Tensor, idx: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten.index_put.default(x, [idx, idx], v[:, 0])
 
     x, idx, v = torch.randn(6, 8), torch.tensor([1, 2]), torch.randn(2, 8)
-    for fn, reason in ((accumulate, "accumulate=True"), (two_indices, "2 index tensors")):
+    for fn, reason in ((two_indices, "2 index tensors"),):
         gm = torch.fx.experimental.proxy_tensor.make_fx(fn)(x, idx, v)
         node = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.index_put.default)
         assert reason in (codegen.unsupported_reason(node) or "")

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
 
 from fx_passes import decomposition_table
-from fx_passes.decompositions import sdpa_flash_for_cpu
+from fx_passes.decompositions import sdpa_flash_for_cpu, sdpa_flash_for_cpu_backward
 
 aten = torch.ops.aten
 B, H, L, S, E = 2, 4, 5, 7, 8
@@ -67,6 +67,24 @@ def test_sdpa_rule_returns_what_the_op_returns(case: str) -> None:
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sdpa_backward_rule_gives_the_kernels_gradients(case: str) -> None:
+    """The backward's decomposition (ops the CTPU lowers) against the CPU backward kernel, from the same
+    saved output and logsumexp: masks, a fully masked row (its gradients are 0), GQA, a negative scale."""
+    torch.manual_seed(0)
+    q, k, v, kwargs = CASES[case]()
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, **kwargs)
+    grad = torch.randn_like(out)
+    flags = (0.0, kwargs.get("is_causal", False))
+    rest = {"attn_mask": kwargs.get("attn_mask"), "scale": kwargs.get("scale")}
+    want = aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, *flags, **rest)
+    got = sdpa_flash_for_cpu_backward(grad, q, k, v, out, lse, *flags, **rest)
+    for g, w, t in zip(got, want, (q, k, v), strict=True):
+        assert g.shape == t.shape and g.dtype == t.dtype
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
 def test_sdpa_rule_bf16_keeps_an_fp32_logsumexp() -> None:
     q, k, v = (torch.randn(B, H, L, E, dtype=torch.bfloat16) for _ in range(3))
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True)
@@ -97,16 +115,19 @@ def test_training_graph_saves_the_logsumexp_for_the_backward() -> None:
     torch.autograd.backward(fn(*inputs), grad)
     for g, t in zip(got, inputs, strict=True):
         torch.testing.assert_close(g, t.grad, rtol=1e-5, atol=1e-6)
-    (flash_backward,) = graphs[1].graph.find_nodes(
+    # the backward kernel is decomposed (matmuls and row ops the CTPU lowers) and reads the saved logsumexp
+    assert not graphs[1].graph.find_nodes(
         op="call_function", target=aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
-    logsumexp = flash_backward.args[5].meta["val"]
-    assert tuple(logsumexp.shape) == (B, H, L)
+    saved = [tuple(n.meta["val"].shape) for n in graphs[1].graph.find_nodes(op="placeholder")]
+    assert (B, H, L) in saved, saved
 
 
 def test_table_is_core_aten_with_the_sdpa_rule_replaced() -> None:
     from torch._decomp import core_aten_decompositions
 
     core, ours = core_aten_decompositions(), decomposition_table()
-    assert set(ours) == set(core)
+    backward = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    assert set(ours) == set(core) | {backward}
     assert ours[aten._scaled_dot_product_flash_attention_for_cpu.default] is sdpa_flash_for_cpu
+    assert ours[backward] is sdpa_flash_for_cpu_backward
     assert ours[aten.silu.default] is core[aten.silu.default]

@@ -86,7 +86,7 @@ def test_every_op_the_partitioner_places_on_the_ctpu_lowers() -> None:
 
     cases = [
         (lambda x: torch.floor(x), False), (lambda x: torch.exp(x) + 1.0, True),
-        (lambda x: torch.softmax(x, -1), True), (lambda x: x.sum(0), False), (lambda x: x.sum(-1), True),
+        (lambda x: torch.softmax(x, -1), True), (lambda x: x.sum(0), True), (lambda x: x.sum(-1), True),
         (lambda x: torch.cumsum(x, -1), False), (lambda x: torch.sort(x, -1).values, False),
         (lambda x: torch.nn.functional.layer_norm(x, (8,)), True), (lambda x: torch.sign(x), False),
         (lambda x: torch.where(x > 0, x, 0.0), True), (lambda x: x.amax(-1), True),
@@ -152,3 +152,40 @@ def test_int64_values_beyond_int32_run_that_call_on_the_cpu() -> None:
         s = ctpu_stats.last()
         assert s.kernels_launched == int(on_ctpu) and bool(s.fallback_ops) != on_ctpu, s.as_dict()
         assert len([w for w in caught if "do not fit int32" in str(w.message)]) == warned
+
+
+def test_a_program_too_large_for_imem_is_split_not_sent_to_the_cpu() -> None:
+    """A segment whose program does not fit imem runs as several programs (cut near the middle until each
+    fits), one after the other: no op goes to the CPU for it (the backward graph of the tiny Llama is such
+    a segment on `small`)."""
+    from codegen.errors import ProgramTooLargeError
+    from torch_tpu_backend.ctpu_target import CtpuTarget
+    from torch_tpu_backend.options import CompileOptions
+
+    class SmallImem(CtpuTarget):
+        def compile(self, gm, example_inputs, name, dump):  # type: ignore[no-untyped-def]
+            ops = [n for n in gm.graph.nodes if n.op == "call_function"]
+            if len(ops) > 3:
+                raise ProgramTooLargeError(f"{len(ops)} ops do not fit the test's imem")
+            return super().compile(gm, example_inputs, name, dump)
+
+    opts = CompileOptions(cache=False)
+
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        a = torch.exp(x) * y + 1.0
+        b = torch.tanh(a) - x
+        return (b * b + a).sum(0) / 3.0
+
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    gm = make_fx(f, decomposition_table=core_aten_decompositions(), tracing_mode="fake")(x, y)
+    ctpu_stats.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CtpuFallbackWarning)
+        run = GraphCompiler(opts, SmallImem(opts))(gm, [x, y])
+    out = run([x, y])
+    torch.testing.assert_close(out, f(x, y), rtol=1e-5, atol=1e-6)
+    stats = ctpu_stats.last()
+    assert not stats.fallback_ops and stats.kernels_launched >= 3, stats.as_dict()

@@ -1,0 +1,148 @@
+"""The ops of training graphs (issue 15, item 2) on the simulator against eager, fp32 at "highest", with edge
+values: reductions over any set of dims (the backward of every broadcast sums over batch dims)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from codegen_helpers import compile_and_run
+
+torch.manual_seed(0)
+
+
+def check(fn, *xs, rtol=1e-5, atol=1e-6):
+    outs, refs, cg = compile_and_run(fn, *xs)
+    assert len(outs) == len(refs)
+    for o, r in zip(outs, refs, strict=True):
+        assert o.shape == r.shape
+        np.testing.assert_allclose(o, r, rtol=rtol, atol=atol)
+    return cg
+
+
+def _edges(*shape: int) -> torch.Tensor:
+    x = torch.randn(*shape)
+    flat = x.view(-1)
+    flat[:6] = torch.tensor([0.0, -0.0, 1e-40, -1e30, 3e38, 5.0])  # no cancellation: sums differ in order
+    return x
+
+
+@pytest.mark.parametrize("dims", [(0,), (1,), (0, 1), (0, 2), (1, 2), (0, 1, 2), ()])
+def test_sum_over_any_dims(dims: tuple[int, ...]) -> None:
+    x = _edges(3, 5, 20)
+    check(lambda x: (x.sum(dims), x.sum(dims, keepdim=True), x.amax(dims), x.mean(dims)), x, atol=2e-5)
+
+
+def test_reductions_with_inf_and_nan_in_outer_dims() -> None:
+    x = torch.randn(4, 6, 9)
+    x[1, 2, 3], x[2, 0, 0], x[3, 5, 8] = math.inf, -math.inf, math.nan
+    outs, refs, _ = compile_and_run(lambda x: (x.sum(0), x.amax((0, 1)), x.sum((0, 2))), x)
+    for o, r in zip(outs, refs, strict=True):
+        np.testing.assert_allclose(o, r, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_sum_of_a_transposed_and_broadcast_operand() -> None:
+    """A permute folded into the reduction (its operand strided), and a broadcast operand (stride 0 along
+    a reduced dim), reduced over outer dims on the realistic large configuration."""
+    x, b = torch.randn(2, 17, 128), torch.randn(128)
+    outs, refs, _ = compile_and_run(lambda x, b: ((x.transpose(0, 1) * b).sum((0, 1)), (x + b).sum(1)), x, b,
+                                    config="large")
+    for o, r in zip(outs, refs, strict=True):
+        np.testing.assert_allclose(o, r, rtol=1e-5, atol=5e-5)
+
+
+def test_integer_and_bool_sums_keep_torch_dtype() -> None:
+    x = torch.randn(5, 7)
+    outs, refs, _ = compile_and_run(lambda x: ((x > 0).sum(0).float(), (x > 0).sum().float() / 2), x)
+    for o, r in zip(outs, refs, strict=True):
+        np.testing.assert_array_equal(o, r)
+
+
+def test_slice_scatter_and_constant_pad() -> None:
+    x, s = torch.randn(4, 10), torch.randn(4, 3)
+    check(lambda x, s: (torch.slice_scatter(x, s, 1, 5, 8), torch.slice_scatter(x, s, 1, -3),
+                        torch.slice_scatter(x, x[1:] * 2.0, 0, 1)), x, s, rtol=0, atol=0)
+    labels = torch.randint(0, 9, (2, 7))
+    check(lambda x, y: (torch.nn.functional.pad(x, (1, 2), value=-math.inf), torch.nn.functional.pad(
+        y, (0, 1), value=-100).float()), x, labels.to(torch.int32), rtol=0, atol=0)
+
+
+def test_log_softmax_and_its_backward_with_inf() -> None:
+    x = torch.randn(6, 33) * 4
+    x[0, 3] = -math.inf
+    x[1, :] = -math.inf  # a row of -inf only: NaN in torch
+    x[2, 5] = 80.0  # exp overflows without the max subtracted
+    g = torch.randn(6, 33)
+
+    def fn(x, g):
+        out = torch.log_softmax(x, -1)
+        back = torch.ops.aten._log_softmax_backward_data(g, out, 1, torch.float32)
+        back0 = torch.ops.aten._log_softmax_backward_data(g, out, 0, torch.float32)
+        return out, back, back0
+
+    outs, refs, _ = compile_and_run(fn, x, g)
+    for o, r in zip(outs, refs, strict=True):
+        np.testing.assert_allclose(o, r, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_gather_and_scatter_value_along_any_dim() -> None:
+    x = torch.randn(5, 9)
+    x[1, 2] = -0.0
+    x[3, 0] = math.inf
+    idx = torch.tensor([[2], [2], [8], [0], [4]], dtype=torch.int32)
+    idx_t = torch.tensor([[4, 0, 1, 2, 3, 3, 2, 1, 0]], dtype=torch.int32)
+    check(lambda x, i, j: (torch.gather(x, 1, i), torch.gather(x, 0, j), torch.scatter(x, 1, i, -1.0),
+                           torch.scatter(x, 0, j, 2.5)), x, idx, idx_t, rtol=0, atol=0)
+
+
+def test_gather_and_scatter_with_an_index_out_of_range_give_nan_not_a_value() -> None:
+    """Eager raises on such an index; a launch cannot, so the values read through it are NaN."""
+    x, idx = torch.randn(3, 4), torch.tensor([[1], [4], [-1]], dtype=torch.int32)
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from codegen import compile_graph
+    from device_sim.executable import run_fresh
+    from device_sim.runners import SimulatorRunner
+
+    def fn(x, i):
+        return torch.ops.aten.gather(x, 1, i), torch.ops.aten.scatter.value(x, 1, i, 7.0)
+
+    gm = make_fx(fn, decomposition_table=core_aten_decompositions(), tracing_mode="fake")(x, torch.zeros_like(idx))
+    exe = compile_graph(gm, [x, idx])
+    (gathered, scattered), _ = run_fresh(exe, [x.numpy(), idx.numpy()], SimulatorRunner("small"))
+    assert np.isnan(gathered[1:]).all() and gathered[0, 0] == x[0, 1]
+    assert np.isnan(scattered[1:]).all() and scattered[0, 1] == 7.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_index_put_accumulate_sums_duplicate_indices(dtype: torch.dtype) -> None:
+    """The embedding's backward: rows with repeated (and negative) indices all add up."""
+    x, v = torch.randn(7, 20).to(dtype), torch.randn(9, 20).to(dtype)
+    idx = torch.tensor([3, 1, 3, 3, 0, 6, -1, 1, 5], dtype=torch.int32)
+    outs, _, _ = compile_and_run(lambda x, i, v: torch.index_put(x, (i,), v, accumulate=True), x, idx, v)
+    # bf16: the CTPU sums in f32 and rounds once; eager rounds after every add, so compare with f32 sums
+    want = torch.index_put(x.float(), (idx,), v.float(), accumulate=True).to(dtype).float().numpy()
+    np.testing.assert_allclose(outs[0], want, rtol=1e-5 if dtype == torch.float32 else 2**-8, atol=1e-5)
+
+
+def test_embedding_backward_on_large() -> None:
+    ids = torch.randint(0, 128, (2, 17), dtype=torch.int32)
+    ids[0, :5] = 7  # duplicates
+    g = torch.randn(2, 17, 64)
+    outs, refs, _ = compile_and_run(lambda g, i: torch.ops.aten.embedding_dense_backward(g, i, 128, -1, False),
+                                    g, ids, config="large")
+    np.testing.assert_allclose(outs[0], refs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_native_layer_norm_returns_its_statistics() -> None:
+    x, w, b = torch.randn(6, 48), torch.randn(48), torch.randn(48)
+    x[0] *= 1e25  # the sum of squares overflows: the scaled path
+    x[1] = 3.0  # zero variance: rstd = rsqrt(eps)
+    fn = lambda x, w, b: torch.native_layer_norm(x, (48,), w, b, 1e-5)
+    outs, _, _ = compile_and_run(fn, x, w, b)
+    refs = fn(x.double(), w.double(), b.double())  # eager's fp32 overflows to NaN on row 0
+    for o, r in zip(outs, refs, strict=True):
+        np.testing.assert_allclose(o, r.numpy(), rtol=1e-5, atol=1e-5)
