@@ -68,7 +68,7 @@ CPU_OPS = {
     "opt": {},
     "qwen3": {},
     "bert": {"aten.gather.default": 1},  # token_type_ids from the buffered ids: an element gather
-    "gptj": {"aten.gather.default": 2},  # sin/cos rows gathered with an index repeated along the row
+    "gptj": {},
     "bloom": {"aten.pow.Tensor_Tensor": 1},  # ALiBi slopes: tensor ** tensor
     **{name: {} for name in LLAMA_LIKE},
     "falcon": {"aten.index.Tensor": 4},  # an index tensor on an inner dim (only dim 0 of a 2-D tensor lowers)
