@@ -142,6 +142,19 @@ class KernelGraph:
     arguments: list[str] = field(default_factory=list)
 
 
+def kernel_views(k: Kernel) -> list[View]:
+    """Every view a kernel reads or writes."""
+    if isinstance(k, GenericKernel):
+        return [o.view for o in k.inputs] + [k.output.view]
+    if isinstance(k, FillKernel | IotaKernel):
+        return [k.output]
+    if isinstance(k, GatherKernel):
+        return [k.table, k.ids.view, k.output]
+    if isinstance(k, ScatterKernel):
+        return [k.dest, k.indices, k.updates]
+    return [k.a, k.b, k.c]
+
+
 def describe(g: KernelGraph) -> str:
     """The kernel graph as text (the `kernels.txt` stage): buffers, then one line per kernel."""
     lines = [f"buffer {b.name}: {b.kind} {b.dtype}{list(b.shape)}" for b in g.buffers.values()]
