@@ -7,8 +7,10 @@ assembly, binary (backend).
 
 Launch ABI: s1 holds the HBM byte address of the *arena*, which holds every intermediate and every output
 (at their placements' offsets) and starts with the *argument table*: I + 1 int32 words, the HBM byte
-addresses of the I graph inputs (in placeholder order) and of the arena itself. `device_sim.executable`
-writes the table at launch; the program's entry copies it to vmem, and each kernel loads the addresses it uses.
+addresses of the I graph inputs (in placeholder order) and of the arena itself, then the layer loops'
+per-repetition address tables (`Executable.address_table`, see `layer_loop`). `device_sim.executable`
+writes the tables at launch; the program's entry copies the argument table to vmem, and each kernel loads
+the addresses it uses.
 """
 
 from __future__ import annotations
@@ -177,8 +179,9 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
     clock.lap("schedule_regalloc_assemble")
     starts = [sum(mc.function_bundles[:i]) for i in range(len(funcs))]
     for info in per_kernel:
-        if info.get("function") is not None:
-            info["start"], info["bundles"] = starts[info["function"]], mc.function_bundles[info.pop("function")]
+        f = info.pop("function")
+        if f is not None:
+            info["start"], info["bundles"] = starts[f], mc.function_bundles[f]
     if len(mc.program) > cfg.imem_bundles:
         raise CapacityError(f"program of {len(mc.program)} bundles does not fit imem ({cfg.imem_bundles} bundles)")
     stages["machine_ir.txt"] = machine_ir
