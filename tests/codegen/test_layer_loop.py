@@ -85,14 +85,14 @@ class _Block(torch.nn.Module):
         return self.norm(torch.relu(self.linear(x)))
 
 
-def _stack(widths: list[int]) -> torch.nn.Module:
+def block_stack(widths: list[int]) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(*(_Block(a, b) for a, b in itertools.pairwise(widths))).eval()
 
 
 def test_stack_of_equal_blocks_loops() -> None:
     """Not a Llama: 6 x (Linear + ReLU + LayerNorm) of equal size loop too, and match eager."""
-    model = _stack([32] * 7)
+    model = block_stack([32] * 7)
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
     exe, args = _compile(model, x, matmul_precision="highest")
     (out,), _ = run_fresh(exe, args, SimulatorRunner(exe.config))
@@ -105,7 +105,7 @@ def test_stack_of_equal_blocks_loops() -> None:
 
 def test_blocks_of_different_shapes_do_not_loop() -> None:
     """Blocks whose widths all differ are no repetition: no loop, still eager's numbers."""
-    model = _stack([32, 40, 48, 24, 16, 8])
+    model = block_stack([32, 40, 48, 24, 16, 8])
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
     exe, args = _compile(model, x, matmul_precision="highest")
     (out,), _ = run_fresh(exe, args, SimulatorRunner(exe.config))
