@@ -7,8 +7,10 @@ assembly, binary (backend).
 
 Launch ABI: s1 holds the HBM byte address of the *arena*, which holds every intermediate and every output
 (at their placements' offsets) and starts with the *argument table*: I + 1 int32 words, the HBM byte
-addresses of the I graph inputs (in placeholder order) and of the arena itself. `device_sim.executable`
-writes the table at launch; the program's entry copies it to vmem, and each kernel loads the addresses it uses.
+addresses of the I graph inputs (in placeholder order) and of the arena itself, then the layer loops'
+per-repetition address tables (`Executable.address_table`, see `layer_loop`). `device_sim.executable`
+writes the tables at launch; the program's entry copies the argument table to vmem, and each kernel loads
+the addresses it uses.
 """
 
 from __future__ import annotations
@@ -46,6 +48,18 @@ from codegen.kernel_graph import (
     read_function,
     views_of,
 )
+from codegen.layer_loop import (
+    Loop,
+    emit_footer,
+    emit_header,
+    emit_init,
+    find_loops,
+    loop_layout,
+    occurrence_slots,
+    replace_views,
+    sink_fills,
+    slot_name,
+)
 from codegen.machine_code import MachineCode, compile_functions
 from codegen.mir import Function, Reg
 from codegen.mlir_pipeline import run_pipeline
@@ -65,9 +79,9 @@ class BufferPlacement:
     dtype: str
 
 
-def plan_memory(g: KernelGraph) -> tuple[dict[str, BufferPlacement], int]:
+def plan_memory(g: KernelGraph, extra_words: int = 0) -> tuple[dict[str, BufferPlacement], int]:
     """Arena offsets for temporaries by liveness (first-fit reuse); outputs live to the end. The arena
-    starts with the argument table."""
+    starts with the argument table (+ `extra_words`: the layer loops' address tables)."""
     last = len(g.kernels)
     live: dict[str, list[int]] = {}
     for i, k in enumerate(g.kernels):
@@ -77,7 +91,7 @@ def plan_memory(g: KernelGraph) -> tuple[dict[str, BufferPlacement], int]:
     for v in g.results:
         live.setdefault(v.buffer, [last, last])[1] = last
     placements: dict[str, BufferPlacement] = {}
-    table = -(-4 * (len(g.arguments) + 1) // ALIGN) * ALIGN
+    table = -(-4 * (len(g.arguments) + 1 + extra_words) // ALIGN) * ALIGN
     active: list[tuple[int, int, int]] = [(0, table, last + 1)]  # (offset, nbytes, end)
     arena = table
     for name, buf in g.buffers.items():
@@ -125,12 +139,13 @@ def _dense(v: View) -> bool:
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor], config: str = "small", *,
                   matmul_precision: str | None = None, pipeline: bool = True, verify: bool = False,
-                  progress: Callable[[int, int], None] | None = None) -> Executable:
+                  layer_loops: bool = True, progress: Callable[[int, int], None] | None = None) -> Executable:
     """Compile `gm` to one CTPU program. The executable's `stages` hold the text of every stage (FX, MLIR
     before and after each upstream pass, the kernel graph, machine IR, scheduled bundles, assembly); its
     `summary` the layout, per-kernel instruction counts and bundles and the seconds each phase took.
     matmul_precision: fp32 matmuls ("highest" | "high" | "medium"; default torch's setting). pipeline:
-    software-pipeline loops. verify: run the schedule / allocation verifiers. progress(kernels done, total)
+    software-pipeline loops. verify: run the schedule / allocation verifiers. layer_loops: compile each run
+of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). progress(kernels done, total)
     is called as the back end compiles each kernel."""
     cfg = get_config(config)
     precision = matmul_precision or torch.get_float32_matmul_precision()
@@ -146,11 +161,15 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tenso
     with mlir.context:
         graph = read_function(mlir.module)
     mutated = _mutated_inputs(graph, len(user_results))
-    graph.kernels = _drop_matmul_fills(graph.kernels)
-    stages["kernels.txt"] = describe(graph)
-    placements, arena_bytes = plan_memory(graph)
+    graph.kernels = sink_fills(_drop_matmul_fills(graph.kernels))
+    loops = find_loops(graph) if layer_loops else []
+    stages["kernels.txt"] = describe(graph) + "".join(
+        f"loop: kernels {lp.first}..{lp.first + lp.period - 1} run {lp.repeats} times over {len(lp.slots[0])} "
+        f"address slots\n" for lp in loops)
+    placements, arena_bytes = plan_memory(graph, sum(lp.repeats * len(lp.slots[0]) for lp in loops))
+    address_table = _address_table(graph, placements, loops)
     clock.lap("kernels_and_memory_plan")
-    funcs, per_kernel, scratch = _select(graph, placements, arena_bytes, cfg, precision)
+    funcs, per_kernel, scratch, table_entries = _select(graph, placements, arena_bytes, cfg, precision, loops)
     arena_bytes += scratch
     machine_ir = "".join(f"# {f.name}\n{f.dump()}" for f in funcs)
     clock.lap("instruction_selection")
@@ -158,8 +177,11 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tenso
                                         source_name="<compiled graph>", pipeline=pipeline, verify=verify,
                                         progress=progress)
     clock.lap("schedule_regalloc_assemble")
-    for info, n in zip(per_kernel, mc.function_bundles[1:-1], strict=True):  # without the entry and the exit
-        info["bundles"] = n
+    starts = [sum(mc.function_bundles[:i]) for i in range(len(funcs))]
+    for info in per_kernel:
+        f = info.pop("function")
+        if f is not None:
+            info["start"], info["bundles"] = starts[f], mc.function_bundles[f]
     if len(mc.program) > cfg.imem_bundles:
         raise ProgramTooLargeError(f"program of {len(mc.program)} bundles does not fit imem "
                                    f"({cfg.imem_bundles} bundles)")
@@ -174,7 +196,24 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tenso
                "buffers": {n: dataclasses.asdict(p) for n, p in placements.items()},
                "outputs": [dataclasses.asdict(v) for v in graph.results], "compile_seconds": clock.laps}
     summary["mutated_inputs"] = [graph.arguments[i] for i in mutated]
-    return Executable(cfg.name, mc.program, inputs, outputs, arena_bytes, stages, summary, mutated)
+    summary["loops"] = [{"kernels": [lp.first, lp.first + lp.period - 1], "runs": lp.repeats,
+                         "slots": len(lp.slots[0])} for lp in loops]
+    summary["vmem_table_rows"] = [SPILL_ROWS, SPILL_ROWS + table_rows(table_entries, cfg.lanes)]
+    return Executable(cfg.name, mc.program, inputs, outputs, arena_bytes, stages, summary, mutated, address_table)
+
+
+def _address_table(graph: KernelGraph, placements: dict[str, BufferPlacement],
+                   loops: list[Loop]) -> list[tuple[int, int]]:
+    """The loops' per-repetition address tables, one after the other, as (argument-table entry, byte
+    offset) per word: repetition i's slot j is the address of the buffer it uses there."""
+    n_in = len(graph.arguments)
+    words = []
+    for lp in loops:
+        for row in lp.slots:
+            for name in row:
+                p = placements[name]
+                words.append((graph.arguments.index(name), 0) if p.kind == "input" else (n_in, p.offset))
+    return words
 
 
 def _mutated_inputs(graph: KernelGraph, n_outputs: int) -> list[int]:
@@ -209,48 +248,94 @@ class _Clock:
 
 
 def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_bytes: int, cfg: HardwareConfig,
-            precision: str) -> tuple[list[Function], list[dict[str, Any]], int]:
+            precision: str, loops: list[Loop]) -> tuple[list[Function], list[dict[str, Any]], int, int]:
     """Instruction selection into one machine-IR function per kernel, in order: the entry copies the
-    argument table to vmem, then the kernels, then the exit halts (+ the HBM scratch bytes the kernels need
-    beyond the arena)."""
+    argument table to vmem, then the kernels, then the exit halts. A loop's body kernels are selected once,
+    between the loop's init + header and its footer; its other repetitions emit nothing. Returns the
+    functions, per-kernel information (`function`: the index of its function, None for a repetition),
+    the HBM scratch bytes the kernels need beyond the arena and the argument-table entries reserved in vmem."""
     n_in = len(graph.arguments)
     arena = n_in  # the arena's entry in the argument table
     buffers = {name: (i, 0) for i, name in enumerate(graph.arguments)}
     buffers |= {name: (arena, p.offset) for name, p in placements.items() if p.kind == "arena"}
-    table = Region("args", SPILL_ROWS, table_rows(n_in + 1, cfg.lanes))
+    layout = loop_layout(n_in + 1, loops, cfg.lanes) if loops else None
+    entries = layout.entries if layout else n_in + 1
+    table = Region("args", SPILL_ROWS, table_rows(entries, cfg.lanes))
     entry = Function(pinned=(ARENA_REG,), name="entry")
     b = Builder(entry)
-    ctx = KernelContext(b, cfg, buffers, (arena, arena_bytes), table.row, precision)
+    ctx = KernelContext(b, cfg, buffers, (arena, arena_bytes), table.row, precision, table_entries=entries)
     ctx.begin(entry.name)
     ctx.dma(True, "i32", ARENA_REG, table, 0, 1, n_in + 1, n_in + 1, Flag.LOAD)
     ctx.end()
     funcs = [entry]
-    per_kernel = []
-    for i, k in enumerate(graph.kernels):
-        func = Function(name=f"kernel {i} ({type(k).__name__})")
-        b.start_function(func, f"k{i}")
+
+    def function(name: str, hint: str, emit: Callable[[], None]) -> Function:
+        func = Function(name=name)
+        b.start_function(func, hint)
         ctx.begin(func.name)
-        if isinstance(k, GenericKernel):
-            lower_generic(ctx, k)
-        elif isinstance(k, FillKernel):
-            lower_fill(ctx, k)
-        elif isinstance(k, GatherKernel):
-            lower_gather(ctx, k)
-        elif isinstance(k, IotaKernel):
-            lower_iota(ctx, k)
-        elif isinstance(k, ScatterKernel):
-            lower_scatter(ctx, k)
-        else:
-            lower_matmul(ctx, k)
+        emit()
         ctx.end()
         funcs.append(func)
-        per_kernel.append({"index": i, "kind": _kind(k), "instructions": sum(len(blk.instrs) for blk in func.blocks),
-                           "mlir": k.text.splitlines()[0] if k.text else "", "node": k.origin[0],
-                           "module": k.origin[1]})
+        return func
+
+    per_kernel: list[dict[str, Any]] = []
+    starts = {lp.first: lp for lp in loops}
+    table_word = n_in + 1  # the next loop's address table, in words from the arena's start
+    loop: Loop | None = None
+    for i, k in enumerate(graph.kernels):
+        info = {"index": i, "kind": _kind(k), "mlir": k.text.splitlines()[0] if k.text else "", "node": k.origin[0],
+                "module": k.origin[1]}
+        per_kernel.append(info)
+        if i in starts:
+            loop = starts[i]
+            assert layout is not None
+            slots, first_slot = occurrence_slots(loop, graph), 0
+            ctx.buffers = {slot_name(j): (layout.window + j, 0) for j in range(len(loop.slots[0]))}
+            function(f"loop at kernel {i}: init", "loop_init", lambda: emit_init(ctx, layout, table))
+            header = function(f"loop at kernel {i}: header", "loop", lambda lp=loop, at=4 * table_word: emit_header(
+                ctx, layout, table, arena, at, len(lp.slots[0])))
+            table_word += loop.repeats * len(loop.slots[0])
+        if loop is not None and i >= loop.first + loop.period * loop.repeats:
+            loop, ctx.buffers = None, buffers
+        if loop is not None and i >= loop.first + loop.period:
+            info |= {"function": None, "bundles": 0, "same_code_as": loop.first + (i - loop.first) % loop.period}
+            continue
+        if loop is not None:
+            n = len(views_of(k))
+            k = _rename_views(k, slots[first_slot:first_slot + n])
+            first_slot += n
+            info["runs"] = loop.repeats
+        func = function(f"kernel {i} ({type(k).__name__})", f"k{i}", lambda k=k: _lower(ctx, k))
+        info["function"] = len(funcs) - 1
+        info["instructions"] = sum(len(blk.instrs) for blk in func.blocks)
+        if loop is not None and i == loop.first + loop.period - 1:
+            function(f"loop at kernel {loop.first}: footer", "loop_next",
+                     lambda lp=loop, h=header.blocks[0].label: emit_footer(ctx, layout, table, lp, h))
     funcs.append(Function(name="exit"))
     b.start_function(funcs[-1], "exit")
     b.emit("halt")
-    return funcs, per_kernel, ctx.scratch_peak
+    return funcs, per_kernel, ctx.scratch_peak, entries
+
+
+def _rename_views(k: Kernel, slots: list[int]) -> Kernel:
+    """`k` with its views' buffers renamed to the given slots (`views_of` order)."""
+    names = iter(slot_name(j) for j in slots)
+    return replace_views(k, lambda v: dataclasses.replace(v, buffer=next(names)))
+
+
+def _lower(ctx: KernelContext, k: Kernel) -> None:
+    if isinstance(k, GenericKernel):
+        lower_generic(ctx, k)
+    elif isinstance(k, FillKernel):
+        lower_fill(ctx, k)
+    elif isinstance(k, GatherKernel):
+        lower_gather(ctx, k)
+    elif isinstance(k, IotaKernel):
+        lower_iota(ctx, k)
+    elif isinstance(k, ScatterKernel):
+        lower_scatter(ctx, k)
+    else:
+        lower_matmul(ctx, k)
 
 
 def _kind(k: Kernel) -> str:

@@ -72,6 +72,7 @@ class KernelContext:
     scratch: tuple[int, int]  # HBM scratch area for materialized operands (table entry, byte offset)
     args_row: int  # first vmem row of the argument table
     matmul_precision: str = "highest"
+    table_entries: int = 0  # vmem argument-table entries to reserve beyond those `buffers` names (layer loops)
     hbm_base: dict[str, tuple[Reg, int]] = field(default_factory=dict)  # this kernel's scratch views
     _base_row: int = SPILL_ROWS
     _next_row: int = SPILL_ROWS
@@ -82,7 +83,7 @@ class KernelContext:
     scratch_peak: int = 0
 
     def __post_init__(self) -> None:
-        entries = 1 + max([j for j, _ in self.buffers.values()] + [self.scratch[0]])
+        entries = max(self.table_entries, 1 + max([j for j, _ in self.buffers.values()] + [self.scratch[0]]))
         self._base_row = self.args_row + table_rows(entries, self.config.lanes)
 
     @property

@@ -19,6 +19,7 @@ Integer and bool constants are kept as the fp32 value with the same 32-bit patte
 
 from __future__ import annotations
 
+import io
 import math
 import re
 from dataclasses import dataclass, field
@@ -195,17 +196,18 @@ def read_function(module: ir.Module) -> KernelGraph:
     g = KernelGraph()
     func = module.body.operations[0]
     block = func.regions[0].blocks[0]
+    state = ir.AsmState(func)  # one naming of the function's values: get_name() alone renumbers the module
     views: dict[str, View] = {}
     constants: dict[str, float] = {}
     for i, arg in enumerate(block.arguments):
         shape, dtype, strides, offset = _memref(arg.type)
-        name = arg.get_name()
+        name = arg.get_name(state)
         g.buffers[name] = Buffer(name, shape, dtype, "input", i)
         g.arguments.append(name)
         views[name] = View(name, offset, shape, strides, dtype)
     for op in block.operations:
         first = len(g.kernels)
-        _read_op(op, g, views, constants)
+        _read_op(op, g, views, constants, state)
         origin = location_origin(op.location)
         for k in g.kernels[first:]:
             k.origin = origin
@@ -222,45 +224,46 @@ def location_origin(loc: ir.Location) -> tuple[str, str]:
 _NAME_LOC = re.compile(r'loc\("([^"]*)"(?:\("([^"]*)"\))?\)')
 
 
-def _read_op(op: ir.Operation, g: KernelGraph, views: dict[str, View], constants: dict[str, float]) -> None:
+def _read_op(op: ir.Operation, g: KernelGraph, views: dict[str, View], constants: dict[str, float],
+             state: ir.AsmState) -> None:
     """One op of the function body: its views, constants and kernels into `g`."""
     name = op.name
     if name == "arith.constant":
         if isinstance(op.results[0].type, ir.ShapedType):
             raise LoweringError(f"tensor constant:\n{op}")
-        constants[op.results[0].get_name()] = constant_value(op.attributes["value"])
+        constants[op.results[0].get_name(state)] = constant_value(op.attributes["value"])
     elif name == "memref.alloc":
         r = op.results[0]
         shape, dtype, strides, offset = _memref(r.type)
-        g.buffers[r.get_name()] = Buffer(r.get_name(), shape, dtype, "temp")
-        views[r.get_name()] = View(r.get_name(), offset, shape, strides, dtype)
+        g.buffers[r.get_name(state)] = Buffer(r.get_name(state), shape, dtype, "temp")
+        views[r.get_name(state)] = View(r.get_name(state), offset, shape, strides, dtype)
     elif name in ("memref.expand_shape", "memref.collapse_shape", "memref.subview", "memref.cast",
                   "memref.reinterpret_cast"):
-        src = views[op.operands[0].get_name()]
+        src = views[op.operands[0].get_name(state)]
         r = op.results[0]
         shape, dtype, strides, offset = _memref(r.type)
-        views[r.get_name()] = View(src.buffer, offset, shape, strides, dtype)
+        views[r.get_name(state)] = View(src.buffer, offset, shape, strides, dtype)
     elif name == "linalg.fill":
-        value = constants[op.operands[0].get_name()]
-        g.kernels.append(FillKernel(views[op.operands[1].get_name()], value, str(op)))
+        value = constants[op.operands[0].get_name(state)]
+        g.kernels.append(FillKernel(views[op.operands[1].get_name(state)], value, _text(op, state)))
     elif name in ("linalg.matmul", "linalg.batch_matmul"):
-        a, b, c = (views[o.get_name()] for o in op.operands)
-        g.kernels.append(MatmulKernel(a, b, c, str(op)))
+        a, b, c = (views[o.get_name(state)] for o in op.operands)
+        g.kernels.append(MatmulKernel(a, b, c, _text(op, state)))
     elif name == "linalg.generic":
-        g.kernels.extend(_generic(op, views, constants, g))
+        g.kernels.extend(_generic(op, views, constants, g, state))
     elif name == "memref.copy":
-        src, dst = (views[o.get_name()] for o in op.operands)
+        src, dst = (views[o.get_name(state)] for o in op.operands)
         value = _fill_value(g, src.buffer)
         if value is not None and _whole(g, src):
-            g.kernels.append(FillKernel(dst, value, str(op)))  # CSE shared one fill (matmul / reduction inits)
+            g.kernels.append(FillKernel(dst, value, _text(op, state)))  # CSE shared one fill (matmul / reduction inits)
         else:
             body = ScalarProgram(["%in", "%out"], [], ["%in"], {})
             g.kernels.append(GenericKernel(dst.shape, False, [Access(src, src.strides)], Access(dst, dst.strides),
-                                           body, str(op)))
+                                           body, _text(op, state)))
     elif name == "iree_linalg_ext.scatter":
-        g.kernels.append(_scatter(op, views))
+        g.kernels.append(_scatter(op, views, state))
     elif name == "func.return":
-        g.results = [views[o.get_name()] for o in op.operands]
+        g.results = [views[o.get_name(state)] for o in op.operands]
     elif name != "memref.dealloc":
         raise LoweringError(f"MLIR op {name} has no CTPU lowering:\n{op}")
 
@@ -294,6 +297,13 @@ def _fold_transposed_weights(g: KernelGraph) -> None:
         del g.buffers[tmp.buffer]
 
 
+def _text(op: ir.Operation, state: ir.AsmState) -> str:
+    """The op as MLIR text, named by the function's `state` (str(op) names the whole module again: quadratic)."""
+    out = io.StringIO()
+    op.print(state, file=out)
+    return out.getvalue()
+
+
 def views_of(k: Kernel) -> list[View]:
     """Every view a kernel reads or writes."""
     if isinstance(k, GenericKernel):
@@ -307,18 +317,18 @@ def views_of(k: Kernel) -> list[View]:
     return [k.a, k.b, k.c]
 
 
-def _scatter(op: ir.Operation, views: dict[str, View]) -> ScatterKernel:
+def _scatter(op: ir.Operation, views: dict[str, View], state: ir.AsmState) -> ScatterKernel:
     """An in-place row scatter (the emitter's `scatter_rows`); anything else it could mean is refused."""
-    updates, indices, dest = (views[o.get_name()] for o in op.operands)
+    updates, indices, dest = (views[o.get_name(state)] for o in op.operands)
     depth = indices.shape[-1] if len(indices.shape) == 2 else 0
     dims = list(ir.DenseI64ArrayAttr(op.attributes["dimension_map"]))
     body = op.regions[0].blocks[0]
-    yielded = [o.get_name() for o in list(body.operations)[-1].operands]
-    if (dims != list(range(depth)) or indices.dtype != "i32" or yielded != [body.arguments[0].get_name()]
+    yielded = [o.get_name(state) for o in list(body.operations)[-1].operands]
+    if (dims != list(range(depth)) or indices.dtype != "i32" or yielded != [body.arguments[0].get_name(state)]
             or updates.shape != (indices.shape[0], *dest.shape[depth:])
             or not _dense_rows(dest, depth) or not _dense_rows(updates, 1)):
         raise LoweringError(f"scatter that is not an in-place copy of dense rows at leading indices:\n{op}")
-    return ScatterKernel(dest, indices, updates, str(op).splitlines()[0])
+    return ScatterKernel(dest, indices, updates, _text(op, state).splitlines()[0])
 
 
 def _dense_rows(v: View, lead: int) -> bool:
@@ -344,8 +354,8 @@ def constant_value(attr: ir.Attribute) -> float:
     return value
 
 
-def _generic(op: ir.Operation, views: dict[str, View], constants: dict[str, float],
-             g: KernelGraph) -> list[Kernel]:
+def _generic(op: ir.Operation, views: dict[str, View], constants: dict[str, float], g: KernelGraph,
+             state: ir.AsmState) -> list[Kernel]:
     maps = [ir.AffineMapAttr(m).value for m in op.attributes["indexing_maps"]]
     iters = [str(i) for i in op.attributes["iterator_types"]]
     rank = len(iters)
@@ -353,7 +363,7 @@ def _generic(op: ir.Operation, views: dict[str, View], constants: dict[str, floa
     operands = []
     sizes = [0] * rank
     for value, amap in zip(op.operands, maps, strict=True):
-        view = views[value.get_name()]
+        view = views[value.get_name(state)]
         st = [0] * rank
         for res, stride, size in zip(amap.results, view.strides, view.shape, strict=True):
             if isinstance(res, ir.AffineDimExpr):
@@ -365,37 +375,37 @@ def _generic(op: ir.Operation, views: dict[str, View], constants: dict[str, floa
     if len(op.results) or len(operands) - len(op.regions[0].blocks[0].arguments):
         raise LoweringError("generic with tensor results or a mismatched body")
     body_block = op.regions[0].blocks[0]
-    args = [a.get_name() for a in body_block.arguments]
+    args = [a.get_name(state) for a in body_block.arguments]
     ops: list[tuple[str, str, list[str]]] = []
     yields: list[str] = []
     consts: dict[str, float] = {}
     index_dims: dict[str, int] = {}  # linalg.index results -> iteration dim
     loads: dict[str, tuple[View, list[str]]] = {}  # memref.load results -> (table, index names)
     for inner in body_block.operations:
-        names = [o.get_name() for o in inner.operands]
+        names = [o.get_name(state) for o in inner.operands]
         for n in names:
             if n in constants:
                 consts[n] = constants[n]
         if inner.name == "linalg.yield":
             yields = names
         elif inner.name == "arith.constant":
-            consts[inner.results[0].get_name()] = constant_value(inner.attributes["value"])
+            consts[inner.results[0].get_name(state)] = constant_value(inner.attributes["value"])
         elif inner.name == "linalg.index":
-            index_dims[inner.results[0].get_name()] = ir.IntegerAttr(inner.attributes["dim"]).value
+            index_dims[inner.results[0].get_name(state)] = ir.IntegerAttr(inner.attributes["dim"]).value
         elif inner.name == "memref.load":
-            loads[inner.results[0].get_name()] = (views[names[0]], names[1:])
+            loads[inner.results[0].get_name(state)] = (views[names[0]], names[1:])
         else:
-            ops.append((inner.results[0].get_name(), _op_name(inner), names))
+            ops.append((inner.results[0].get_name(state), _op_name(inner), names))
     n_out = len(yields)
     if n_out != 1:
         raise LoweringError(f"generic with {n_out} outputs")
-    contraction = _contraction(sizes, iters, operands, args, ops, yields, consts, g, str(op))
+    contraction = _contraction(sizes, iters, operands, args, ops, yields, consts, g, _text(op, state))
     if contraction is not None:
         return contraction
     prelude: list[Kernel] = []
     inputs, out_arg = list(zip(args[:-1], operands[:-1], strict=True)), args[-1]
     for res, (table, idx) in loads.items():
-        prelude += _split_gather(res, table, idx, ops, consts, index_dims, inputs, sizes, g, str(op))
+        prelude += _split_gather(res, table, idx, ops, consts, index_dims, inputs, sizes, g, _text(op, state))
     live = _live(ops, [*yields])
     ops = [o for o in ops if o[0] in live]
     inputs = [(a, o) for a, o in inputs if a in live]
@@ -409,7 +419,7 @@ def _generic(op: ir.Operation, views: dict[str, View], constants: dict[str, floa
     accesses, output = [o for _, o in inputs], operands[-1]
     if any(reduction[:-1]):
         sizes, accesses, output = _reductions_innermost(sizes, reduction, accesses, output, g, prelude)
-    return [*prelude, GenericKernel(tuple(sizes), any(reduction), accesses, output, body, str(op))]
+    return [*prelude, GenericKernel(tuple(sizes), any(reduction), accesses, output, body, _text(op, state))]
 
 
 def _reductions_innermost(sizes: list[int], reduction: list[bool], inputs: list[Access], output: Access,

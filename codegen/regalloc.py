@@ -61,7 +61,8 @@ def _block_liveness(func: Function, bundles: dict[str, list[list[MInstr]]]
     while changed:
         changed = False
         for label in reversed(labels):
-            out = set().union(*(live_in[s] for s in succ[label])) if succ[label] else set()
+            # a branch to another function of the program (a layer loop's back edge) carries no value
+            out = set().union(*(live_in.get(s, set()) for s in succ[label])) if succ[label] else set()
             inn = gen[label] | (out - kill[label])
             if out != live_out[label] or inn != live_in[label]:
                 live_out[label], live_in[label], changed = out, inn, True

@@ -5,8 +5,9 @@
 
 Launch ABI: one launch register, s1 = the HBM byte address of the *arena*, which holds every intermediate
 and every output (at their buffers' offsets) and starts with the *argument table*: I + 1 uint32 words, the
-HBM addresses of the I inputs (in order) and of the arena itself. The program's entry copies the table to
-vmem; each kernel loads the addresses it uses.
+HBM addresses of the I inputs (in order) and of the arena itself, then the words of `address_table` (the
+layer loops' per-repetition buffer addresses). The program's entry copies the I + 1 words to vmem; each
+kernel loads the addresses it uses.
 
 Everything here is numpy: packing inputs into the bits the program expects, the argument table, reading
 outputs back through their views. The runtime, the CLI and the tests all launch through `launch`.
@@ -69,6 +70,9 @@ class Executable:
     stages: dict[str, str] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
     mutated_inputs: list[int] = field(default_factory=list)  # inputs the program writes in place (by index)
+    # words after the argument table, each the address (argument-table entry's address + byte offset) of a
+    # buffer: the per-repetition address tables of the program's layer loops
+    address_table: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def hardware(self) -> HardwareConfig:
@@ -101,10 +105,11 @@ def pack_input(spec: ArgSpec, x: Any) -> np.ndarray:
 
 
 def argument_table(exe: Executable, input_addrs: Sequence[int], arena_addr: int) -> np.ndarray:
-    """The argument table's bytes (written at the start of the arena)."""
+    """The argument table's bytes (written at the start of the arena), followed by the address table."""
     if len(input_addrs) != len(exe.inputs):
         raise ValueError(f"the program has {len(exe.inputs)} inputs, {len(input_addrs)} addresses were given")
-    return np.array([*input_addrs, arena_addr], dtype=np.uint32).view(np.uint8)
+    entries = [*input_addrs, arena_addr]
+    return np.array([*entries, *(entries[e] + off for e, off in exe.address_table)], dtype=np.uint32).view(np.uint8)
 
 
 def read_output(hbm: np.ndarray, view: OutputView, input_addrs: Sequence[int], arena_addr: int) -> np.ndarray:

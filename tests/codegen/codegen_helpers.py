@@ -11,7 +11,6 @@ from torch._decomp import core_aten_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from codegen import compile_graph
-from codegen.isel_common import SPILL_ROWS, table_rows
 from device_sim.executable import Executable, read_output, run_fresh, stage
 from device_sim.runners import SimulatorRunner
 from device_sim.simulator import Simulator
@@ -57,30 +56,29 @@ POISON_BITS = 0x7FC00001  # a quiet NaN: what a vmem row no one wrote may hold o
 
 
 def run_with_poisoned_vmem(exe: Executable, inputs: list[np.ndarray]) -> list[np.ndarray]:
-    """Run `exe` on a fresh simulator that overwrites all of vmem but the argument table with NaN as each
-    kernel starts. A kernel owns vmem (isel_common: nothing lives from one kernel into the next), so a
-    correct program gives the same bits as on a zeroed vmem; a kernel that reads a row it never wrote
-    (in the plain run: zeros, or whatever the kernels before it left there) now computes with NaN."""
+    """Run `exe` on a fresh simulator that overwrites all of vmem but the argument table (with a layer
+    loop's address window and cursor) with NaN each time a kernel starts. A kernel owns vmem (isel_common:
+    nothing lives from one kernel into the next), so a correct program gives the same bits as on a zeroed
+    vmem; a kernel that reads a row it never wrote (in the plain run: zeros, or whatever the kernels before
+    it left there) now computes with NaN."""
     hbm, addrs, arena, regs = stage(exe, inputs)
     sim = Simulator(exe.hardware)
     sim.m.hbm = hbm
     sim.load(exe.program)
-    # the program is the entry, the kernels in order, then the exit's one `halt` bundle
-    assert sim.decoded[-1].halts
-    sizes = [k["bundles"] for k in exe.summary["kernels"]]
-    starts = [len(exe.program) - 1 - sum(sizes[i:]) for i in range(len(sizes))]
-    args = (SPILL_ROWS, SPILL_ROWS + table_rows(len(exe.inputs) + 1, exe.hardware.lanes))
-    poisoned: set[int] = set()
+    compiled = [k for k in exe.summary["kernels"] if "start" in k]
+    starts = [k["start"] for k in compiled]
+    runs = {k["start"]: k.get("runs", 1) for k in compiled}
+    args = exe.summary["vmem_table_rows"]
+    poisoned: dict[int, int] = {}
 
     def poison(m, op, t, pc: int) -> None:
-        if pc not in poisoned:  # once per kernel (no loop starts at a kernel's first bundle, but be sure)
-            poisoned.add(pc)
-            table = m.vmem[args[0]:args[1]].copy()
-            m.vmem[:] = POISON_BITS
-            m.vmem[args[0]:args[1]] = table
+        poisoned[pc] = poisoned.get(pc, 0) + 1
+        table = m.vmem[args[0]:args[1]].copy()
+        m.vmem[:] = POISON_BITS
+        m.vmem[args[0]:args[1]] = table
 
     for pc in starts:
         sim.decoded[pc].ops.insert(0, (functools.partial(poison, pc=pc), None))
     sim.run(regs)
-    assert len(poisoned) == len(starts)
+    assert poisoned == runs  # each kernel poisoned once per run (no loop inside a kernel starts at its start)
     return [read_output(hbm, v, addrs, arena) for v in exe.outputs]

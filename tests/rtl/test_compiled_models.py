@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_layer_loop import block_stack
 from test_models import MiniAttention, capture, tiny_llama
 
 import fx_passes
@@ -32,12 +33,14 @@ def test_compiled_models_match_the_simulator_and_eager() -> None:
         "tiny llama fp32": (logits(tiny_llama(torch.float32)), ids, 1e-4),
         "tiny llama bf16": (logits(tiny_llama(torch.bfloat16)), ids, 3e-2),
         "mini attention": (MiniAttention().eval(), torch.randn(16, 64), 1e-4),
+        "layer loop": (block_stack([32] * 7), torch.randn(16, 32), 1e-4),  # 6 equal blocks: one loop body
     }
     jobs, runs = [], []
     for fn, x, tol in cases.values():
         gm, args = capture(fn, x)
         gm, _ = fx_passes.run_passes(gm, args)
         cg = compile_graph(fx_passes.inline_fused_kernels(gm), args, matmul_precision="highest")
+        assert bool(cg.summary["loops"]) == (fn is cases["layer loop"][0])
         arrays = [(a.float() if a.is_floating_point() else a).detach().numpy() for a in args]
         hbm, _, _, regs = stage(cg, arrays)
         jobs.append(RtlJob(cg.program, hbm, args=regs))

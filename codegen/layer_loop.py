@@ -1,0 +1,230 @@
+"""Repeated kernel sequences (identical decoder layers, any stack of equal blocks) found in a kernel graph.
+
+`find_loops(graph)` returns runs `kernels[first + i * period + j]` (0 <= i < repeats, 0 <= j < period,
+repeats >= 2) whose kernels are equal but for the buffers they name: same kinds, shapes, strides, view
+offsets, dtypes, body ops and constants (MLIR text and SSA names ignored), and the same aliasing among
+one kernel's own views. The compiler emits such a run ONCE, as a body that runs `repeats` times over a
+per-repetition address table. That is exact because a kernel's code depends on its buffers only through
+their HBM addresses (`KernelContext.buffers`), which the body reads from the table: `Loop.slots[i][j]` is
+the buffer repetition i uses as the body's slot j. A slot is a class of view occurrences in the body that
+name one buffer in every repetition, so a buffer all repetitions share (a RoPE table, a mask) is one slot
+with the same name in every row, and a repetition where bufferization reused one buffer for two roles
+simply has that buffer in two slots.
+
+The search takes the run that saves most kernels, then searches what is left before and after it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from codegen.isel_common import Flag, KernelContext, Region
+from codegen.kernel_graph import (
+    Access,
+    FillKernel,
+    GatherKernel,
+    GenericKernel,
+    IotaKernel,
+    Kernel,
+    KernelGraph,
+    MatmulKernel,
+    ScalarProgram,
+    ScatterKernel,
+    View,
+    views_of,
+)
+from codegen.mir import ZERO, Mem, Reg
+
+MIN_SAVED = 4  # kernels a loop must save to pay for its header and footer (a DMA + wait per repetition)
+
+
+@dataclass(frozen=True)
+class Loop:
+    first: int  # index of the body's first kernel
+    period: int  # kernels in the body
+    repeats: int
+    slots: tuple[tuple[str, ...], ...]  # [repetition][slot] -> buffer name
+
+
+def signature(k: Kernel, graph: KernelGraph) -> tuple[Any, ...]:
+    """`k` as a hashable structure, buffer names replaced by their order of first appearance in `k`."""
+    return _canon(k, graph, {})
+
+
+def _canon(x: Any, graph: KernelGraph, names: dict[str, int]) -> Any:
+    if isinstance(x, View):
+        slot = names.setdefault(x.buffer, len(names))
+        return ("view", slot, graph.buffers[x.buffer].dtype, x.offset, x.shape, x.strides, x.dtype)
+    if isinstance(x, ScalarProgram):
+        return _canon_body(x)
+    if dataclasses.is_dataclass(x):
+        return (type(x).__name__, *(_canon(getattr(x, f.name), graph, names)
+                                    for f in dataclasses.fields(x) if f.name != "text"))
+    if isinstance(x, list | tuple):
+        return tuple(_canon(e, graph, names) for e in x)
+    if isinstance(x, float):
+        return x.hex()  # NaN equals NaN, -0.0 differs from 0.0
+    return x
+
+
+def _canon_body(p: ScalarProgram) -> tuple[Any, ...]:
+    """A generic's body with SSA names replaced by their order of definition, constants by their value."""
+    local: dict[str, int] = {}
+
+    def ref(n: str) -> Any:
+        if n in p.constants:
+            return ("const", float(p.constants[n]).hex())
+        return local.setdefault(n, len(local))
+
+    args = tuple(ref(a) for a in p.args)
+    ops = tuple((ref(r), name, tuple(ref(o) for o in operands)) for r, name, operands in p.ops)
+    return ("body", args, ops, tuple(ref(y) for y in p.yields))
+
+
+def find_loops(graph: KernelGraph, min_saved: int = MIN_SAVED) -> list[Loop]:
+    """Non-overlapping runs of repeated kernel sequences, in kernel order (see the module docstring)."""
+    local = [signature(k, graph) for k in graph.kernels]
+    ids: dict[Any, int] = {}
+    sig = [ids.setdefault(s, len(ids)) for s in local]
+    return sorted(_search(graph, sig, 0, len(sig), min_saved), key=lambda lp: lp.first)
+
+
+def _search(graph: KernelGraph, sig: list[int], lo: int, hi: int, min_saved: int) -> list[Loop]:
+    best = _best_run(graph, sig, lo, hi, min_saved)
+    if best is None:
+        return []
+    end = best.first + best.period * best.repeats
+    return [*_search(graph, sig, lo, best.first, min_saved), best, *_search(graph, sig, end, hi, min_saved)]
+
+
+def _best_run(graph: KernelGraph, sig: list[int], lo: int, hi: int, min_saved: int) -> Loop | None:
+    """The run in kernels [lo, hi) saving most kernels (the shortest period, then the earliest on ties)."""
+    best: tuple[int, int, int, int] | None = None  # (-saved, period, first, repeats)
+    for period in range(1, (hi - lo) // 2 + 1):
+        # `run` counts the x >= here with sig[x] == sig[x + period]: a run of L such x starting at x gives
+        # 1 + L // period repetitions of the period starting at x
+        run = 0
+        for x in range(hi - period - 1, lo - 1, -1):
+            run = run + 1 if sig[x] == sig[x + period] else 0
+            repeats = 1 + run // period
+            candidate = (-(repeats - 1) * period, period, x, repeats)
+            if repeats >= 2 and (repeats - 1) * period >= min_saved and (best is None or candidate < best):
+                best = candidate
+    if best is None:
+        return None
+    return _slots(graph, best[2], best[1], best[3])
+
+
+def _slots(graph: KernelGraph, first: int, period: int, repeats: int) -> Loop:
+    """The run's address slots: view occurrences of the body grouped by the buffer they name in every
+    repetition (occurrences that share a buffer in all repetitions share a slot)."""
+    reps = []
+    for i in range(repeats):
+        names: list[str] = []
+        for k in graph.kernels[first + i * period: first + (i + 1) * period]:
+            names += [v.buffer for v in views_of(k)]
+        reps.append(names)
+    classes = list(dict.fromkeys(zip(*reps, strict=True)))
+    return Loop(first, period, repeats, tuple(zip(*classes, strict=True)))
+
+
+def sink_fills(kernels: list[Kernel]) -> list[Kernel]:
+    """Each fill moved to just before the next kernel that touches its buffer. Bufferization may place the
+    fill of one layer's accumulator among an earlier layer's kernels (a shared constant init), which makes
+    identical layers look different; a fill that nothing reads or writes in between may run later."""
+    out: list[Kernel] = []
+    pending: list[FillKernel] = []
+    for k in kernels:
+        used = {v.buffer for v in views_of(k)}
+        keep = []
+        for f in pending:
+            (out if f.output.buffer in used else keep).append(f)
+        pending = keep
+        if isinstance(k, FillKernel):  # after the pending fills of its buffer (flushed just above)
+            pending.append(k)
+        else:
+            out.append(k)
+    return out + pending
+
+
+# ---- the loop's code ------------------------------------------------------------------------------------
+# vmem: the argument table (entries 0..), then the *layer window* (the current repetition's slot addresses,
+# from entry `window`), then one row group holding the *cursor* (byte offset of the current repetition's row
+# in its HBM address table). No register lives from one function into the next, so the cursor lives in vmem.
+@dataclass(frozen=True)
+class LoopLayout:
+    window: int  # argument-table entry of slot 0
+    cursor: int  # argument-table entry of the cursor (first entry of its own row group)
+    lanes: int
+
+    @property
+    def entries(self) -> int:
+        """Table entries to reserve in vmem (through the cursor's row group)."""
+        return self.cursor + 8 * self.lanes
+
+
+def loop_layout(table_entries: int, loops: list[Loop], lanes: int) -> LoopLayout:
+    group = 8 * lanes
+    window = -(-table_entries // group) * group
+    slots = max(len(lp.slots[0]) for lp in loops)
+    return LoopLayout(window, window + -(-slots // group) * group, lanes)
+
+
+def replace_views(k: Kernel, new: Callable[[View], View]) -> Kernel:
+    """`k` with every view `v` replaced by `new(v)`, in `views_of` order."""
+    def a(acc: Access) -> Access:
+        return Access(new(acc.view), acc.iter_strides)
+
+    if isinstance(k, GenericKernel):
+        return dataclasses.replace(k, inputs=[a(o) for o in k.inputs], output=a(k.output))
+    if isinstance(k, FillKernel | IotaKernel):
+        return dataclasses.replace(k, output=new(k.output))
+    if isinstance(k, GatherKernel):
+        return dataclasses.replace(k, table=new(k.table), ids=a(k.ids), output=new(k.output))
+    if isinstance(k, ScatterKernel):
+        return dataclasses.replace(k, dest=new(k.dest), indices=new(k.indices), updates=new(k.updates))
+    assert isinstance(k, MatmulKernel)
+    return dataclasses.replace(k, a=new(k.a), b=new(k.b), c=new(k.c))
+
+
+def slot_name(j: int) -> str:
+    return f"@slot{j}"
+
+
+def occurrence_slots(loop: Loop, graph: KernelGraph) -> list[int]:
+    """The slot of every view occurrence of the body, in order (what `slot_kernel` numbers them by)."""
+    reps = [[v.buffer for k in graph.kernels[loop.first + i * loop.period: loop.first + (i + 1) * loop.period]
+             for v in views_of(k)] for i in range(loop.repeats)]
+    index = {cls: j for j, cls in enumerate(zip(*loop.slots, strict=True))}
+    return [index[occ] for occ in zip(*reps, strict=True)]
+
+
+def emit_init(ctx: KernelContext, layout: LoopLayout, args: Region) -> None:
+    """cursor := 0."""
+    b = ctx.b
+    row = layout.cursor // layout.lanes
+    b.vst(b.vop("vbcast", ZERO), ZERO, args.row + row, Mem(args.name, row, row + 8, write=True))
+
+
+def emit_header(ctx: KernelContext, layout: LoopLayout, args: Region, arena_entry: int, table_offset: int,
+                slots: int) -> None:
+    """The window := row `cursor` of the loop's HBM address table (at arena + `table_offset`)."""
+    b = ctx.b
+    at = b.emit("add", b.sreg(), (ctx.argument(arena_entry), ctx.argument(layout.cursor)))
+    assert isinstance(at, Reg)
+    ctx.dma(True, "i32", b.offset_reg(at, table_offset), args, layout.window // layout.lanes, 1, slots, slots,
+            Flag.LOAD)
+
+
+def emit_footer(ctx: KernelContext, layout: LoopLayout, args: Region, loop: Loop, header: str) -> None:
+    """cursor += one row; back to the header while rows are left."""
+    b = ctx.b
+    row_bytes = 4 * len(loop.slots[0])
+    nxt = b.addi(ctx.argument(layout.cursor), row_bytes)
+    row = layout.cursor // layout.lanes
+    b.vst(b.vop("vbcast", nxt), ZERO, args.row + row, Mem(args.name, row, row + 8, write=True))
+    left = b.emit("sub", b.sreg(), (b.const(loop.repeats * row_bytes), nxt))
+    b.emit("bnz", None, (left,), target=header)

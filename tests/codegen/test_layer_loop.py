@@ -1,0 +1,237 @@
+"""Layer loops (codegen/layer_loop.py): a run of kernel sequences equal but for their buffers compiles to
+ONE body that runs once per repetition over a per-repetition address table, so program size does not grow
+with depth. Parity with eager is the point; the kernel-graph tests pin the search and its slots."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from codegen_helpers import capture, run_with_poisoned_vmem
+
+import fx_passes
+from codegen import compile_graph
+from codegen.kernel_graph import Access, Buffer, FillKernel, GenericKernel, KernelGraph, ScalarProgram, View
+from codegen.layer_loop import find_loops, sink_fills
+from device_sim.executable import Executable, run_fresh
+from device_sim.runners import SimulatorRunner
+
+
+def _compile(fn, *inputs: torch.Tensor, config: str = "small", **options) -> tuple[Executable, list[np.ndarray]]:
+    gm, args = capture(fn, *inputs)
+    gm, _ = fx_passes.run_passes(gm, args)
+    exe = compile_graph(fx_passes.inline_fused_kernels(gm), args, config, **options)
+    return exe, [(a.float() if a.is_floating_point() else a).detach().numpy() for a in args]
+
+
+def _llama(layers: int, dtype: torch.dtype = torch.float32, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+           vocab: int = 128) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                      max_position_embeddings=64, use_cache=False)
+    return LlamaForCausalLM(cfg).eval().to(dtype)
+
+
+def _llama_logits(layers: int, **kw) -> tuple[Executable, np.ndarray, np.ndarray, list[np.ndarray]]:
+    model = _llama(layers)
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+    exe, args = _compile(lambda ids: model(ids).logits, ids, matmul_precision="highest", **kw)
+    outs, _ = run_fresh(exe, args, SimulatorRunner(exe.config))
+    with torch.no_grad():
+        ref = model(ids).logits.numpy()
+    return exe, outs[0], ref, args
+
+
+def test_llama_program_size_does_not_grow_with_depth() -> None:
+    """8 identical layers compile to the size of 2 (the 2-layer graph has too few repetitions for a loop:
+    layer 0 holds the shared mask and rope tables), logits equal eager's."""
+    two, out2, ref2, _ = _llama_logits(2)
+    eight, out8, ref8, _ = _llama_logits(8)
+    np.testing.assert_allclose(out2, ref2, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out8, ref8, rtol=1e-4, atol=1e-4)
+    (loop,) = eight.summary["loops"]
+    assert loop["runs"] == 7  # from layer 0's attention to layer 7's: all but one layer's worth of kernels
+    assert abs(len(eight.program) - len(two.program)) <= 0.05 * len(two.program)
+    kernels = eight.summary["kernels"]
+    first, last = loop["kernels"]
+    body = last - first + 1
+    assert all(k["runs"] == 7 and k["bundles"] > 0 for k in kernels[first:last + 1])
+    assert all(k["bundles"] == 0 and k["same_code_as"] == first + (k["index"] - first) % body
+               for k in kernels[last + 1:first + 7 * body])
+
+
+def test_llama_loop_is_the_unrolled_program() -> None:
+    """The same 4-layer graph with and without the loop: the same bits (the loop runs the same kernels over
+    the same addresses), also on vmem poisoned at every kernel start (the window and cursor survive)."""
+    looped, out, _, args = _llama_logits(4)
+    unrolled, out_unrolled, _, _ = _llama_logits(4, layer_loops=False)
+    assert looped.summary["loops"] and not unrolled.summary["loops"]
+    np.testing.assert_array_equal(out, out_unrolled)
+    (poisoned,) = run_with_poisoned_vmem(looped, args)
+    np.testing.assert_array_equal(poisoned, out)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.linear, self.norm = torch.nn.Linear(n_in, n_out), torch.nn.LayerNorm(n_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(torch.relu(self.linear(x)))
+
+
+def block_stack(widths: list[int]) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(_Block(a, b) for a, b in itertools.pairwise(widths))).eval()
+
+
+def test_stack_of_equal_blocks_loops() -> None:
+    """Not a Llama: 6 x (Linear + ReLU + LayerNorm) of equal size loop too, and match eager."""
+    model = block_stack([32] * 7)
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
+    exe, args = _compile(model, x, matmul_precision="highest")
+    (out,), _ = run_fresh(exe, args, SimulatorRunner(exe.config))
+    with torch.no_grad():
+        np.testing.assert_allclose(out, model(x).numpy(), rtol=1e-4, atol=1e-4)
+    (loop,) = exe.summary["loops"]
+    assert loop["runs"] >= 5
+    assert "run" in exe.stages["kernels.txt"].splitlines()[-1]
+
+
+def test_blocks_of_different_shapes_do_not_loop() -> None:
+    """Blocks whose widths all differ are no repetition: no loop, still eager's numbers."""
+    model = block_stack([32, 40, 48, 24, 16, 8])
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
+    exe, args = _compile(model, x, matmul_precision="highest")
+    (out,), _ = run_fresh(exe, args, SimulatorRunner(exe.config))
+    with torch.no_grad():
+        np.testing.assert_allclose(out, model(x).numpy(), rtol=1e-4, atol=1e-4)
+    assert exe.summary["loops"] == [] and exe.address_table == []
+
+
+def test_generate_static_cache_with_layer_loops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """generate() with a static KV cache (per-layer cache inputs scattered into in place): prefill and
+    decode both loop over the 4 layers, the tokens are eager's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import codegen
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, use_cache=True)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(1))
+    exes: list[Executable] = []
+    compile_graph_ = codegen.compile_graph
+
+    def recording(*args, **kwargs) -> Executable:  # type: ignore[no-untyped-def]
+        exes.append(compile_graph_(*args, **kwargs))
+        return exes[-1]
+
+    monkeypatch.setattr(codegen, "compile_graph", recording)
+
+    def generate() -> torch.Tensor:
+        return model.generate(ids, max_new_tokens=4, do_sample=False, cache_implementation="static", use_cache=True)
+
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        with torch.no_grad():
+            expected = generate()
+            torch._dynamo.reset()
+            model.forward = torch.compile(model.forward, backend="ctpu", options={"cache": False})
+            out = generate()
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert out.tolist() == expected.tolist()
+    assert len(exes) == 2 and all(exe.summary["loops"] for exe in exes)
+    assert all(exe.mutated_inputs for exe in exes)  # the caches are written in place, inside the loop
+
+
+def test_large_bf16_llama_layers_loop() -> None:
+    """A realistic shape on `large`: 4 bf16 layers of hidden 1024, head dim 64, 16 heads over 8 kv heads.
+    The program is about one layer's body more than the 1-layer program (not four)."""
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(2))
+    sizes = {}
+    for layers in (1, 4):
+        model = _llama(layers, torch.bfloat16, hidden=1024, heads=16, kv_heads=8, vocab=256)
+        exe, args = _compile(lambda ids, model=model: model(ids).logits, ids, config="large")
+        (out,), _ = run_fresh(exe, args, SimulatorRunner(exe.config))
+        with torch.no_grad():
+            ref = model(ids).logits.float().numpy()
+        np.testing.assert_allclose(out, ref, rtol=3e-2, atol=3e-2)
+        sizes[layers] = len(exe.program)
+        if layers == 4:
+            (loop,) = exe.summary["loops"]
+            assert loop["runs"] == 3
+            body = sum(k["bundles"] for k in exe.summary["kernels"][loop["kernels"][0]:loop["kernels"][1] + 1])
+    assert sizes[4] <= sizes[1] + 1.1 * body
+
+
+# ---- the search, on kernel graphs --------------------------------------------------------------------
+def _view(name: str, shape: tuple[int, ...] = (8, 8)) -> View:
+    return View(name, 0, shape, (shape[1], 1), "f32")
+
+
+def _add(a: str, b: str, out: str, const: float = 1.0, op: str = "arith.addf") -> GenericKernel:
+    body = ScalarProgram(["%a", "%b", "%o"], [("%0", op, ["%a", "%b"]), ("%1", "arith.mulf", ["%0", "%c"])],
+                         ["%1"], {"%c": const})
+    return GenericKernel((8, 8), False, [Access(_view(a), (8, 1)), Access(_view(b), (8, 1))],
+                         Access(_view(out), (8, 1)), body)
+
+
+def _graph(kernels: list) -> KernelGraph:
+    g = KernelGraph(kernels=kernels)
+    for k in kernels:
+        for v in [*(o.view for o in getattr(k, "inputs", [])), getattr(k, "output", None)]:
+            v = v.view if isinstance(v, Access) else v
+            g.buffers.setdefault(v.buffer, Buffer(v.buffer, (8, 8), "f32", "temp"))
+    return g
+
+
+def _layers(n: int, const: float = 1.0) -> list:
+    """n layers of 3 different kernels over x_i, w_i, t_i, u_i and one shared buffer (the last one's
+    constant is `const`)."""
+    out = []
+    for i in range(n):
+        c = const if i == n - 1 else 1.0
+        out += [_add(f"x{i}", f"w{i}", f"t{i}"), _add(f"t{i}", "shared", f"u{i}", op="arith.subf"),
+                _add(f"u{i}", f"t{i}", f"x{i + 1}", c, op="arith.maximumf")]
+    return out
+
+
+def test_find_loops_slots() -> None:
+    (loop,) = find_loops(_graph(_layers(4)), min_saved=1)
+    assert (loop.first, loop.period, loop.repeats) == (0, 3, 4)
+    # per repetition: x, w, t, shared, u, x' (the shared buffer has one slot with the same name in every row)
+    assert loop.slots[2] == ("x2", "w2", "t2", "shared", "u2", "x3")
+
+
+def test_find_loops_refuses_a_different_constant() -> None:
+    """The last layer scales by 2.0: it is not a repetition (3 repetitions remain)."""
+    (loop,) = find_loops(_graph(_layers(4, const=2.0)), min_saved=1)
+    assert (loop.first, loop.repeats) == (0, 3)
+    assert find_loops(_graph(_layers(4, const=float("nan"))), min_saved=1)[0].repeats == 3
+
+
+def test_find_loops_splits_a_slot_a_repetition_reuses() -> None:
+    """Bufferization reused one buffer for two roles in the last layer: the roles keep two slots, which
+    that layer's row fills with the same address."""
+    kernels = _layers(3)
+    kernels[-1] = _add("u2", "t2", "w2", op="arith.maximumf")  # layer 2 writes its result over its weight buffer
+    (loop,) = find_loops(_graph(kernels), min_saved=1)
+    assert loop.repeats == 3
+    assert loop.slots[2][1] == loop.slots[2][-1] == "w2" and loop.slots[0][1] != loop.slots[0][-1]
+
+
+def test_sink_fills_moves_a_fill_to_its_first_user() -> None:
+    fill = FillKernel(_view("acc"), 0.0)
+    other = FillKernel(_view("acc"), 1.0)
+    k1, k2 = _add("a", "b", "c"), _add("acc", "c", "d")
+    assert sink_fills([fill, k1, k2]) == [k1, fill, k2]
+    assert sink_fills([fill, k1, other, k2]) == [k1, fill, other, k2]  # fills of one buffer keep their order
