@@ -62,7 +62,7 @@ def _canon(x: Any, graph: KernelGraph, names: dict[str, int]) -> Any:
         return _canon_body(x)
     if dataclasses.is_dataclass(x):
         return (type(x).__name__, *(_canon(getattr(x, f.name), graph, names)
-                                    for f in dataclasses.fields(x) if f.name != "text"))
+                                    for f in dataclasses.fields(x) if f.name not in ("text", "origin")))
     if isinstance(x, list | tuple):
         return tuple(_canon(e, graph, names) for e in x)
     if isinstance(x, float):
