@@ -86,10 +86,10 @@ def test_one_warning_per_fallback_op_and_stats() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
-            x.cumsum(0)  # no CTPU lowering: runs on the CPU
+            x.cumprod(0)  # no CTPU lowering: runs on the CPU
     names = [str(w.message) for w in caught if issubclass(w.category, CtpuFallbackWarning)]
-    assert len(names) == 1 and "aten::cumsum" in names[0]
-    assert stats.last().fallback_ops["aten::cumsum.out"] == 3
+    assert len(names) == 1 and "aten::cumprod" in names[0]
+    assert stats.last().fallback_ops["aten::cumprod.out"] == 3
 
 
 def test_fallback_warning_category_is_public() -> None:

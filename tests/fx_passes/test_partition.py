@@ -37,8 +37,8 @@ if not hasattr(torch.ops.ctpu_test, "mystery"):
 
 def test_unsupported_ops_are_named_with_their_reasons() -> None:
     def fn(x):
-        y = torch.cumsum(x * 2, 0)
-        z = torch.cumsum(torch.exp(y), 1)
+        y = torch.cumprod(x * 2, 0)
+        z = torch.cumprod(torch.exp(y), 1)
         return torch.sort(z, 0).values + 1
 
     traced = aot_trace(fn, torch.randn(4, 8))
@@ -46,9 +46,9 @@ def test_unsupported_ops_are_named_with_their_reasons() -> None:
         warnings.simplefilter("error", CtpuFallbackWarning)
         report = passes_verified(traced)
     message = fallback_summary(report.partition.fallback)
-    assert "aten.cumsum.default (x2): " in message and "aten.sort.default: " in message
+    assert "aten.cumprod.default (x2): " in message and "aten.sort.default: " in message
     assert "no CTPU lowering" in message
-    assert report.fallback_ops == ["aten.cumsum.default", "aten.sort.default"]
+    assert report.fallback_ops == ["aten.cumprod.default", "aten.sort.default"]
     placements = [s.placement for s in report.partition.segments]
     assert placements == ["ctpu", "cpu", "ctpu", "cpu", "ctpu"]
     torch.testing.assert_close(run_graph(traced.gm, traced.inputs)[0], traced.eager)
@@ -91,8 +91,8 @@ def test_partition_labels_every_compute_node() -> None:
 
 
 def test_without_a_target_every_node_is_placed_on_it() -> None:
-    gm = make_fx(lambda x: torch.cumsum(x, 0))(torch.randn(3))
+    gm = make_fx(lambda x: torch.cumprod(x, 0))(torch.randn(3))
     _, report = run_passes(gm, [torch.randn(3)])
     assert report.fallback_ops == []
     _, report = run_passes(gm, [torch.randn(3)], unsupported_reason=codegen.unsupported_reason)
-    assert report.fallback_ops == ["aten.cumsum.default"]
+    assert report.fallback_ops == ["aten.cumprod.default"]

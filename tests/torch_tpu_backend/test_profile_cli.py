@@ -49,7 +49,8 @@ def test_profile_option_writes_one_trace_per_launch_and_changes_nothing(fresh_co
         assert spans[0]["args"]["cycle"] == 0 and sum(s["args"]["cycles"] for s in spans) == stats.cycles
         names = [s["name"] for s in spans[1:-1]]  # between the entry and the exit: k{i} and its FX node
         assert names and all(len(n.split()) == 2 and n.startswith("k") for n in names)
-        assert {s["args"]["module"] for s in spans[1:-1]} >= {"0", "2"}  # the Sequential's two Linears
+        modules = {s["args"]["module"] for s in spans[1:-1]}  # a fused kernel is named after its last node
+        assert "2" in modules and len(modules) >= 2 and modules <= {"0", "1", "2"}, modules
 
 
 def test_profile_needs_the_simulator() -> None:
@@ -80,7 +81,7 @@ def test_ctpu_profile_writes_a_trace_and_the_roofline(fresh_compile: None, tmp_p
     tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
     assert tracks == set(P.TRACKS)
     layers = [e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == 2]
-    assert layers == ["model.layers.0"]
+    assert layers and set(layers) == {"model.layers.0"}  # split where a kernel without a module sits between
     names = " ".join(s["name"] for s in _kernel_spans(trace))
     assert "linear" in names and "attention" in names and "rms_norm" in names
     if not decode:

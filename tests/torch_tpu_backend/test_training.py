@@ -89,14 +89,14 @@ def test_sdpa_forward_and_backward_match_eager(case: str) -> None:
 
 
 def test_backward_with_ctpu_and_cpu_segments() -> None:
-    """A graph cut in the middle by an op without a CTPU lowering (cumsum, and flip in its backward):
+    """A graph cut in the middle by an op without a CTPU lowering (cumsum over dim 0, and flip in its backward):
     both graphs run as CTPU kernels around a CPU segment, and the gradients are eager's."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False), torch.nn.SiLU())
     head = torch.nn.Linear(32, 8, bias=False)
 
     def fn(x: torch.Tensor) -> torch.Tensor:
-        h = torch.cumsum(model(x), dim=-1)
+        h = torch.cumsum(model(x), dim=0)  # over a batch dim: no CTPU lowering
         return head(torch.tanh(h) * h)
 
     params = [*model.parameters(), *head.parameters()]
