@@ -262,9 +262,7 @@ def _index(e: MlirEmitter, x: TValue, indices: Any) -> TValue:
 
     def wrap(args: list[str], w: BodyWriter) -> str:
         w.dtype = "i32"
-        pos = args[0]
-        wrapped = w.op("arith.addi", pos, w.const_int(rows), dtype="i32")
-        return w.select(w.cmp("slt", pos, w.const_int(0), "i32"), wrapped, pos, "i32")
+        return _wrapped_index(args[0], rows, w)
 
     rank = len(idx.shape)
     ids = e.generic([idx], [affine_map(rank), affine_map(rank)], e.empty(idx.shape, "i32"), ["parallel"] * rank, wrap)
@@ -307,9 +305,7 @@ def _index_put(e: MlirEmitter, x: TValue, indices: Any, values: Any, accumulate:
     def body(args: list[str], w: BodyWriter) -> str:
         w.dtype = "i32"
         i = [w.index(k) for k in range(rank)]
-        pos = args[0]
-        wrapped = w.op("arith.addi", pos, w.const_int(size), dtype="i32")
-        out = w.select(w.cmp("slt", pos, w.const_int(0), "i32"), wrapped, pos, "i32")  # torch's x[-1]
+        out = _wrapped_index(args[0], size, w)
         for k in range(d):
             out = w.select(w.cmp("eq", i[-1], w.const_int(k), "i32"), i[k], out, "i32")
         return out
@@ -438,6 +434,12 @@ def _gather(e: MlirEmitter, x: TValue, dim: int, index: TValue, sparse_grad: boo
     return e.elementwise([out], lambda v, w: v[0], dtype=x.dtype) if x.dtype != "f32" else out
 
 
+def _wrapped_index(i: str, size: int, w: BodyWriter) -> str:
+    """An i32 index with a negative one counted from the end, as torch's x[-1] (i + size when i < 0)."""
+    return w.select(w.cmp("slt", i, w.const_int(0), "i32"), w.op("arith.addi", i, w.const_int(size), dtype="i32"),
+                    i, "i32")
+
+
 def _in_range(i: str, size: int, w: BodyWriter) -> str:
     """i1: 0 <= i < size for an i32 index."""
     return w.op("arith.andi", w.cmp("sge", i, w.const_int(0), "i32"), w.cmp("slt", i, w.const_int(size), "i32"),
@@ -480,9 +482,7 @@ def _index_put_accumulate(e: MlirEmitter, x: TValue, d: int, idx: TValue, values
 
     def body(a: list[str], w: BodyWriter) -> str:
         w.dtype = "f32"
-        pos = a[1]
-        wrapped = w.select(w.cmp("slt", pos, w.const_int(0), "i32"),
-                           w.op("arith.addi", pos, w.const_int(size), dtype="i32"), pos, "i32")
+        wrapped = _wrapped_index(a[1], size, w)
         hit = w.cmp("eq", w.index(d), wrapped, "i32")
         miss = w.select(_in_range(wrapped, size, w), w.const(0.0), w.const(math.nan))
         return w.op("arith.addf", w.select(hit, w.cast(a[0], values.dtype, "f32"), miss), a[2])
