@@ -56,7 +56,7 @@ from codegen.layer_loop import (
     find_loops,
     loop_layout,
     occurrence_slots,
-    replace_views,
+    rename_to_slots,
     sink_fills,
     slot_name,
 )
@@ -302,7 +302,7 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
             continue
         if loop is not None:
             n = len(views_of(k))
-            k = _rename_views(k, slots[first_slot:first_slot + n])
+            k = rename_to_slots(k, slots[first_slot:first_slot + n])
             first_slot += n
             info["runs"] = loop.repeats
         func = function(f"kernel {i} ({type(k).__name__})", f"k{i}", lambda k=k: _lower(ctx, k))
@@ -315,12 +315,6 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
     b.start_function(funcs[-1], "exit")
     b.emit("halt")
     return funcs, per_kernel, ctx.scratch_peak, entries
-
-
-def _rename_views(k: Kernel, slots: list[int]) -> Kernel:
-    """`k` with its views' buffers renamed to the given slots (`views_of` order)."""
-    names = iter(slot_name(j) for j in slots)
-    return replace_views(k, lambda v: dataclasses.replace(v, buffer=next(names)))
 
 
 def _lower(ctx: KernelContext, k: Kernel) -> None:

@@ -194,8 +194,14 @@ def slot_name(j: int) -> str:
     return f"@slot{j}"
 
 
+def rename_to_slots(k: Kernel, slots: list[int]) -> Kernel:
+    """`k` with its views' buffers renamed to the given slots (`views_of` order)."""
+    names = iter(slot_name(j) for j in slots)
+    return replace_views(k, lambda v: dataclasses.replace(v, buffer=next(names)))
+
+
 def occurrence_slots(loop: Loop, graph: KernelGraph) -> list[int]:
-    """The slot of every view occurrence of the body, in order (what `slot_kernel` numbers them by)."""
+    """The slot of every view occurrence of the body, in order (what `rename_to_slots` takes)."""
     reps = [[v.buffer for k in graph.kernels[loop.first + i * loop.period: loop.first + (i + 1) * loop.period]
              for v in views_of(k)] for i in range(loop.repeats)]
     index = {cls: j for j, cls in enumerate(zip(*loop.slots, strict=True))}
