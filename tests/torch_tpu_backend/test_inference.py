@@ -159,7 +159,8 @@ def test_dropout_keeps_its_mask_for_the_backward() -> None:
 @pytest.mark.parametrize("backend", ["ctpu", "eager"])
 def test_recompile_limit_is_one_warning_and_counted(backend: str) -> None:
     """Past dynamo's recompile limit a compiled function runs eagerly on the CPU without calling the backend:
-    the user is told once (cause and remedy) and stats count the call; another backend's limit is not ours."""
+    the user is told once (cause and remedy) and stats count every such call (not the calls dynamo still serves
+    from its compiled graphs); another backend's limit is not ours."""
     def scaled_sin(x: torch.Tensor) -> torch.Tensor:
         return torch.sin(x) * 2
 
@@ -167,23 +168,47 @@ def test_recompile_limit_is_one_warning_and_counted(backend: str) -> None:
     if backend == "eager":
         torch.compile(scaled_sin, backend="ctpu")(torch.randn(9))  # the ctpu backend's listener is installed
         torch._dynamo.reset()
-    launched, uncompiled = [], 0
+    launched, uncompiled = [], []
     with warnings.catch_warnings(record=True) as caught, torch._dynamo.config.patch(recompile_limit=2):
         warnings.simplefilter("always")
-        for n in range(1, 6):
+        for n in [1, 2, 3, 4, 5, 1, 4]:
             ctpu_stats.reset()
             x = torch.randn(n)
             torch.testing.assert_close(compiled(x), scaled_sin(x))
             launched.append(ctpu_stats.last().kernels_launched)
-            uncompiled += sum(ctpu_stats.last().uncompiled_calls.values())
+            uncompiled.append(sum(ctpu_stats.last().uncompiled_calls.values()))
     ours = [str(w.message) for w in caught if "recompile_limit" in str(w.message) and "ctpu" in str(w.message)]
     if backend == "eager":
-        assert (ours, uncompiled) == ([], 0)
+        assert (ours, sum(uncompiled)) == ([], 0)
         return
-    assert launched == [1, 1, 0, 0, 0]
+    assert launched == [1, 1, 0, 0, 0, 1, 0]
+    assert uncompiled == [0, 0, 1, 1, 1, 0, 1]
     assert len(ours) == 1, ours
     assert "scaled_sin" in ours[0] and 'cache_implementation="static"' in ours[0] and "CPU" in ours[0]
-    assert uncompiled == 1
+    assert "each is counted" in ours[0]
+
+
+@pytest.mark.parametrize("how", ["module", "forward"])
+def test_uncompiled_calls_of_a_module_are_counted(how: str) -> None:
+    """torch.compile(module) and HF's `model.forward = torch.compile(model.forward)` past the recompile limit:
+    each call dynamo runs eagerly is counted once (its submodules' forwards are not more calls), and neither
+    the calls it still serves nor eager reference calls of the same model are."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).eval()
+    reference = torch.nn.Sequential(*model)  # same parameters, called directly
+    if how == "module":
+        compiled = torch.compile(model, backend="ctpu", dynamic=False)
+    else:
+        model.forward = torch.compile(model.forward, backend="ctpu", dynamic=False)
+        compiled = model
+    counts = []
+    with warnings.catch_warnings(), torch._dynamo.config.patch(recompile_limit=2), torch.no_grad():
+        warnings.simplefilter("ignore")
+        for rows in [1, 2, 3, 4, 2, 5]:
+            x = torch.randn(rows, 8)
+            ctpu_stats.reset()
+            torch.testing.assert_close(compiled(x), reference(x), rtol=1e-5, atol=1e-5)
+            counts.append(sum(ctpu_stats.last().uncompiled_calls.values()))
+    assert counts == [0, 0, 1, 1, 0, 1]
 
 
 def test_inference_mode_tensors_are_uploaded_every_call() -> None:
