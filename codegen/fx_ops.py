@@ -233,6 +233,24 @@ def _full_like(e: MlirEmitter, x: TValue, value: float, dtype: Any = None, **_: 
     return e.fill(value, x.shape, x.dtype if dtype is None else _creation_dtype(dtype, value))
 
 
+# torch.empty's contents are unspecified: zeros are as good as any, and cost a fill. Lowered so that a buffer a
+# graph makes and then overwrites (MoE routing's `inv_perm = empty(); inv_perm[perm] = arange`) never crosses
+# from the CPU with garbage values (an int64 garbage value outside int32 sends the consumer to the CPU).
+@_reg(aten.empty.memory_format, aten.empty_permuted.default, aten.empty_strided.default)
+def _empty(e: MlirEmitter, size: Any, *_layout: Any, dtype: Any = None, **_: Any) -> TValue:
+    return e.fill(0, tuple(int(s) for s in size), _creation_dtype(dtype or torch.get_default_dtype(), 0))
+
+
+@_reg(aten.empty_like.default)
+def _empty_like(e: MlirEmitter, x: TValue, dtype: Any = None, **_: Any) -> TValue:
+    return e.fill(0, x.shape, x.dtype if dtype is None else _creation_dtype(dtype, 0))
+
+
+@_reg(aten.new_empty.default)
+def _new_empty(e: MlirEmitter, x: TValue, size: Any, dtype: Any = None, **_: Any) -> TValue:
+    return e.fill(0, tuple(int(s) for s in size), x.dtype if dtype is None else _creation_dtype(dtype, 0))
+
+
 @_reg(aten.scalar_tensor.default)
 def _scalar_tensor(e: MlirEmitter, value: float, dtype: Any = None, **_: Any) -> TValue:
     return e.fill(value, (), _creation_dtype(dtype if dtype is not None else torch.float32, value))

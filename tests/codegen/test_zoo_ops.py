@@ -9,6 +9,8 @@ import pytest
 import torch
 from codegen_helpers import compile_and_run
 
+import torch_tpu_backend.stats as ctpu_stats
+
 
 def _equal(fn, *xs: torch.Tensor, config: str = "small") -> None:
     outs, refs, _ = compile_and_run(fn, *xs, config=config)
@@ -101,3 +103,26 @@ def test_index_out_of_range_traps(bad: int) -> None:
     exe = compile_graph(trace(lambda v, i: v[i] * 2.0, x, torch.tensor([1, 2])), [x, torch.tensor([1, 2])], "small")
     with pytest.raises(CtpuTrap, match="out of bounds"):
         run_fresh(exe, [x.numpy(), np.array([1, bad])], SimulatorRunner("small"))
+
+
+@pytest.mark.parametrize("make", ["empty", "empty_like", "new_empty"])
+def test_inverse_permutation_into_an_empty_buffer_like_moe_routing(make: str) -> None:
+    """Mixtral's grouped-mm routing: `inv = empty(n); inv[perm] = arange(n); out = x[inv]`. The empty buffer is
+    made on the CTPU (it came from the CPU with garbage int64 values, and the next layer's segment, checking that
+    its int inputs fit int32, ran on the CPU)."""
+    x = torch.randn(18, 16)
+    x[4, :2] = torch.tensor([float("nan"), -0.0])
+    perm = torch.randperm(18, generator=torch.Generator().manual_seed(3))
+
+    def fn(v: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        n = p.shape[0]
+        inv = {"empty": lambda: torch.empty(n, dtype=torch.long), "empty_like": lambda: torch.empty_like(p),
+               "new_empty": lambda: p.new_empty(n)}[make]()
+        inv[p] = torch.arange(n)
+        return v[inv] * 2.0
+
+    torch._dynamo.reset()
+    ctpu_stats.reset()
+    got = torch.compile(fn, backend="ctpu", options={"cache": False})(x, perm)
+    assert dict(ctpu_stats.last().fallback_ops) == {} and ctpu_stats.last().kernels_launched == 1
+    torch.testing.assert_close(got, fn(x, perm), rtol=0, atol=0, equal_nan=True)
