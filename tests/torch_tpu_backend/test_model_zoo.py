@@ -98,3 +98,29 @@ def test_model_zoo_forward(name: str) -> None:
     s = ctpu_stats.last()
     assert s.kernels_launched >= 1
     assert dict(s.fallback_ops) == {**CPU_OPS, "mixtral": MIXTRAL_CPU_OPS}[name], s.as_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [*CPU_OPS, "mixtral"])
+def test_model_zoo_forward_bf16(name: str) -> None:
+    """The same models in bf16: the CTPU's logits are as close to the fp32 model's as eager bf16's are (at most
+    twice eager's largest error), and the same ops run on the CPU."""
+    torch.manual_seed(0)
+    model = _model(name).eval()
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(1))
+    field = "logits" if name != "bert" else "last_hidden_state"
+    torch._dynamo.reset()
+    with torch.no_grad():
+        exact = getattr(model(ids), field)
+        model = model.to(torch.bfloat16)
+        eager = getattr(model(ids), field).float()
+        ctpu_stats.reset()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = getattr(torch.compile(model, backend="ctpu", options={"cache": False})(ids), field)
+    assert got.dtype == torch.bfloat16 and not got.isnan().any()
+    eager_error, ctpu_error = (eager - exact).abs().max().item(), (got.float() - exact).abs().max().item()
+    assert ctpu_error <= 2 * eager_error + 1e-3, (ctpu_error, eager_error)
+    mixtral = {**MIXTRAL_CPU_OPS, "aten._grouped_mm.default": 4}  # bf16: torch's grouped mm, not HF's fallback
+    del mixtral["transformers.grouped_mm_fallback.default"]
+    assert dict(ctpu_stats.last().fallback_ops) == {**CPU_OPS, "mixtral": mixtral}[name]
