@@ -104,4 +104,7 @@ def synchronize(device: DeviceLike = None) -> None:
 
 
 def get_amp_supported_dtype() -> list[torch.dtype]:
-    return [torch.bfloat16]  # the MXU's native input type
+    # bf16 is the MXU's input type and autocast's default here; fp16 is accepted as on any device (torch
+    # otherwise warns and silently runs autocast(dtype=float16) in float32): fp16 tensors are supported,
+    # their ops run where codegen takes fp16 and on the CPU fallback elsewhere.
+    return [torch.bfloat16, torch.float16]
