@@ -15,6 +15,9 @@ imported half way through `torch._dynamo`'s own import, too early to import the 
 on `import torch` instead would cost every user of torch seconds; this costs nothing until dynamo is
 imported. The backend module must not register itself (`@register_backend`) as well: that is the same
 duplicate. With TORCH_DEVICE_BACKEND_AUTOLOAD=0 and no import of ours, the entry point alone is used.
+
+The same hook registers ctpu's dynamo device interface (`torch_tpu_backend/device/interface.py`) as
+`torch._dynamo.device_interface` is imported, for the same reason: no cost on `import torch`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from types import ModuleType
 from typing import Any
 
 REGISTRY = "torch._dynamo.backends.registry"
+DEVICE_INTERFACE = "torch._dynamo.device_interface"
 BACKEND = "ctpu"
 
 
@@ -38,12 +42,14 @@ def ctpu_backend(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Calla
 
 
 def install() -> None:
-    """Register "ctpu" now if dynamo's registry is already imported, else as it is imported (idempotent)."""
-    registry = sys.modules.get(REGISTRY)
-    if registry is not None:
-        _register(registry)
-    elif not any(isinstance(finder, _RegisterOnImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterOnImport())
+    """Register "ctpu" in dynamo's backend registry and device interfaces now if their modules are imported,
+    else as each is imported (idempotent)."""
+    for name, register in ((REGISTRY, _register), (DEVICE_INTERFACE, _register_interface)):
+        module = sys.modules.get(name)
+        if module is not None:
+            register(module)
+        elif not any(isinstance(f, _RegisterOnImport) and f.name == name for f in sys.meta_path):
+            sys.meta_path.insert(0, _RegisterOnImport(name, register))
 
 
 def _register(registry: ModuleType) -> None:
@@ -51,12 +57,21 @@ def _register(registry: ModuleType) -> None:
         registry.register_backend(compiler_fn=ctpu_backend, name=BACKEND)
 
 
+def _register_interface(device_interface: ModuleType) -> None:
+    from torch_tpu_backend.device.interface import CtpuInterface
+
+    device_interface.register_interface_for_device(BACKEND, CtpuInterface)
+
+
 class _RegisterOnImport(importlib.abc.MetaPathFinder):
-    """Finds dynamo's registry module as the path finder does, and registers "ctpu" once it has executed."""
+    """Finds one module as the path finder does, and calls `register(module)` once it has executed."""
+
+    def __init__(self, name: str, register: Callable[[ModuleType], None]) -> None:
+        self.name, self.register = name, register
 
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname != REGISTRY:
+        if fullname != self.name:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
@@ -66,7 +81,7 @@ class _RegisterOnImport(importlib.abc.MetaPathFinder):
 
         def exec_then_register(module: ModuleType) -> None:
             exec_module(module)
-            _register(module)
+            self.register(module)
 
         spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
         return spec

@@ -74,6 +74,17 @@ struct CtpuGuardImpl final : c10::impl::DeviceGuardImplInterface {
   void synchronizeStream(const c10::Stream&) const override {}
   void synchronizeEvent(void*) const override {}
   void synchronizeDevice(const c10::DeviceIndex) const override {}
+  // torch.accelerator.get_device_capability: every dtype a tensor can be allocated in and converted
+  // between (HBM holds any bytes; ops the CTPU cannot run fall back to the CPU). Quantized tensors are
+  // not supported (no QuantizedPrivateUse1 kernels), so their bits are cleared.
+  c10::DeviceCapability getDeviceCapability(c10::Device) const override {
+    c10::DeviceCapability cap;
+    for (const auto index : {c10::kIndex_QInt8, c10::kIndex_QUInt8, c10::kIndex_QInt32, c10::kIndex_QUInt4x2,
+                             c10::kIndex_QUInt2x4}) {
+      cap.capability_data.capability_bits &= ~(1ULL << index);
+    }
+    return cap;
+  }
 };
 
 C10_REGISTER_GUARD_IMPL(PrivateUse1, CtpuGuardImpl);

@@ -7,7 +7,9 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/StorageImpl.h>
 
+#include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <vector>
 
@@ -30,6 +32,57 @@ struct CtpuGeneratorImpl final : at::CPUGeneratorImpl {
     return gen;
   }
 };
+
+// Host memory for pin_memory(): ordinary host memory (HBM is host memory, so a copy from it is as fast as
+// from any other), but recorded, so is_pinned() answers True for it and for any pointer inside it (a
+// storage slice), as CUDA's pinned allocator does, and False for other host memory.
+class PinnedAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) override {
+    void* ptr = nbytes == 0 ? nullptr : std::malloc(nbytes);
+    TORCH_CHECK(nbytes == 0 || ptr != nullptr, "ctpu: pinned host allocation of ", nbytes, " bytes failed");
+    if (ptr != nullptr) {
+      std::lock_guard<std::mutex> lock(mutex());
+      blocks()[reinterpret_cast<std::uintptr_t>(ptr)] = nbytes;
+    }
+    return {ptr, ptr, &release, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override {
+    return &release;
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+  static bool contains(const void* ptr) {
+    const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+    std::lock_guard<std::mutex> lock(mutex());
+    auto it = blocks().upper_bound(addr);  // the first block starting after addr
+    if (it == blocks().begin()) {
+      return false;
+    }
+    --it;
+    return addr < it->first + it->second;
+  }
+
+ private:
+  static void release(void* ptr) {
+    {
+      std::lock_guard<std::mutex> lock(mutex());
+      blocks().erase(reinterpret_cast<std::uintptr_t>(ptr));
+    }
+    std::free(ptr);
+  }
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static std::map<std::uintptr_t, std::size_t>& blocks() {  // start -> size of each live block
+    static std::map<std::uintptr_t, std::size_t> b;
+    return b;
+  }
+};
+
+PinnedAllocator g_pinned_allocator;
 
 struct CtpuHooks final : at::PrivateUse1HooksInterface {
   bool isBuilt() const override {
@@ -69,12 +122,11 @@ struct CtpuHooks final : at::PrivateUse1HooksInterface {
     TORCH_CHECK(in_arena(data), "ctpu: pointer ", data, " is not in the HBM arena");
     return {kDeviceType, 0};
   }
-  // HBM already is host memory: "pinned" host memory is ordinary host memory.
-  bool isPinnedPtr(const void*) const override {
-    return false;
+  bool isPinnedPtr(const void* data) const override {
+    return PinnedAllocator::contains(data);
   }
   c10::Allocator* getPinnedMemoryAllocator() const override {
-    return c10::GetCPUAllocator();
+    return &g_pinned_allocator;
   }
   // UntypedStorage.resize_() on a ctpu storage: new HBM block, old bytes copied, rest uninitialised.
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t new_bytes) const override {

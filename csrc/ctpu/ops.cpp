@@ -82,7 +82,22 @@ at::Tensor& set_empty(at::Tensor& self) {
   return self.set_(storage, 0, {0}, {});
 }
 
+// `tensor.data = other` between a ctpu and a CPU tensor (both dense host memory in one TensorImpl
+// layout): PyTorch only accepts it when this says the two are compatible, and its default only pairs the
+// built-in dense backends with themselves.
+bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
+  if (self.unsafeGetTensorImpl()->has_compatible_shallow_copy_type(from.key_set())) {
+    return true;
+  }
+  const auto dense_host = [](const at::Tensor& t) {
+    const auto type = t.device().type();
+    return t.layout() == c10::kStrided && !t.is_quantized() && (type == c10::kCPU || type == kDeviceType);
+  };
+  return dense_host(self) && dense_host(from);
+}
+
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("_has_compatible_shallow_copy_type", TORCH_FN(has_compatible_shallow_copy_type));
   m.impl("empty.memory_format", TORCH_FN(empty_memory_format));
   m.impl("empty_strided", TORCH_FN(empty_strided));
   m.impl("_copy_from", TORCH_FN(copy_from));

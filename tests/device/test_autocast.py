@@ -4,6 +4,8 @@ compiled, and through a training step's backward (fp32 master weights get fp32 g
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -75,3 +77,15 @@ def test_training_step_keeps_fp32_master_weights(compiled: bool) -> None:
     for p, q in zip(dev.parameters(), cpu.parameters(), strict=True):
         assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32
         torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=5e-2, atol=5e-3)
+
+
+def test_autocast_float16_casts() -> None:
+    # torch only honours an autocast dtype the device module lists; with bf16 alone, autocast(dtype=float16)
+    # warned and ran in float32
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*Autocast only supports")
+        with torch.autocast("ctpu", dtype=torch.float16):
+            mm = torch.mm(a.to("ctpu"), b.to("ctpu"))
+    assert mm.dtype == torch.float16
+    torch.testing.assert_close(mm.cpu(), a.half() @ b.half())

@@ -9,6 +9,7 @@ idempotent; `_autoload()` never lets a failure here break `import torch` (it war
     memory.py   HBM arena hand-over and the memory statistics
     random.py   the generator's Python API
     fallback.py every other op: run on the CPU, one CtpuFallbackWarning per op name
+    rnn_cells.py the fused LSTM/GRU cells PyTorch asks of non-CPU devices, as ordinary ops
     eager.py    the hook for compiled single-op CTPU kernels
     ctpu.py     the module registered as torch.ctpu
 """
@@ -64,6 +65,9 @@ def register() -> None:
         aten.impl("convolution_overrideable", convolution, "PrivateUse1")
         aten.impl("convolution_backward_overrideable", convolution_backward, "PrivateUse1")
         aten.impl("native_layer_norm", native_layer_norm, "PrivateUse1")
+        from torch_tpu_backend.device import rnn_cells
+
+        rnn_cells.register(aten)  # nn.LSTM/GRU's fused cells, which the CPU (so the fallback) lacks
         _fallback_library = (library, aten)
         from torch_tpu_backend.device import eager, eager_compiler
 

@@ -30,6 +30,7 @@ from torch_tpu_backend.device.memory import (
 from torch_tpu_backend.device.random import (
     _is_in_bad_fork,
     default_generator,
+    get_offset,
     get_rng_state,
     get_rng_state_all,
     initial_seed,
@@ -37,16 +38,17 @@ from torch_tpu_backend.device.random import (
     manual_seed_all,
     seed,
     seed_all,
+    set_offset,
     set_rng_state,
     set_rng_state_all,
 )
 
 __all__ = [
     "CtpuFallbackWarning", "_is_in_bad_fork", "current_device", "default_generator", "device", "device_count",
-    "empty_cache", "get_amp_supported_dtype", "get_rng_state", "get_rng_state_all", "hbm_address", "hbm_device",
-    "initial_seed", "is_available", "is_initialized", "manual_seed", "manual_seed_all", "max_memory_allocated",
-    "memory_allocated", "memory_stats", "reset_peak_memory_stats", "seed", "seed_all", "set_device",
-    "set_rng_state", "set_rng_state_all", "stats", "synchronize",
+    "empty_cache", "get_amp_supported_dtype", "get_offset", "get_rng_state", "get_rng_state_all", "hbm_address",
+    "hbm_device", "initial_seed", "is_available", "is_initialized", "manual_seed", "manual_seed_all",
+    "max_memory_allocated", "memory_allocated", "memory_stats", "reset_peak_memory_stats", "seed", "seed_all",
+    "set_device", "set_offset", "set_rng_state", "set_rng_state_all", "stats", "synchronize",
 ]
 
 
@@ -104,4 +106,7 @@ def synchronize(device: DeviceLike = None) -> None:
 
 
 def get_amp_supported_dtype() -> list[torch.dtype]:
-    return [torch.bfloat16]  # the MXU's native input type
+    # bf16 is the MXU's input type and autocast's default here; fp16 is accepted as on any device (torch
+    # otherwise warns and silently runs autocast(dtype=float16) in float32): fp16 tensors are supported,
+    # their ops run where codegen takes fp16 and on the CPU fallback elsewhere.
+    return [torch.bfloat16, torch.float16]

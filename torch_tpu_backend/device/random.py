@@ -64,5 +64,16 @@ def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
     set_rng_state(state)
 
 
+# A device module's generator API also has get_offset / set_offset (Philox generators such as CUDA's count
+# an offset into their stream). ctpu's generator is the CPU's mt19937, which has none: say so plainly, as
+# torch_openreg does, rather than an AttributeError on torch.ctpu.
+def get_offset() -> int:
+    raise RuntimeError("ctpu: the generator does not support get_offset (it is the CPU's mt19937, no offset)")
+
+
+def set_offset(offset: int) -> None:
+    raise RuntimeError("ctpu: the generator does not support set_offset (it is the CPU's mt19937, no offset)")
+
+
 def _is_in_bad_fork() -> bool:
     return False  # no driver state that a fork could break
