@@ -74,6 +74,11 @@ def _promote(*operands: Any) -> str:
 def _binary(opname: str) -> Lowering:
     def lower(e: MlirEmitter, a: Any, b: Any, alpha: float = 1.0) -> TValue:
         dtype = _promote(a, b)
+        if alpha != 1.0 and opname in ("arith.addf", "arith.subf") and dtype in ("f32", "bf16") and \
+                isinstance(a, TValue) and isinstance(b, TValue):
+            # a + alpha b rounded once, as the CPU computes it (fmadd): SGD's p.add_(g, alpha=-lr) is exact
+            scale = alpha if opname == "arith.addf" else -alpha
+            return e.elementwise([b, scale, a], lambda v, w: w.op("math.fma", v[0], v[1], v[2]), dtype=dtype)
         if alpha != 1.0:
             b = e.elementwise([b, alpha], lambda v, w: w.op("arith.mulf", v[0], v[1])) if isinstance(b, TValue) \
                 else b * alpha
