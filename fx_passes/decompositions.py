@@ -144,11 +144,12 @@ def sdpa_flash_for_cpu_backward(
 
 
 def pow_scalar_base(base: float | bool, exponent: Tensor) -> Tensor:
-    """`base ** exponent` (fp32, fp64) for a finite base > 0 (Adam's bias corrections `beta ** step`) as
-    exp(exponent * log(base)): exact at exponent 0 (exp(0) = 1), NaN for NaN, 0 / inf for an infinite
-    exponent as pow; within a few ulp elsewhere (the relative error grows with |exponent * log(base)| * 2^-24).
-    Other bases (0, negative: integer exponents matter; inf, NaN) are left to the op (NotImplemented)."""
-    if isinstance(base, bool) or not isinstance(base, int | float) or not 0 < base < math.inf:
+    """`base ** exponent` (fp32, fp64) for a base in (0, 1] (Adam's bias corrections `beta ** step`) as
+    exp(exponent * log(base)): 1 at exponent 0, NaN for NaN, 0 / inf for an infinite exponent, as pow; within
+    a few ulp elsewhere (the relative error grows with |exponent * log(base)| * 2^-24); 1 ** x = 1. Other bases
+    are left to the op (NotImplemented): 0 and negative ones (integer exponents matter), and bases > 1, whose
+    integer powers pow gives exactly (2 ** 10 = 1024; exp(10 log 2) is 1024.0001)."""
+    if isinstance(base, bool) or not isinstance(base, int | float) or not 0 < base <= 1:
         return NotImplemented  # type: ignore[return-value]
     dtype = exponent.dtype if exponent.is_floating_point() else torch.get_default_dtype()
     if dtype not in (torch.float32, torch.float64):
