@@ -238,6 +238,15 @@ def _full_like(e: MlirEmitter, x: TValue, value: float, dtype: Any = None, **_: 
     return e.fill(value, x.shape, x.dtype if dtype is None else _creation_dtype(dtype, value))
 
 
+@_reg(aten.empty_permuted.default)
+def _empty_permuted(e: MlirEmitter, size: Any, physical_layout: Any, dtype: Any = None, **_: Any) -> TValue:
+    """Undefined values (AOT's backward of SiLU on ctpu tensors makes one for a full_like, which reads only
+    its shape): a zero fill, dead code where nothing reads the values. Logical layouts only."""
+    if list(physical_layout) != list(range(len(size))):
+        raise UnsupportedOp(f"empty_permuted with the physical layout {list(physical_layout)}")
+    return e.fill(0.0, tuple(int(s) for s in size), _creation_dtype(dtype if dtype is not None else torch.float32, 0.0))
+
+
 @_reg(aten.scalar_tensor.default)
 def _scalar_tensor(e: MlirEmitter, value: float, dtype: Any = None, **_: Any) -> TValue:
     return e.fill(value, (), _creation_dtype(dtype if dtype is not None else torch.float32, value))

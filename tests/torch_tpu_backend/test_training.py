@@ -302,3 +302,21 @@ def test_mlp_with_layer_norm_and_gelu_trains_on_the_ctpu() -> None:
     assert_grads_close(got, want, [n for n, _ in model.named_parameters()])
     stats = ctpu_stats.last()
     assert not stats.fallback_ops and stats.kernels_launched == 2, stats.as_dict()  # forward, backward
+
+
+def test_silu_backward_on_ctpu_tensors_runs_on_the_ctpu() -> None:
+    """On ctpu tensors AOT's SiLU backward makes `empty_permuted` for a full_like (on CPU tensors it does not):
+    it ran on the CPU and cut the tiny Llama's backward graph into more programs around it."""
+    x = torch.randn(2, 16, 8)
+    on_device = x.to("ctpu").requires_grad_()
+    on_cpu = x.clone().requires_grad_()
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return (F.silu(t) * 3.0).sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CtpuFallbackWarning)
+        torch.compile(fn, backend="ctpu")(on_device).backward()
+    assert not ctpu_stats.last().fallback_ops
+    fn(on_cpu).backward()
+    torch.testing.assert_close(on_device.grad.cpu(), on_cpu.grad, rtol=1e-5, atol=1e-6)
