@@ -137,6 +137,12 @@ def _dense(v: View) -> bool:
     return True
 
 
+# A program has 0.67 - 0.70 bundles per machine instruction before scheduling (the tiny Llama's forward and
+# backward graphs, halves included): an estimate past imem by the margin is too large, without the back end.
+BUNDLES_PER_INSTRUCTION = 0.6
+IMEM_MARGIN = 1.25
+
+
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor], config: str = "small", *,
                   matmul_precision: str | None = None, pipeline: bool = True, verify: bool = False,
                   layer_loops: bool = True, progress: Callable[[int, int], None] | None = None) -> Executable:
@@ -173,9 +179,15 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
     arena_bytes += scratch
     machine_ir = "".join(f"# {f.name}\n{f.dump()}" for f in funcs)
     clock.lap("instruction_selection")
+    instructions = sum(len(b.instrs) for f in funcs for b in f.blocks)
+    if instructions * BUNDLES_PER_INSTRUCTION > IMEM_MARGIN * cfg.imem_bundles:
+        # clearly too large: the backend splits the graph without paying for this program's back end first
+        raise ProgramTooLargeError(f"{instructions} machine instructions make about "
+                                   f"{int(instructions * BUNDLES_PER_INSTRUCTION)} bundles, more than imem's "
+                                   f"{cfg.imem_bundles}")
     mc: MachineCode = compile_functions(funcs, next_id=max(f.max_reg_id() for f in funcs) + 1,
                                         source_name="<compiled graph>", pipeline=pipeline, verify=verify,
-                                        progress=progress)
+                                        progress=progress, max_bundles=cfg.imem_bundles)
     clock.lap("schedule_regalloc_assemble")
     starts = [sum(mc.function_bundles[:i]) for i in range(len(funcs))]
     for info in per_kernel:

@@ -74,6 +74,11 @@ def _promote(*operands: Any) -> str:
 def _binary(opname: str) -> Lowering:
     def lower(e: MlirEmitter, a: Any, b: Any, alpha: float = 1.0) -> TValue:
         dtype = _promote(a, b)
+        if alpha != 1.0 and opname in ("arith.addf", "arith.subf") and dtype in ("f32", "bf16") and \
+                isinstance(a, TValue) and isinstance(b, TValue):
+            # a + alpha b rounded once, as the CPU computes it (fmadd): SGD's p.add_(g, alpha=-lr) is exact
+            scale = alpha if opname == "arith.addf" else -alpha
+            return e.elementwise([b, scale, a], lambda v, w: w.op("math.fma", v[0], v[1], v[2]), dtype=dtype)
         if alpha != 1.0:
             b = e.elementwise([b, alpha], lambda v, w: w.op("arith.mulf", v[0], v[1])) if isinstance(b, TValue) \
                 else b * alpha
@@ -235,7 +240,9 @@ def _full_like(e: MlirEmitter, x: TValue, value: float, dtype: Any = None, **_: 
 
 # torch.empty's contents are unspecified: zeros are as good as any, and cost a fill. Lowered so that a buffer a
 # graph makes and then overwrites (MoE routing's `inv_perm = empty(); inv_perm[perm] = arange`) never crosses
-# from the CPU with garbage values (an int64 garbage value outside int32 sends the consumer to the CPU).
+# from the CPU with garbage values (an int64 garbage value outside int32 sends the consumer to the CPU), and a
+# buffer read only for its shape (AOT's SiLU backward on ctpu tensors: empty_permuted -> full_like) is dead code.
+# The physical layout of empty_permuted / empty_strided is a memory order: values here are logical.
 @_reg(aten.empty.memory_format, aten.empty_permuted.default, aten.empty_strided.default)
 def _empty(e: MlirEmitter, size: Any, *_layout: Any, dtype: Any = None, **_: Any) -> TValue:
     return e.fill(0, tuple(int(s) for s in size), _creation_dtype(dtype or torch.get_default_dtype(), 0))

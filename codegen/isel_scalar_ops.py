@@ -1,6 +1,6 @@
 """Vector lowerings of the generic-body scalar ops beyond isel_vector's core table, registered into
 `isel_vector.VECTOR_OPS` at import: compares and selects (i1 values are 0 / ~0 lane masks), int32
-arithmetic and conversions, and the sin / cos / log / erf sequences (math_seqs.py, trig_seqs.py).
+arithmetic and conversions, and the sin / cos / log / erf / fma sequences (math_seqs.py, trig_seqs.py).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from codegen.builder import Builder
 from codegen.isel_vector import VECTOR_OPS
-from codegen.math_seqs import verf, vlog
+from codegen.math_seqs import verf, vfma, vlog
 from codegen.mir import Reg
 from codegen.trig_seqs import vcos, vsin
 
@@ -63,6 +63,7 @@ EXTRA_OPS: dict[str, Callable[[Builder, list[Reg]], Reg]] = {
     "math.cos": lambda b, a: vcos(b, a[0]),
     "math.log": lambda b, a: vlog(b, a[0]),
     "math.erf": lambda b, a: verf(b, a[0]),
+    "math.fma": lambda b, a: vfma(b, a[0], a[1], a[2]),
 }
 for _name, _fn in EXTRA_OPS.items():
     VECTOR_OPS.setdefault(_name, _fn)

@@ -14,12 +14,11 @@ With `verify=True` (tests) every pass's result is checked by `verify.py`, loops 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from codegen.errors import CapacityError
+from codegen.errors import CapacityError, ProgramTooLargeError
 from codegen.loops import hoist_invariants
 from codegen.mir import Function, MInstr, Reg
 from codegen.modulo import PipelinedLoop, pipeline_loops
@@ -86,13 +85,17 @@ def compile_function(func: Function, next_id: int, source_name: str = "<ctpu>", 
 
 def compile_functions(funcs: list[Function], next_id: int, source_name: str = "<ctpu>",
                       pipeline: bool = True, verify: bool = False,
-                      progress: Callable[[int, int], None] | None = None) -> MachineCode:
+                      progress: Callable[[int, int], None] | None = None,
+                      max_bundles: int | None = None) -> MachineCode:
     """Compile functions that run one after another into ONE program: the kernels of a megakernel. No
     virtual register may live from one function into the next (each kernel starts from its launch registers
     and ends with its commands waited for), so each is scheduled and allocated on its own: a kernel that
     spills or retries costs only itself. Virtual registers must be unique across `funcs` (one `Builder`);
-    `next_id` must exceed every one of them. `progress(done, total)` is called after each function."""
+    `next_id` must exceed every one of them. `progress(done, total)` is called after each function.
+    `max_bundles`: imem; ProgramTooLargeError as soon as the functions compiled so far exceed it (the rest
+    is not compiled)."""
     parts: list[_Allocated] = []
+    bundles_so_far = 0
     for k, func in enumerate(funcs):
         try:
             part = _compile_retrying(func, next_id, pipeline, verify)
@@ -100,6 +103,10 @@ def compile_functions(funcs: list[Function], next_id: int, source_name: str = "<
             raise CapacityError(f"{func.name}: {e}" if func.name else str(e)) from e
         next_id = max(next_id, part.func.max_reg_id()) + 1
         parts.append(part)
+        bundles_so_far += sum(len(part.bundles[b.label]) for b in part.func.blocks)
+        if max_bundles is not None and bundles_so_far > max_bundles:
+            raise ProgramTooLargeError(f"program of over {bundles_so_far} bundles after {k + 1} of {len(funcs)} "
+                                       f"kernels does not fit imem ({max_bundles} bundles)")
         if progress is not None:
             progress(k + 1, len(funcs))
     merged = Function(pinned=funcs[0].pinned if funcs else ())
@@ -130,19 +137,18 @@ def _compile_retrying(func: Function, next_id: int, pipeline: bool, verify: bool
     the end, no pipelining."""
     if not pipeline:
         return _compile(func, next_id, False, verify, {})
-    original = copy.deepcopy(func)
     cuts: dict[str, int] = {}
     notes: list[str] = []
     for _ in range(PIPELINE_RETRIES):
         try:
-            part = _compile(copy.deepcopy(original), next_id, True, verify, cuts)
+            part = _compile(func.clone(), next_id, True, verify, cuts)  # `func` stays as it was for a retry
             part.log += notes
             return part
         except _PipelineSpill as e:
             notes.append(f"retry: {e}; their register budget is lowered")
             for label in e.loops:
                 cuts[label] = cuts.get(label, 0) + PIPELINE_BUDGET_STEP
-    part = _compile(original, next_id, False, verify, {})
+    part = _compile(func, next_id, False, verify, {})
     part.log += [*notes, "pipelining undone"]
     return part
 

@@ -11,6 +11,9 @@ and rsqrt are device_sim.sequences' (shared with the hand-written programs); thi
   (s = f / (2 + f), degree 4 in s^2); log(±0) = -inf, log(x < 0) = log(NaN) = NaN, log(inf) = inf.
 - erf: odd Taylor polynomial below |x| = 0.5, 1 - erfc above (Numerical Recipes' erfcc).
 - sin, cos: trig_seqs.py (exact Payne-Hanek range reduction over the whole fp32 range).
+- fma: a * b + c rounded once (what the CPU's add / sub with alpha computes: `vec::fmadd`), from exact
+  transformations: Dekker's product, Knuth's sum, and a sum rounded to odd (Boldo and Melquiond, "Emulation
+  of FMA and correctly rounded sums: proved algorithms using rounding to odd", IEEE TC 2008).
 
 The accuracy of each, measured by tests/codegen/test_math_seqs.py, is listed in docs/architecture.md
 ("Numerics contract").
@@ -139,6 +142,88 @@ def erf_seq(b: SeqBuilder, x: str) -> str:
     return b.op("vsel", b.op("vcmp.lt.f", ax, b.const("ERF_SMALL", ERF_SMALL)), small, large)
 
 
+FMA_HI_MASK = 0xFFFFF000  # the sign, the exponent and 11 of 23 significand bits: 12 significant bits
+FMA_TINY = 2.0**-100  # below, the product's rounding error may be below the subnormal grid (not exact)
+
+
+def _split(b: SeqBuilder, x: str) -> tuple[str, str]:
+    """x = hi + lo exactly, each with at most 12 significant bits (so hi * hi, hi * lo, lo * lo are exact):
+    hi by masking the low 12 significand bits, which never overflows (Veltkamp's 4097 x does, past 2^115)."""
+    hi = b.op("vand", x, b.const("FMA_HI_MASK", FMA_HI_MASK))
+    return hi, b.op("vsub.f", x, hi)
+
+
+def _two_sum(b: SeqBuilder, x: str, y: str) -> tuple[str, str]:
+    """(s, e): s = RN(x + y) and s + e = x + y exactly (no overflow)."""
+    s = b.op("vadd.f", x, y)
+    bb = b.op("vsub.f", s, x)
+    return s, b.op("vadd.f", b.op("vsub.f", x, b.op("vsub.f", s, bb)), b.op("vsub.f", y, bb))
+
+
+def _sum_to_odd(b: SeqBuilder, x: str, y: str) -> str:
+    """RO(x + y), rounded to odd: RN(x + y), moved to its odd neighbour toward the exact sum when that was
+    not representable and RN gave an even significand (so the sticky information survives a later rounding)."""
+    v, e = _two_sum(b, x, y)
+    one, zero_i = b.const("I1", 1), b.const("I0", 0)
+    inexact = b.op("vxor", b.op("vcmp.eq.f", e, b.const("ZERO", 0.0)), b.const("ALL_ONES", 0xFFFFFFFF))
+    inexact_even = b.op("vand", inexact, b.op("vcmp.eq.i", b.op("vand", v, one), zero_i))
+    away = b.op("vcmp.eq.i", b.op("vand", b.op("vxor", v, e), b.const("SIGN", SIGN)), zero_i)
+    step = b.op("vsel", away, one, b.const("MINUS_ONE_I", 0xFFFFFFFF))  # away from 0 iff e has v's sign
+    return b.op("vsel", inexact_even, b.op("vadd.i", v, step), v)
+
+
+def fma_seq(b: SeqBuilder, x: str, y: str, z: str) -> str:
+    """x * y + z rounded once (about 95 vector ops). The product x y = ph + pl exactly (Dekker, halves by
+    masking), z + ph = th + tl exactly (Knuth), v = RO(tl + pl), the result RN(th + v): correctly rounded
+    (Boldo and Melquiond, "Emulation of FMA and correctly rounded sums: proved algorithms using rounding to
+    odd", IEEE TC 2008, Theorem 5.3), given that pl is representable and nothing overflows. So x and z are
+    scaled first (exactly) where that does not hold: by 2^-64 where x y overflows (the sum may still be
+    finite), the result scaled back; by 2^64 where |x y| < 2^-100 and |z| < 2^-60 (below, pl may not be
+    representable), the result scaled back from RO(th + v) when it is subnormal (one rounding, to the
+    subnormal grid; within one subnormal ulp for results in [2^-127, 2^-126)). A tiny product beside a larger
+    z rounds as ph + z, which is then exact. IEEE specials as fma: inf * 0 = NaN, NaN propagates, z = ±0
+    gives RN(x y) with its sign, an infinite z with finite x, y gives z."""
+    abs_mask, inf, zero = b.const("ABS_MASK", ABS), b.const("INF", INF), b.const("ZERO", 0.0)
+    all_ones = b.const("ALL_ONES", 0xFFFFFFFF)
+
+    def finite(a: str) -> str:
+        return b.op("vcmp.lt.f", b.op("vand", a, abs_mask), inf)
+
+    def below(a: str, bound: float, name: str) -> str:
+        return b.op("vcmp.lt.f", b.op("vand", a, abs_mask), b.const(name, bound))
+
+    product = b.op("vmul.f", x, y)
+    naive = b.op("vadd.f", product, z)
+    finite_xy = b.op("vand", finite(x), finite(y))
+    big = b.op("vand", finite_xy, b.op("vxor", finite(product), all_ones))
+    small = b.op("vand", below(product, FMA_TINY, "FMA_TINY"), below(z, 2.0**-60, "FMA_Z_SMALL"))
+    down, up = b.const("FMA_DOWN", 2.0**-64), b.const("FMA_UP", 2.0**64)
+    scale = b.op("vsel", big, down, b.op("vsel", small, up, b.const("ONE", 1.0)))
+    xs, zs = b.op("vmul.f", x, scale), b.op("vmul.f", z, scale)
+    ph = b.op("vmul.f", xs, y)
+    xh, xl = _split(b, xs)
+    yh, yl = _split(b, y)
+    pl = b.op("vsub.f", b.op("vmul.f", xh, yh), ph)
+    pl = b.op("vadd.f", pl, b.op("vmul.f", xh, yl))
+    pl = b.op("vadd.f", pl, b.op("vmul.f", xl, yh))
+    pl = b.op("vadd.f", pl, b.op("vmul.f", xl, yl))
+    th, tl = _two_sum(b, zs, ph)
+    v = _sum_to_odd(b, tl, pl)
+    exact = b.op("vadd.f", th, v)
+    ok = b.op("vxor", below(ph, FMA_TINY, "FMA_TINY"), all_ones)
+    ok = b.op("vand", b.op("vand", ok, finite(ph)), b.op("vand", finite(exact), finite(z)))
+    back = b.op("vsel", big, up, b.op("vsel", small, down, b.const("ONE", 1.0)))
+    result = b.op("vmul.f", exact, back)
+    subnormal = b.op("vand", small, below(result, 2.0**-126, "FMA_MIN_NORMAL"))
+    result = b.op("vsel", subnormal, b.op("vmul.f", _sum_to_odd(b, th, v), back), result)
+    out = b.op("vsel", ok, result, naive)
+    # z = ±0 and x y != 0: x y rounded (its sign survives an underflow to ±0, which ph + z loses for z = +0)
+    not_zero = b.op("vxor", b.op("vor", b.op("vcmp.eq.f", x, zero), b.op("vcmp.eq.f", y, zero)), all_ones)
+    out = b.op("vsel", b.op("vand", b.op("vcmp.eq.f", z, zero), not_zero), product, out)
+    # z = ±inf and x, y finite: z (an overflowing x y is finite in the exact sum; ph + z gives NaN for -z)
+    return b.op("vsel", b.op("vand", b.op("vcmp.eq.f", b.op("vand", z, abs_mask), inf), finite_xy), z, out)
+
+
 # ---- machine-IR entry points (isel_vector's VECTOR_OPS) ----------------------------------------------
 def vexp(b: Builder, x: Reg) -> Reg:
     return emit(b, sequences.exp_seq, x)
@@ -172,5 +257,10 @@ def verf(b: Builder, x: Reg) -> Reg:
     return emit(b, erf_seq, x)
 
 
+def vfma(b: Builder, x: Reg, y: Reg, z: Reg) -> Reg:
+    return emit(b, fma_seq, x, y, z)
+
+
 # numpy models (bit-exact with what the compiler emits)
 sqrt, tanh, log, erf = model(sqrt_seq), model(tanh_seq), model(log_seq), model(erf_seq)
+fma = model(fma_seq, arity=3)

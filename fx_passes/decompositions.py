@@ -22,22 +22,28 @@ scores and is dead code (eliminated) where nothing differentiates it. The softma
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from .foreach import foreach_decompositions
+
 aten = torch.ops.aten
 
 
 def decomposition_table() -> dict[Any, Callable[..., Any]]:
-    """core_aten_decompositions() with the SDPA-for-CPU rule that keeps the op's outputs (module docstring)."""
+    """core_aten_decompositions() with the SDPA-for-CPU rule that keeps the op's outputs (module docstring), and
+    the `_foreach_*` ops as one op per tensor (foreach.py)."""
     from torch._decomp import core_aten_decompositions
 
     table = dict(core_aten_decompositions())
     table[aten._scaled_dot_product_flash_attention_for_cpu.default] = sdpa_flash_for_cpu
     table[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = sdpa_flash_for_cpu_backward
+    table[aten.pow.Scalar] = pow_scalar_base
+    table.update(foreach_decompositions())  # a compiled optimizer step's list ops, one op per tensor
     return table
 
 
@@ -135,6 +141,24 @@ def sdpa_flash_for_cpu_backward(
         grad_k = grad_k.view(b, h, groups, s, e).sum(2)
         grad_v = grad_v.view(b, h, groups, s, value.shape[-1]).sum(2)
     return grad_q.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype)
+
+
+def pow_scalar_base(base: float | bool, exponent: Tensor) -> Tensor:
+    """`base ** exponent` (fp32, fp64) for a base in (0, 1] (Adam's bias corrections `beta ** step`) as
+    exp(exponent * log(base)): 1 at exponent 0, NaN for NaN, 0 / inf for an infinite exponent, as pow; within
+    a few ulp elsewhere (the relative error grows with |exponent * log(base)| * 2^-24); 1 ** x = 1. Other bases
+    are left to the op (NotImplemented): 0 and negative ones (integer exponents matter), and bases > 1, whose
+    integer powers pow gives exactly (2 ** 10 = 1024; exp(10 log 2) is 1024.0001)."""
+    if isinstance(base, bool) or not isinstance(base, int | float) or not 0 < base <= 1:
+        return NotImplemented  # type: ignore[return-value]
+    dtype = exponent.dtype if exponent.is_floating_point() else torch.get_default_dtype()
+    if dtype not in (torch.float32, torch.float64):
+        return NotImplemented  # type: ignore[return-value]
+    # pow reads the base in the result's dtype: 0.999 in fp32 is 0.99900001, which makes 1.3e-5 at step 1000
+    rounded = struct.unpack("f", struct.pack("f", base))[0] if dtype == torch.float32 else float(base)
+    if rounded == 1.0:  # 1 ** x is 1 for every x, NaN and infinities included (exp(inf * 0) would be NaN)
+        return torch.full_like(exponent, 1.0, dtype=dtype)
+    return torch.exp(exponent.to(dtype) * math.log(rounded))
 
 
 def _additive_mask(keep: Tensor, dtype: torch.dtype) -> Tensor:

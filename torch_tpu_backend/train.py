@@ -1,10 +1,11 @@
-"""`ctpu train`: the tiny Llama trained for a few steps with its forward and backward compiled with
-backend="ctpu", on a synthetic token stream (seeded, nothing downloaded).
+"""`ctpu train`: the tiny Llama trained for a few steps on the CTPU, on a synthetic token stream (seeded,
+nothing downloaded): parameters and optimizer state live in HBM (device "ctpu"), the forward and backward
+are compiled with backend="ctpu", and so is the optimizer step (`torch.compile(opt.step)`: one program).
 
     ctpu train [--steps 10] [--optimizer sgd|adamw] [--lr 0.05] [--check] [--plot loss.png] [--json]
 
-Each step prints its loss, the CTPU cycles of its launches (forward and backward) and the ops that ran on
-the CPU. `--check` trains an eager copy of the same model alongside and compares every step's loss
+Each step prints its loss, the CTPU cycles of its launches (forward, backward, optimizer) and the ops that
+ran on the CPU. `--check` trains an eager copy of the same model alongside and compares every step's loss
 (relative 1e-5, fp32 at "highest"). `--plot FILE.png` writes the loss curve (a PNG written by png.py, no
 plotting library needed).
 """
@@ -40,7 +41,7 @@ def _optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, foreach=False)
+        return torch.optim.AdamW(params, lr=lr)
     raise ValueError(f"unknown optimizer {name!r} (sgd or adamw)")
 
 
@@ -52,13 +53,15 @@ def run(steps: int = 10, optimizer: str = "sgd", lr: float | None = None, batch:
     from torch_tpu_backend.llama_demo import tiny_llama
 
     lr = lr if lr is not None else (0.05 if optimizer == "sgd" else 3e-3)
-    model = tiny_llama().train()
+    model = tiny_llama().train().to("ctpu")
     eager = tiny_llama().train() if check else None
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="ctpu", options={"target": target, "config": config})
+    options = {"target": target, "config": config}
+    compiled = torch.compile(model, backend="ctpu", options=options)
     opt = _optimizer(optimizer, model.parameters(), lr)
+    opt_step = torch.compile(opt.step, backend="ctpu", options=options)
     eager_opt = _optimizer(optimizer, eager.parameters(), lr) if eager is not None else None
     data = token_stream(model.config.vocab_size, batch, length)
     records: list[dict[str, Any]] = []
@@ -71,9 +74,10 @@ def run(steps: int = 10, optimizer: str = "sgd", lr: float | None = None, batch:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 opt.zero_grad(set_to_none=True)
-                loss = compiled(input_ids=ids, labels=ids, use_cache=USE_CACHE).loss
+                on_device = ids.to("ctpu")
+                loss = compiled(input_ids=on_device, labels=on_device, use_cache=USE_CACHE).loss
                 loss.backward()
-                opt.step()
+                opt_step()
             stats = ctpu_stats.last()
             warned.update(str(w.message)[:300] for w in caught if "ctpu" in str(w.message))
             record: dict[str, Any] = {

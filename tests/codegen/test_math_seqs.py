@@ -119,3 +119,71 @@ def test_simulator_matches_model(name: str) -> None:
     got = run_sequence(fn.builder, fn.builder.ops[-1].dst, x)
     assert np.array_equal(got, fn(x).view(np.uint32)), x[got != fn(x).view(np.uint32)]
 
+
+
+# ---- fma: x * y + z rounded once (the CPU's add / sub with alpha) ----------------------------------------
+def _fma_exact(x: np.ndarray, y: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """x y + z rounded once to fp32 (nearest, ties to even), from the exact rational value."""
+    from fractions import Fraction
+
+    out = np.empty_like(x)
+    with np.errstate(all="ignore"):
+        for i, (a, b, c) in enumerate(zip(x, y, z, strict=True)):
+            if not np.isfinite([a, b, c]).all():
+                out[i] = np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+                continue
+            exact = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+            near = np.float32(float(exact))  # within an ulp: float64 rounding, then fp32's
+            if exact == 0 or not np.isfinite(near):
+                out[i] = np.float32(np.float64(a) * np.float64(b) + np.float64(c)) if exact == 0 else near
+                continue
+            candidates = [near, np.nextafter(near, np.float32(np.inf)), np.nextafter(near, np.float32(-np.inf))]
+            out[i] = min((v for v in candidates if np.isfinite(v)),
+                         key=lambda v: (abs(Fraction(float(v)) - exact), int(np.float32(v).view(np.uint32)) & 1))
+    return out
+
+
+def _same_bits(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    return (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+
+
+def test_fma_is_correctly_rounded() -> None:
+    """Random operands over 60 binades, sums that cancel to a few bits, random bit patterns (any x, y, z:
+    products that overflow or underflow, subnormals), and every combination of ±0, subnormals, ±1, the
+    largest finite, ±inf and NaN. The one documented inexact case: a product below 2^-100 whose sum lands
+    in [2^-127, 2^-126), within one ulp of the subnormal grid."""
+    n = 3000
+    x = (RNG.standard_normal(n) * np.exp2(RNG.integers(-30, 30, n))).astype(np.float32)
+    y = RNG.standard_normal(n).astype(np.float32)
+    near = (-(x.astype(np.float64) * y) * (1 + RNG.standard_normal(n) * 1e-6)).astype(np.float32)
+    z = np.where(RNG.random(n) < 0.5, near, RNG.standard_normal(n).astype(np.float32))
+    bits = RNG.integers(0, 2**32, (3, 3 * n), dtype=np.uint64).astype(np.uint32).view(np.float32)
+    edges = np.float32([0.0, -0.0, 1e-45, -1e-45, 1.1754944e-38, 1.0, -1.0, 3.4028235e38, -3.4028235e38,
+                        np.inf, -np.inf, np.nan])
+    ex, ey, ez = (a.ravel() for a in np.meshgrid(edges, edges, edges))
+    xs, ys, zs = (np.concatenate(p) for p in ((x, bits[0], ex), (y, bits[1], ey), (z, bits[2], ez)))
+    got, want = math_seqs.fma(xs, ys, zs), _fma_exact(xs, ys, zs)
+    with np.errstate(all="ignore"):
+        tiny = np.abs(xs.astype(np.float64) * ys) < math_seqs.FMA_TINY
+        documented = tiny & (np.abs(want) >= 2.0**-127) & (np.abs(want) < 2.0**-126)
+        assert (np.abs(got[documented].astype(np.float64) - want[documented]) <= 2.0**-149).all()
+    bad = ~_same_bits(got, want) & ~documented
+    assert not bad.any(), list(zip(xs[bad], ys[bad], zs[bad], got[bad], want[bad], strict=True))[:5]
+
+
+@pytest.mark.parametrize("alpha", [-0.1, 3e-4, -0.9, 1 / 3])
+def test_fma_is_cpu_torch_add_with_alpha(alpha: float) -> None:
+    """torch.add(p, g, alpha=a) on the CPU rounds p + a g once (ATen's fmadd): SGD's update, bit for bit."""
+    p, g = torch.randn(4000), torch.randn(4000) * 10
+    want = torch.add(p, g, alpha=alpha).numpy()
+    got = math_seqs.fma(np.full(4000, np.float32(alpha)), g.numpy(), p.numpy())
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_fma_simulator_matches_model() -> None:
+    fn = math_seqs.fma
+    assert all(isa.BY_MNEMONIC[op.mnemonic].unit is isa.Unit.VECTOR for op in fn.builder.ops)
+    x, y, z = (np.concatenate([SPECIALS, RNG.normal(0, 100, 34).astype(np.float32)]) for _ in range(3))
+    y, z = RNG.permutation(y), RNG.permutation(z)
+    got = run_sequence(fn.builder, fn.builder.ops[-1].dst, x, y, z)
+    assert np.array_equal(got, fn(x, y, z).view(np.uint32))

@@ -61,7 +61,8 @@ _FLOAT_OPS = {
     "arith.maximumf": torch.maximum, "arith.minimumf": torch.minimum, "arith.negf": torch.neg,
     "math.absf": torch.abs, "math.exp": torch.exp, "math.tanh": torch.tanh, "math.rsqrt": torch.rsqrt,
     "math.sqrt": torch.sqrt, "math.sin": torch.sin, "math.cos": torch.cos, "math.log": torch.log,
-    "math.erf": torch.erf, "arith.extf": lambda x: x, "arith.truncf": lambda x: x.to(torch.bfloat16).double(),
+    "math.erf": torch.erf, "math.fma": lambda x, y, z: x * y + z,
+    "arith.extf": lambda x: x, "arith.truncf": lambda x: x.to(torch.bfloat16).double(),
     "arith.sitofp": lambda x: x.double(), "arith.uitofp": lambda x: (x & 1).double(),
     "arith.fptosi": lambda x: x.trunc().long(),
 }

@@ -43,3 +43,39 @@ def test_cpu_eager_mode_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setenv("CTPU_EAGER", "cpu")
     assert eager_compiler.compile_single_op(torch.ops.aten.exp.default, (torch.ones(2, device="ctpu"),), {}) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fills_run_on_the_ctpu(dtype: torch.dtype) -> None:
+    """zero_ and fill_ (torch.zeros / zeros_like on ctpu: an optimizer's state) are CTPU kernels (they ran on
+    the CPU), bit for bit: ±0, a subnormal, ±inf, NaN, the largest finite (fp32), a strided view."""
+    values = [-0.0, 0.0, 1e-45, float("inf"), float("-inf"), float("nan"), 0.1]
+    values += [-3.4028234663852886e38] if dtype == torch.float32 else []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CtpuFallbackWarning)
+        for value in values:
+            x = torch.randn(5, 3).to(dtype)
+            xd = x.to("ctpu")
+            ctpu_stats.reset()
+            xd.fill_(value)
+            assert ctpu_stats.last().kernels_launched == 1
+            assert torch.equal(xd.cpu().view(torch.uint8), x.fill_(value).view(torch.uint8)), value
+        zeros = torch.zeros(4, 6, dtype=dtype, device="ctpu")
+        view = torch.ones(4, 6, dtype=dtype, device="ctpu")
+        view[:, 1::2].zero_()
+    assert torch.equal(zeros.cpu(), torch.zeros(4, 6, dtype=dtype))
+    want = torch.ones(4, 6, dtype=dtype)
+    want[:, 1::2] = 0
+    assert torch.equal(view.cpu(), want)
+    assert not ctpu_stats.last().fallback_ops
+
+
+def test_kernels_are_not_shared_between_equal_scalars_of_another_sign_or_type() -> None:
+    """-0.0 == 0.0 (and 1 == 1.0 == True) as dict keys: the kernel compiled for x + -0.0 answered x + 0.0,
+    silently (-0 + 0 is +0). The cache keys a scalar by its type and sign."""
+    x = torch.tensor([-0.0, 1.0, -2.0])
+    xd = x.to("ctpu")
+    for scalar in (-0.0, 0.0, False, 1, 1.0, True):
+        got = torch.add(xd, scalar).cpu()
+        want = torch.add(x, scalar)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (scalar, got, want)

@@ -168,37 +168,42 @@ def train_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_tiny_llama_sgd_training_runs_on_the_ctpu(train_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Three SGD steps of the tiny Llama (SDPA; `ctpu train`'s model and data), compiled: every loss within
-    1e-5 of eager's, every gradient too, with no op of the forward or backward graphs on the CPU, and AOT's
-    boxed calling convention (no warning about it)."""
+    """Three SGD steps of the tiny Llama (SDPA; `ctpu train`'s model, data and device: parameters and state in
+    HBM, the optimizer step compiled too), compiled: every loss within 1e-5 of eager's, every gradient too,
+    no op of the forward, backward or optimizer on the CPU, and AOT's boxed calling convention (no warning
+    about it)."""
     from torch_tpu_backend.llama_demo import tiny_llama as demo_llama
     from torch_tpu_backend.train import USE_CACHE, token_stream
 
     monkeypatch.setenv("CTPU_CACHE_DIR", str(train_cache))
-    eager_model, model = demo_llama().train(), demo_llama().train()
+    eager_model, model = demo_llama().train(), demo_llama().train().to("ctpu")
     compiled = torch.compile(model, backend="ctpu")
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager_model, model)]
+    steps = [optimizers[0].step, torch.compile(optimizers[1].step, backend="ctpu")]
     stream = token_stream(128, 2, 16)
     batches = [next(stream) for _ in range(3)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for ids in batches:
             losses, grads = [], []
-            for m, fn, opt in zip((eager_model, model), (eager_model, compiled), optimizers, strict=True):
+            for m, fn, opt, step, device in zip((eager_model, model), (eager_model, compiled), optimizers, steps,
+                                                ("cpu", "ctpu"), strict=True):
                 opt.zero_grad(set_to_none=True)
                 ctpu_stats.reset()
-                loss = fn(input_ids=ids, labels=ids, use_cache=USE_CACHE).loss
+                loss = fn(input_ids=ids.to(device), labels=ids.to(device), use_cache=USE_CACHE).loss
                 loss.backward()
-                losses.append(loss.detach())
-                grads.append({n: p.grad for n, p in m.named_parameters()})
-                opt.step()
+                losses.append(loss.detach().cpu())
+                grads.append({n: p.grad.cpu() for n, p in m.named_parameters()})
+                step()
             stats = ctpu_stats.last()
             torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
             assert_grads_close(list(grads[1].values()), list(grads[0].values()), list(grads[0]))
-            assert not stats.fallback_ops, stats.fallback_ops  # forward and backward: 0 CPU ops
-            # the forward is one program; the backward's (33k bundles) does not fit small's imem (32768
-            # bundles) and runs as two
-            assert stats.kernels_launched == 3, stats.as_dict()
+            assert not stats.fallback_ops, stats.fallback_ops  # forward, backward, optimizer: 0 CPU ops
+            # the forward is one program; the backward's (48k bundles) does not fit small's imem (32768
+            # bundles) and runs as two; the optimizer step is one (the rest: eager fills of the loss's seed
+            # gradient and of zeros the model makes)
+            programs = [launch.name for launch in stats.launches if launch.name.startswith("submod")]
+            assert len(programs) == 4, stats.as_dict()
     messages = [str(w.message) for w in caught]
     assert not [m for m in messages if "boxed" in m or "ctpu" in m], messages
 
@@ -302,3 +307,21 @@ def test_mlp_with_layer_norm_and_gelu_trains_on_the_ctpu() -> None:
     assert_grads_close(got, want, [n for n, _ in model.named_parameters()])
     stats = ctpu_stats.last()
     assert not stats.fallback_ops and stats.kernels_launched == 2, stats.as_dict()  # forward, backward
+
+
+def test_silu_backward_on_ctpu_tensors_runs_on_the_ctpu() -> None:
+    """On ctpu tensors AOT's SiLU backward makes `empty_permuted` for a full_like (on CPU tensors it does not):
+    it ran on the CPU and cut the tiny Llama's backward graph into more programs around it."""
+    x = torch.randn(2, 16, 8)
+    on_device = x.to("ctpu").requires_grad_()
+    on_cpu = x.clone().requires_grad_()
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return (F.silu(t) * 3.0).sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CtpuFallbackWarning)
+        torch.compile(fn, backend="ctpu")(on_device).backward()
+    assert not ctpu_stats.last().fallback_ops
+    fn(on_cpu).backward()
+    torch.testing.assert_close(on_device.grad.cpu(), on_cpu.grad, rtol=1e-5, atol=1e-6)

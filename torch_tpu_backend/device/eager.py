@@ -44,6 +44,8 @@ def kernel_key(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     def leaf(x: Any) -> Hashable:
         if isinstance(x, torch.Tensor):
             return ("T", tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype, x.device.type)
+        if isinstance(x, bool | int | float):  # by type and sign: -0.0 == 0.0 == False as dict keys
+            return (type(x), repr(x))
         if isinstance(x, list | tuple):
             return tuple(leaf(v) for v in x)
         return x if isinstance(x, Hashable) else repr(x)

@@ -40,10 +40,22 @@ def _compilable(op: OpOverload, leaves: list[Any]) -> bool:
                                  for t in tensors)
 
 
+def _fills() -> dict[OpOverload, OpOverload]:
+    """In-place fills and their functional forms: `torch.zeros(..., device="ctpu")`, `zeros_like` (an
+    optimizer's state) and `fill_` write self from no other tensor, so the functional result copied into
+    self is the op (no aliasing to keep)."""
+    aten = torch.ops.aten
+    return {aten.zero_.default: aten.zero.default, aten.fill_.Scalar: aten.fill.Scalar}
+
+
 def compile_single_op(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A kernel running `op` on the CTPU for every call with this layout, or None (the CPU runs it)."""
     if not enabled():
         return None
+    functional = _fills().get(op)
+    if functional is not None:
+        kernel = compile_single_op(functional, args, kwargs) if args and args[0].numel() > 0 else None
+        return None if kernel is None else FillKernel(kernel)
     outs = _out_names(op)
     inputs = {k: v for k, v in kwargs.items() if k not in outs}
     leaves, spec = pytree.tree_flatten((args, inputs))
@@ -122,3 +134,14 @@ class SingleOpKernel:
                 dst.copy_(res)
             results = targets
         return results[0] if len(results) == 1 else tuple(results)
+
+
+class FillKernel:
+    """An in-place fill (`_fills`): its functional form's kernel, the result copied into self on the device."""
+
+    def __init__(self, functional: SingleOpKernel) -> None:
+        self.functional = functional
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args[0].copy_(self.functional(*args, **kwargs))
+        return args[0]
