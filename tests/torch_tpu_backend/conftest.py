@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import torch_tpu_backend.device as ctpu_device
 import torch_tpu_backend.stats as ctpu_stats
+
+ctpu_device.register()  # tests/codegen's conftest turns torch's autoload off for the whole session
 
 
 @pytest.fixture
