@@ -299,6 +299,7 @@ class _Masker:
             with self.graph.inserting_after(node):
                 total = self.call(aten.sum.dim_IntList, (node.args[0], list(dims), keepdim),
                                   {"dtype": dtype} if dtype is not None else {}, like=val(node))
+            with self.graph.inserting_after(total):
                 mean = self.call(aten.div.Tensor, (total, self.valid_len(count)), like=val(node))
             node.replace_all_uses_with(mean)
             self.graph.erase_node(node)
@@ -437,6 +438,14 @@ def _arange_end(idx: Node) -> sympy.Expr | None:
     return expr_of(val(idx).shape[0])
 
 
+def _finite(bound: Any) -> int | None:
+    """A value range's bound as an int, None when infinite (sympy's oo or torch's int_oo)."""
+    try:
+        return int(bound)
+    except (TypeError, ValueError, OverflowError, AttributeError):
+        return None
+
+
 def _extreme(dtype: torch.dtype, high: bool) -> float | int | bool:
     if dtype.is_floating_point:
         return math.inf if high else -math.inf
@@ -517,9 +526,7 @@ def mask_padding(gm: GraphModule) -> DynamicPlan:
     if shape_env is not None:
         for sym in plan.symbols:
             vr = shape_env.var_to_range.get(sym)
-            upper = vr.upper if vr is not None else None
-            plan.ranges[sym] = (int(vr.lower) if vr is not None and vr.lower.is_finite else 0,
-                                int(upper) if upper is not None and upper.is_finite else None)
+            plan.ranges[sym] = (_finite(vr.lower) or 0, _finite(vr.upper)) if vr is not None else (0, None)
         plan.guards = tuple(g.expr for g in shape_env.guards if g.expr.free_symbols <= symbols)
     for node in gm.graph.nodes:
         if is_call(node, aten.copy_.default) and node.args[0] in placeholders:
