@@ -312,6 +312,8 @@ class _Masker:
             return
         if node.target is aten.index.Tensor:
             node = self.drop_zero_index(node)
+            if node.target is not aten.index.Tensor:
+                return  # an identity gather became a view
             src = _padded(val(node.args[0]))
             pairs = [(d, i) for d, i in enumerate(node.args[1]) if isinstance(i, Node)]
         else:
@@ -349,6 +351,13 @@ class _Masker:
             return node
         with self.graph.inserting_before(node):
             row = self.call(aten.select.int, (x, 0, 0), like=val(x)[0])
+            if len(indices) == 2 and val(x).dim() == 2 and _is_identity_index(indices[1], expr_of(val(x).shape[1])):
+                sizes = [self.call(aten.sym_size.int, (indices[1], d), like=n) if isinstance(n, torch.SymInt)
+                         else int(n) for d, n in enumerate(val(indices[1]).shape)]  # the result's shape
+                new = self.call(aten.view.default, (row, sizes), like=val(node))
+                node.replace_all_uses_with(new)
+                self.graph.erase_node(node)
+                return new
             if val(x).dim() == 2 and len(indices) == 2:  # codegen gathers rows of a 2-D tensor: x[0][:, None]
                 column = self.call(aten.unsqueeze.default, (row, 1), like=val(x)[0][:, None])
                 flat = self.call(aten.view.default, (indices[1], [-1]), like=val(indices[1]).reshape(-1))
@@ -444,6 +453,15 @@ def _finite(bound: Any) -> int | None:
         return int(bound)
     except (TypeError, ValueError, OverflowError, AttributeError):
         return None
+
+
+def _is_identity_index(idx: Node, size: sympy.Expr) -> bool:
+    """idx holds 0 .. size - 1 in row-major order: arange(0, size) through unsqueezes and views only."""
+    numel = math.prod(expr_of(n) for n in val(idx).shape)
+    while is_call(idx, aten.unsqueeze.default, aten.view.default, aten._unsafe_view.default, aten.clone.default) or (
+            is_call(idx, aten.add.Tensor, aten.sub.Tensor) and idx.args[1] == 0):
+        idx = idx.args[0]  # type: ignore[assignment]
+    return _arange_end(idx) == size and sympy.simplify(numel - size) == 0 and is_call(idx, *_ARANGES)
 
 
 def _extreme(dtype: torch.dtype, high: bool) -> float | int | bool:

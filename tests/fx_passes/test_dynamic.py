@@ -148,3 +148,24 @@ def test_bounds_are_powers_of_two_capped_by_the_declared_max() -> None:
     assert choose_bounds(plan, {sym: 33})[sym] == 40
     with pytest.raises(CtpuDynamicShapeError, match=f"{sym} = 41 is above its bound 40"):
         choose_bounds(plan, {sym: 41})
+
+
+@pytest.mark.parametrize("length", [3, 9, 16])
+def test_gathers_on_a_padded_dim(length: int) -> None:
+    """Hugging Face's mask builder gathers c[arange(1), arange(n)] (an identity gather: a view now) and an
+    index computed from the size (n - 1 - arange(n): values read at run time, padding indexes 0), and a
+    negative index counted from the real end, not the bound."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        c = x[:, 0].cumsum(0)[None]  # [1, n]
+        same = c[torch.arange(1)[:, None, None], torch.arange(n)[None, :, None]]  # [1, n, 1]
+        reverse = x[n - 1 - torch.arange(n)]
+        last = x[torch.full((n,), -1)]
+        return same[0] + reverse + last
+
+    x = torch.randn(length, 3, generator=torch.Generator().manual_seed(length))
+    gm = symbolic_graph(fn, torch.randn(7, 3))
+    masked = copy_graph_module(gm)
+    plan = mask_padding(masked)
+    assert not any(n.target is torch.ops.aten.index.Tensor and len(n.args[1]) > 1 for n in masked.graph.nodes)
+    torch.testing.assert_close(run_padded(masked, plan, [x], math.nan)[0], fn(x))
