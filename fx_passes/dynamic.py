@@ -78,6 +78,7 @@ class DynamicPlan:
     output_shapes: list[tuple[sympy.Expr, ...] | None] = field(default_factory=list)
     sym_outputs: dict[int, sympy.Expr] = field(default_factory=dict)
     mutated_inputs: list[int] = field(default_factory=list)  # placeholder indices written by a copy_
+    dim_exprs: set[sympy.Expr] = field(default_factory=set)  # every symbolic size: none may shrink when padded
 
 
 def evaluate(expr: sympy.Expr, values: Mapping[sympy.Symbol, int]) -> int:
@@ -87,7 +88,8 @@ def evaluate(expr: sympy.Expr, values: Mapping[sympy.Symbol, int]) -> int:
 def choose_bounds(plan: DynamicPlan, values: Mapping[sympy.Symbol, int], minimum: int = MIN_BOUND,
                   default_max: int = DEFAULT_MAX) -> dict[sympy.Symbol, int]:
     """Each symbol's bucket bound: the next power of two of its value (at least `minimum`), capped by its
-    declared maximum. A value above that maximum, or bounds that break a guard, raise CtpuDynamicShapeError."""
+    declared maximum; a value above that maximum raises CtpuDynamicShapeError. Where the bounds break a shape
+    guard or make some padded size smaller than its real size, the values themselves (an unpadded variant)."""
     bounds = {}
     for sym in plan.symbols:
         value = values[sym]
@@ -97,9 +99,12 @@ def choose_bounds(plan: DynamicPlan, values: Mapping[sympy.Symbol, int], minimum
             raise CtpuDynamicShapeError(f"size {sym} = {value} is above its bound {cap} "
                                         "(torch._dynamo.mark_dynamic(..., max=) or the option dynamic_max)")
         bounds[sym] = max(min(max(1 << max(value - 1, 0).bit_length(), minimum), cap), value, low)
-    for guard in plan.guards:
-        if not bool(guard.xreplace({s: sympy.Integer(v) for s, v in bounds.items()})):
-            raise CtpuDynamicShapeError(f"the bucket bounds {bounds} break the shape guard {guard}")
+    point = {s: sympy.Integer(v) for s, v in bounds.items()}
+    if not all(bool(guard.xreplace(point)) for guard in plan.guards) or any(
+            evaluate(e, bounds) < evaluate(e, values) for e in plan.dim_exprs):
+        # A guard that the bounds break, or a size that shrinks as a symbol grows (20 - s): a program of
+        # these exact sizes (no padding), which the guards and sizes of this call hold for.
+        return {s: values[s] for s in plan.symbols}
     return bounds
 
 
@@ -533,6 +538,8 @@ def mask_padding(gm: GraphModule) -> DynamicPlan:
                 if isinstance(s, _SYMBOLIC):
                     symbols |= s.node.expr.free_symbols
                     shape_env = s.node.shape_env
+                    if isinstance(s, torch.SymInt) and isinstance(item, torch.Tensor):
+                        plan.dim_exprs.add(s.node.expr)
     plan.symbols = tuple(sorted(symbols, key=str))
     for i, node in enumerate(placeholders):
         value = val(node)

@@ -169,3 +169,16 @@ def test_gathers_on_a_padded_dim(length: int) -> None:
     plan = mask_padding(masked)
     assert not any(n.target is torch.ops.aten.index.Tensor and len(n.args[1]) > 1 for n in masked.graph.nodes)
     torch.testing.assert_close(run_padded(masked, plan, [x], math.nan)[0], fn(x))
+
+
+def test_a_size_that_shrinks_as_the_symbol_grows_is_not_padded() -> None:
+    """ones(20 - n).sum(): at the bound 16 the tensor would have 4 elements for n = 5 (real: 15), a silent
+    wrong sum; the bounds fall back to the exact sizes."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.ones(20 - x.shape[0]).sum() + x.sum()
+
+    gm = symbolic_graph(fn, torch.randn(7))
+    masked = copy_graph_module(gm)
+    plan = mask_padding(masked)
+    x = torch.randn(5)
+    torch.testing.assert_close(run_padded(masked, plan, [x], math.nan)[0], fn(x))
