@@ -439,9 +439,23 @@ _SHAPE_ONLY = {aten.unsqueeze.default, aten.view.default, aten._unsafe_view.defa
                aten.squeeze.dim, aten.squeeze.dims}
 
 
+_ROW_MAJOR = {aten.unsqueeze.default, aten.view.default, aten._unsafe_view.default, aten.clone.default}
+
+
+def _is_full_slice(node: Node) -> bool:
+    """slice(x, d, 0, end >= size, 1): x itself."""
+    return (is_call(node, aten.slice.Tensor) and op_arg(node, "start") in (0, None) and op_arg(node, "step") == 1
+            and [expr_of(n) for n in val(node).shape] == [expr_of(n) for n in val(node.args[0]).shape])
+
+
+def _is_passthrough(node: Node, ops: set[Any]) -> bool:
+    return is_call(node, *ops) or _is_full_slice(node) or (
+        is_call(node, aten.add.Tensor, aten.sub.Tensor) and node.args[1] == 0)
+
+
 def _arange_end(idx: Node) -> sympy.Expr | None:
     """end when idx is arange(0, end) seen through shape-only ops (its values 0 .. end - 1), else None."""
-    while is_call(idx, *_SHAPE_ONLY) or (is_call(idx, aten.add.Tensor, aten.sub.Tensor) and idx.args[1] == 0):
+    while _is_passthrough(idx, _SHAPE_ONLY):
         idx = idx.args[0]  # type: ignore[assignment]
     if not is_call(idx, *_ARANGES):
         return None
@@ -463,8 +477,7 @@ def _finite(bound: Any) -> int | None:
 def _is_identity_index(idx: Node, size: sympy.Expr) -> bool:
     """idx holds 0 .. size - 1 in row-major order: arange(0, size) through unsqueezes and views only."""
     numel = math.prod(expr_of(n) for n in val(idx).shape)
-    while is_call(idx, aten.unsqueeze.default, aten.view.default, aten._unsafe_view.default, aten.clone.default) or (
-            is_call(idx, aten.add.Tensor, aten.sub.Tensor) and idx.args[1] == 0):
+    while _is_passthrough(idx, _ROW_MAJOR):
         idx = idx.args[0]  # type: ignore[assignment]
     return _arange_end(idx) == size and sympy.simplify(numel - size) == 0 and is_call(idx, *_ARANGES)
 

@@ -158,7 +158,7 @@ def test_gathers_on_a_padded_dim(length: int) -> None:
     def fn(x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         c = x[:, 0].cumsum(0)[None]  # [1, n]
-        same = c[torch.arange(1)[:, None, None], torch.arange(n)[None, :, None]]  # [1, n, 1]
+        same = c[torch.arange(1)[:, None, None], torch.arange(n)[None, :, None][:, 0:]]  # [1, n, 1], a full slice
         reverse = x[n - 1 - torch.arange(n)]
         last = x[torch.full((n,), -1)]
         return same[0] + reverse + last
