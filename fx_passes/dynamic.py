@@ -187,17 +187,20 @@ class _Masker:
             node.meta["val"] = like
         return node
 
+    def iota(self, x: Node, dim: int) -> Node:
+        """arange(size of x along dim), shaped to broadcast along dim of x (inserted where the graph is)."""
+        value = val(x)
+        size = self.call(aten.sym_size.int, (x, dim), like=value.shape[dim])
+        iota = self.call(aten.arange.default, (size,), {"dtype": torch.int64, "device": value.device})
+        shape = [size] + [1] * (value.dim() - dim - 1)
+        return self.call(aten.view.default, (iota, shape)) if len(shape) > 1 else iota
+
     def mask(self, x: Node, dim: int, fill: Any, before: Node) -> Node:
         """where(iota(dim) < valid_len, x, fill): x with its padding along dim replaced by fill."""
         value = val(x)
         expr = expr_of(value.shape[dim])
         with self.graph.inserting_before(before):
-            size = self.call(aten.sym_size.int, (x, dim), like=value.shape[dim])
-            iota = self.call(aten.arange.default, (size,), {"dtype": torch.int64, "device": value.device})
-            shape = [size] + [1] * (value.dim() - dim - 1)
-            if len(shape) > 1:
-                iota = self.call(aten.view.default, (iota, shape))
-            keep = self.call(aten.lt.Tensor, (iota, self.valid_len(expr)))
+            keep = self.call(aten.lt.Tensor, (self.iota(x, dim), self.valid_len(expr)))
             if value.dtype == torch.bool and fill in (False, _NEG):  # any(): and with the mask
                 return self.call(aten.logical_and.default, (x, keep), like=value)
             if value.dtype == torch.bool:  # all(): or with the mask's complement
@@ -258,17 +261,24 @@ class _Masker:
             dim = op_arg(node, "dim") % val(node.args[0]).dim()
             start = op_arg(node, "start")
             if dim in _padded(val(node.args[0])) and not (start is None or (isinstance(start, int) and start >= 0)):
-                raise _refuse(node, "a slice of a padded dim at a negative or symbolic start")
+                if expr_of(val(node).shape[dim]) != 1 or op_arg(node, "step") != 1:
+                    raise _refuse(node, "a slice of a padded dim at a negative or symbolic start (longer than 1)")
+                self.pick(node, dim, start, keepdim=True)
+                return
             if op_arg(node, "step") != 1 and dim in _padded(val(node)):
                 raise _refuse(node, "a strided slice of a padded dim")
         elif target is aten.select.int:
             dim, index = op_arg(node, "dim") % val(node.args[0]).dim(), op_arg(node, "index")
             if dim in _padded(val(node.args[0])) and not (isinstance(index, int) and index >= 0):
-                raise _refuse(node, "a select of a padded dim at a negative or symbolic index")
+                self.pick(node, dim, index, keepdim=False)
+                return
         elif target is aten.cat.default:
             tensors, dim = node.args[0], op_arg(node, "dim") % val(node).dim()
             if any(dim in _padded(val(t)) for t in tensors[:-1]):
-                raise _refuse(node, "a cat after an operand of symbolic size (its runtime offset)")
+                if len(tensors) != 2 or expr_of(val(tensors[1]).shape[dim]) != 1:
+                    raise _refuse(node, "a cat after an operand of symbolic size (its runtime offset), other than "
+                                        "cat([x, one row]) (a KV cache's append)")
+                self.append_row(node, dim)
         elif target is aten.constant_pad_nd.default:
             pad = list(op_arg(node, "pad"))
             padded = _padded(val(node.args[0]))
@@ -286,6 +296,42 @@ class _Masker:
             pass
         elif padded_in or _padded(val(node)):
             raise _refuse(node, f"{target} is not known to keep padded elements unobservable")
+
+    def pick(self, node: Node, dim: int, index: Any, keepdim: bool) -> None:
+        """x[index] along a padded dim, index negative (from the real end) or symbolic: the one element at
+        the runtime position r, as amax(where(iota == r, x, lowest)) over dim: exact (max(v, -inf) is v,
+        -0.0 and NaN included)."""
+        x = node.args[0]
+        value, length = val(x), expr_of(val(x).shape[dim])
+        real = length + index if isinstance(index, int) else expr_of(val(index))
+        if not isinstance(index, int) and not isinstance(val(index), torch.SymInt):
+            raise _refuse(node, "a select or slice at a non-integer position")
+        if not isinstance(index, int):  # torch counts a negative symbolic index from the end too
+            real = sympy.Piecewise((real + length, real < 0), (real, True))
+        fill = _extreme(value.dtype, False)
+        with self.graph.inserting_before(node):
+            at = self.call(aten.eq.Tensor, (self.iota(x, dim), self.valid_len(real)))
+            if value.dtype == torch.bool:
+                chosen = self.call(aten.logical_and.default, (x, at), like=value)
+                out = self.call(aten.any.dim, (chosen, dim, keepdim), like=val(node))
+            else:
+                lowest = self.call(aten.scalar_tensor.default, (fill,), {"dtype": value.dtype, "device": value.device})
+                chosen = self.call(aten.where.self, (at, x, lowest), like=value)
+                out = self.call(aten.amax.default, (chosen, [dim], keepdim), like=val(node))
+        node.replace_all_uses_with(out)
+        self.graph.erase_node(node)
+
+    def append_row(self, node: Node, dim: int) -> None:
+        """cat([x, row]) along a padded dim of x (valid length n): the row belongs at n, not at x's bound:
+        where(iota < n, cat, row) puts it there (and repeats it over the padding)."""
+        x, row = node.args[0]
+        users = list(node.users)
+        valid = self.valid_len(expr_of(val(x).shape[dim]))
+        with self.graph.inserting_before(node.next):  # in order, after the cat
+            keep = self.call(aten.lt.Tensor, (self.iota(node, dim), valid))
+            out = self.call(aten.where.self, (keep, node, row), like=val(node))
+        for user in users:
+            user.replace_input_with(node, out)
 
     def reduction(self, node: Node) -> None:
         x = node.args[0]

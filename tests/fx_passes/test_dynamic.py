@@ -128,9 +128,9 @@ def test_prefix_ops_and_sizes_as_values(length: int) -> None:
 
 
 @pytest.mark.parametrize(("fn", "why"), [
-    (lambda x: torch.cat([x, x[:1]], 0).sum(0), "cat after an operand of symbolic size"),
+    (lambda x: torch.cat([x, x[:2]], 0).sum(0), "cat after an operand of symbolic size"),
     (lambda x: x.flip(0), "not known to keep padded elements unobservable"),
-    (lambda x: x[-1], "negative or symbolic index"),
+    (lambda x: x[-2:], "negative or symbolic start"),
     (lambda x: x.t().reshape(-1).sum(), "merges or splits padded dims"),  # [3, s] -> [3s]: not a prefix
 ])
 def test_what_it_cannot_prove_safe_is_refused(fn: Callable[..., torch.Tensor], why: str) -> None:
@@ -182,3 +182,33 @@ def test_a_size_that_shrinks_as_the_symbol_grows_is_not_padded() -> None:
     plan = mask_padding(masked)
     x = torch.randn(5)
     torch.testing.assert_close(run_padded(masked, plan, [x], math.nan)[0], fn(x))
+
+
+@pytest.mark.parametrize("garbage", [math.nan, -math.inf])
+@pytest.mark.parametrize("length", [2, 9, 16])
+def test_kv_append_and_last_row(length: int, garbage: float) -> None:
+    """A KV cache's append, cat([past, new]) with past padded: new lands at the real length; the last row
+    (x[-1], x[:, -1:] as generate() reads the logits) at the real end; -0.0 and NaN rows come out exact."""
+    def fn(past: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cache = torch.cat([past, new], 0)  # [n + 1, 3]
+        return cache, cache[-1], cache[None][:, -1:], (cache > 0)[-1], cache.sum(0)
+
+    past = torch.randn(length, 3, generator=torch.Generator().manual_seed(length))
+    new = torch.tensor([[-0.0, math.nan, 2.5]])
+    graphs = []
+
+    def keep(gm: torch.fx.GraphModule, _: object) -> torch.fx.GraphModule:
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    example = torch.randn(7, 3)
+    torch._dynamo.mark_dynamic(example, 0)
+    backend = aot_autograd(fw_compiler=keep, decompositions=decomposition_table())
+    torch.compile(fn, backend=backend, fullgraph=True)(example, new)
+    masked = copy_graph_module(graphs[0])
+    plan = mask_padding(masked)
+    got = run_padded(masked, plan, [past, new], garbage)
+    for g, r in zip(got, fn(past, new), strict=True):
+        torch.testing.assert_close(g, r, equal_nan=True)
+        assert torch.equal(torch.signbit(g.nan_to_num()), torch.signbit(r.nan_to_num()))
