@@ -89,6 +89,8 @@ class DynamicGraph:
                 continue
             out, shape = outs.pop(0), self.plan.output_shapes[j]
             if shape is not None and any(e.free_symbols for e in shape):
-                out = out[tuple(slice(0, evaluate(e, values)) for e in shape)]
+                # contiguous, as eager returns it: a narrowed view's strides would fail dynamo's stride
+                # guards when the output comes back as an input (a KV cache), one more graph per model
+                out = out[tuple(slice(0, evaluate(e, values)) for e in shape)].contiguous()
             results.append(out)
         return results

@@ -82,3 +82,26 @@ def test_llama_at_lengths_that_are_not_multiples_of_a_tile(mark: bool) -> None:
     assert not stats.fallback_ops
     assert stats.graphs_compiled == (1 if mark else 2)
     assert stats.program_variants == 3  # buckets 16, 32, 64 (automatic: 5 is the static first graph)
+
+
+@pytest.mark.slow
+def test_generate_with_the_default_dynamic_cache() -> None:
+    """generate() with the default DynamicCache: greedy tokens equal eager's, nothing on the CPU, and the
+    graphs stop growing with the number of tokens (the decode graph with a symbolic past serves them all)."""
+    model = tiny_llama(layers=1)
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=True)
+        expected_more = model.generate(ids, max_new_tokens=12, do_sample=False, use_cache=True)
+        torch._dynamo.reset()
+        ctpu_stats.reset()
+        model.forward = torch.compile(model.forward, backend="ctpu", options={"cache": False})
+        got = model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=True)
+        graphs = ctpu_stats.last().graphs_compiled
+        more = model.generate(ids, max_new_tokens=12, do_sample=False, use_cache=True)
+    stats = ctpu_stats.last()
+    print(f"graphs {stats.graphs_compiled}, program variants {stats.program_variants}")
+    assert torch.equal(got, expected)
+    assert torch.equal(more, expected_more)
+    assert not stats.fallback_ops and not stats.uncompiled_calls
+    assert stats.graphs_compiled == graphs <= 3  # prefill, first decode (static), decode with a symbolic past
