@@ -108,7 +108,7 @@ def test_without_the_masks_the_padding_shows(name: str) -> None:
     assert not torch.allclose(got, fn(*args), equal_nan=True)
 
 
-@pytest.mark.parametrize("length", [2, 5, 16, 17, 31])
+@pytest.mark.parametrize("length", [2, 5, 17])
 def test_prefix_ops_and_sizes_as_values(length: int) -> None:
     """cat after a static operand, slices at static starts, cumsum, arange + s (a size used as a value),
     a mean that divides by the real length: every length of a bucket gives eager's answer."""
@@ -184,8 +184,7 @@ def test_a_size_that_shrinks_as_the_symbol_grows_is_not_padded() -> None:
     torch.testing.assert_close(run_padded(masked, plan, [x], math.nan)[0], fn(x))
 
 
-@pytest.mark.parametrize("garbage", [math.nan, -math.inf])
-@pytest.mark.parametrize("length", [2, 9, 16])
+@pytest.mark.parametrize(("length", "garbage"), [(2, math.nan), (9, -math.inf), (16, math.nan)])
 def test_kv_append_and_last_row(length: int, garbage: float) -> None:
     """A KV cache's append, cat([past, new]) with past padded: new lands at the real length; the last row
     (x[-1], x[:, -1:] as generate() reads the logits) at the real end; -0.0 and NaN rows come out exact."""
