@@ -142,6 +142,8 @@ _SIZE_ARGS = {(op, "size") for op in (*_VIEWS, aten.expand.default, aten.full.de
 _SIZE_ARGS |= {(aten.view.default, "size"), (aten.reshape.default, "shape"), (aten.empty_strided.default, "stride"),
                (aten.slice.Tensor, "end"), (aten.arange.default, "end"), (aten.arange.start, "end"),
                (aten.arange.start_step, "end")}
+# (op, argument) where a symbolic position is handled by the op's rule in visit (or refused there)
+_POSITION_ARGS = {(aten.slice.Tensor, "start"), (aten.select.int, "index")}
 _ARITHMETIC = {"add", "sub", "mul", "div", "eq", "ne", "lt", "le", "gt", "ge", "remainder", "floor_divide",
                "maximum", "minimum"}
 _DROPPED = {aten._assert_scalar.default, aten.sym_constrain_range_for_size.default,
@@ -265,6 +267,8 @@ class _Masker:
                     raise _refuse(node, "a slice of a padded dim at a negative or symbolic start (longer than 1)")
                 self.pick(node, dim, start, keepdim=True)
                 return
+            if isinstance(start, Node):
+                raise _refuse(node, "a slice of a static dim at a symbolic start")
             if op_arg(node, "step") != 1 and dim in _padded(val(node)):
                 raise _refuse(node, "a strided slice of a padded dim")
         elif target is aten.select.int:
@@ -272,6 +276,8 @@ class _Masker:
             if dim in _padded(val(node.args[0])) and not (isinstance(index, int) and index >= 0):
                 self.pick(node, dim, index, keepdim=False)
                 return
+            if isinstance(index, Node):
+                raise _refuse(node, "a select of a static dim at a symbolic index")
         elif target is aten.cat.default:
             tensors, dim = node.args[0], op_arg(node, "dim") % val(node).dim()
             if any(dim in _padded(val(t)) for t in tensors[:-1]):
@@ -442,7 +448,7 @@ class _Masker:
             value = op_arg(node, arg.name)
             items = value if isinstance(value, (list, tuple)) else [value]
             sym = [n for n in items if isinstance(n, Node) and isinstance(val(n), _SYMBOLIC)]
-            if not sym or (node.target, arg.name) in _SIZE_ARGS:
+            if not sym or (node.target, arg.name) in _SIZE_ARGS | _POSITION_ARGS:
                 continue
             if node.target in _ARANGES and arg.name == "start":
                 self.arange_from(node)

@@ -131,6 +131,7 @@ def test_prefix_ops_and_sizes_as_values(length: int) -> None:
     (lambda x: torch.cat([x, x[:2]], 0).sum(0), "cat after an operand of symbolic size"),
     (lambda x: x.flip(0), "not known to keep padded elements unobservable"),
     (lambda x: x[-2:], "negative or symbolic start"),
+    (lambda x: torch.ones(20, 3)[x.shape[0]] + x.sum(0), "static dim at a symbolic index"),
     (lambda x: x.t().reshape(-1).sum(), "merges or splits padded dims"),  # [3, s] -> [3s]: not a prefix
 ])
 def test_what_it_cannot_prove_safe_is_refused(fn: Callable[..., torch.Tensor], why: str) -> None:
@@ -190,7 +191,8 @@ def test_kv_append_and_last_row(length: int, garbage: float) -> None:
     (x[-1], x[:, -1:] as generate() reads the logits) at the real end; -0.0 and NaN rows come out exact."""
     def fn(past: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, ...]:
         cache = torch.cat([past, new], 0)  # [n + 1, 3]
-        return cache, cache[-1], cache[None][:, -1:], (cache > 0)[-1], cache.sum(0)
+        n = past.shape[0]
+        return cache, cache[-1], cache[None][:, -1:], (cache > 0)[-1], cache.sum(0), cache[n - 1], cache[n:n + 1]
 
     past = torch.randn(length, 3, generator=torch.Generator().manual_seed(length))
     new = torch.tensor([[-0.0, math.nan, 2.5]])

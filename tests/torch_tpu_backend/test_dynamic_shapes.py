@@ -105,3 +105,27 @@ def test_generate_with_the_default_dynamic_cache() -> None:
     assert torch.equal(more, expected_more)
     assert not stats.fallback_ops and not stats.uncompiled_calls
     assert stats.graphs_compiled == graphs <= 3  # prefill, first decode (static), decode with a symbolic past
+
+
+@pytest.mark.slow
+def test_llama_head_dim_64_on_large() -> None:
+    """A Llama with head dim 64 (hidden 128, 2 heads, 1 KV head) on `large`, symbolic sequence length at 5
+    and 40 tokens (buckets 16 and 64): eager's logits, nothing on the CPU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=256, max_position_embeddings=128, use_cache=False)
+    model = LlamaForCausalLM(cfg).eval()
+    ctpu_stats.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="ctpu", options={"cache": False, "config": "large"})
+    rtol, atol = TOLERANCE[torch.float32]
+    with torch.no_grad():
+        for n in (5, 40):
+            ids = torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(n))
+            torch._dynamo.mark_dynamic(ids, 1)
+            torch.testing.assert_close(compiled(ids).logits, model(ids).logits, rtol=rtol, atol=atol)
+    stats = ctpu_stats.last()
+    assert not stats.fallback_ops
+    assert (stats.graphs_compiled, stats.program_variants) == (1, 2)
