@@ -613,6 +613,11 @@ def mask_padding(gm: GraphModule) -> DynamicPlan:
         elif isinstance(value, _SYMBOLIC):
             raise _refuse(node, "a symbolic float or bool input")
         plan.input_shapes.append(tuple(expr_of(s) for s in value.shape) if isinstance(value, torch.Tensor) else None)
+    bindable = {e for e in plan.sym_inputs.values() if isinstance(e, sympy.Symbol)}
+    bindable |= {d for shape in plan.input_shapes if shape for d in shape if isinstance(d, sympy.Symbol)}
+    if set(plan.symbols) - bindable:  # data-dependent sizes (item(), nonzero): no input tells their value
+        raise CtpuDynamicShapeError(f"the sizes {sorted(map(str, set(plan.symbols) - bindable))} are no input's "
+                                    "size (data-dependent); the graph runs on the CPU")
     if shape_env is not None:
         for sym in plan.symbols:
             vr = shape_env.var_to_range.get(sym)

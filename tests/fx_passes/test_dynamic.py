@@ -213,3 +213,14 @@ def test_kv_append_and_last_row(length: int, garbage: float) -> None:
     for g, r in zip(got, fn(past, new), strict=True):
         torch.testing.assert_close(g, r, equal_nan=True)
         assert torch.equal(torch.signbit(g.nan_to_num()), torch.signbit(r.nan_to_num()))
+
+
+def test_a_data_dependent_size_is_refused() -> None:
+    """nonzero's size is no input's: no bucket can be chosen for it."""
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True
+    try:
+        gm = symbolic_graph(lambda x: torch.nonzero(x).sum(0) + x.shape[0], torch.randn(6))
+    finally:
+        torch._dynamo.config.capture_dynamic_output_shape_ops = False
+    with pytest.raises(CtpuDynamicShapeError, match="data-dependent"):
+        mask_padding(gm)
