@@ -76,21 +76,56 @@ class GraphCompiler:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                  backward: bool = False) -> Callable[..., Any]:
+        import fx_passes.dynamic
+
+        self.graphs += 1
+        exec_stats.record_graph_compiled()
+        bumped = set() if backward else _bumped_by_caller(gm)
+        if fx_passes.dynamic.is_dynamic(gm):
+            return self._compile_dynamic(gm, example_inputs, bumped)
+        return self._compile_static(gm, example_inputs, bumped)
+
+    def _compile_dynamic(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], bumped: set[str]
+                         ) -> Callable[..., Any]:
+        """Symbolic sizes: the padding masked once (fx_passes.dynamic), one padded program per bucket."""
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        from fx_passes.dynamic import copy_graph_module, mask_padding
+        from torch_tpu_backend.dynamic import DynamicGraph
+
+        graph = self.graphs
+        try:
+            masked = copy_graph_module(gm)  # gm itself stays as traced: the CPU fallback runs it
+            plan = mask_padding(masked)
+        except Exception as e:  # a node that could observe its padding: all of the graph on the CPU
+            log.info("ctpu: graph %d with symbolic sizes is refused", graph, exc_info=True)
+            warnings.warn(f"ctpu: graph {graph} runs on the CPU: {type(e).__name__}: {str(e)[:300]}",
+                          _fallback_warning(), stacklevel=3)
+            gm.recompile()
+            return make_boxed_func(CpuSegment(gm))
+        log.info("ctpu: graph %d has symbolic sizes %s: one padded program per bucket", graph, plan.symbols)
+
+        def compile_variant(static: torch.fx.GraphModule, examples: list[Any]) -> Callable[..., Any]:
+            return self._compile_static(static, examples, bumped, graph)
+
+        return DynamicGraph(masked, plan, compile_variant, f"graph {graph}", self.opts.dynamic_max)
+
+    def _compile_static(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], bumped: set[str],
+                        graph: int | None = None) -> Callable[..., Any]:
         from torch._functorch.aot_autograd import make_boxed_func
 
         import fx_passes
 
-        self.graphs += 1
-        bumped = set() if backward else _bumped_by_caller(gm)
+        graph = self.graphs if graph is None else graph
         dump = GraphDump(Path(self.opts.dump_dir) if self.opts.dump_dir else None,
                          cache.make_key(str(gm.graph), signature(example_inputs)))
         dump.stage("fx_aten", gm.print_readable(print_output=False))
         try:
             gm, report = fx_passes.run_passes(gm, example_inputs, fuse=self.target.fuse_elementwise,
                                               unsupported_reason=self.target.unsupported_reason)
-        except Exception as e:  # the passes refuse the graph (a symbolic size) or fail: all of it on the CPU
-            log.info("ctpu: fx_passes refused graph %d", self.graphs, exc_info=True)
-            warnings.warn(f"ctpu: graph {self.graphs} runs on the CPU: {type(e).__name__}: {str(e)[:300]}",
+        except Exception as e:  # the passes refuse the graph or fail: all of it on the CPU
+            log.info("ctpu: fx_passes refused graph %d", graph, exc_info=True)
+            warnings.warn(f"ctpu: graph {graph} runs on the CPU: {type(e).__name__}: {str(e)[:300]}",
                           _fallback_warning(), stacklevel=2)
             gm.recompile()  # the passes keep the graph's meaning: whatever they did before failing runs as is
             return make_boxed_func(CpuSegment(gm))
@@ -100,7 +135,7 @@ class GraphCompiler:
         cpu_nodes = [n for seg in partition.segments if seg.placement == "cpu" for n in seg.nodes]
         if cpu_nodes:
             ops = [n for n in cpu_nodes if n.target is not operator.getitem]
-            warnings.warn(f"ctpu: graph {self.graphs}: {len(ops)} op(s) run on the CPU: "
+            warnings.warn(f"ctpu: graph {graph}: {len(ops)} op(s) run on the CPU: "
                           f"{fx_passes.fallback_summary(cpu_nodes)}", _fallback_warning(), stacklevel=2)
         dump.summary({"target": self.target.name, "config": self.opts.config, "segments": segments,
                       "fusions": dict(report.fusions), "fallback_ops": fx_passes.fallback_summary(cpu_nodes)})

@@ -7,6 +7,8 @@
     matmul_precision  "highest" | "high" | "medium" (default: torch.get_float32_matmul_precision())
     pipeline          software-pipeline loops (default True)
     verify            run the compiler's schedule / allocation verifiers on every kernel (default False)
+    dynamic_max       the largest value of a symbolic size without a declared maximum (default 65536;
+                      `torch._dynamo.mark_dynamic(x, dim, min=, max=)` declares one per dim)
     profile           a folder: each launch on `sim` writes a Chrome / Perfetto trace there (device_sim.profile)
 
 This is the only place the compile path reads the environment; the layers below get a frozen value.
@@ -33,6 +35,7 @@ class CompileOptions:
     pipeline: bool = True
     verify: bool = False
     profile: str | None = None
+    dynamic_max: int = 1 << 16
 
     @classmethod
     def resolve(cls, options: dict[str, Any] | None) -> CompileOptions:
@@ -60,4 +63,4 @@ class CompileOptions:
                              f"{target!r}")
         return cls(target, config, str(dump) if dump else None, use_cache, precision,
                    bool(options.get("pipeline", True)), bool(options.get("verify", False)),
-                   str(profile) if profile is not None else None)
+                   str(profile) if profile is not None else None, int(options.get("dynamic_max", 1 << 16)))

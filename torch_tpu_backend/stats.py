@@ -7,6 +7,8 @@
     s.kernels_launched, s.bundles, s.cycles, s.mxu_busy_cycles, s.dma_bytes, s.fallback_ops
     s.host_bytes_uploaded, s.host_bytes_read_back   # what crossed between host memory and HBM
     s.uncompiled_calls             # calls dynamo ran eagerly without the backend (recompile limit)
+    s.graphs_compiled, s.program_variants   # dynamo graphs the backend compiled; padded programs of
+                                            # graphs with symbolic sizes (one per bucket of sizes)
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class ExecutionStats:
     host_bytes_read_back: int = 0
     # function -> calls dynamo ran without the backend (recompile limit hit: recompile_watch.py)
     uncompiled_calls: Counter[str] = field(default_factory=Counter)
+    graphs_compiled: int = 0  # graphs the backend compiled (forward and backward, static or symbolic)
+    program_variants: int = 0  # padded programs compiled for graphs with symbolic sizes (one per bucket)
 
     @property
     def dma_bytes(self) -> int:
@@ -62,6 +66,7 @@ class ExecutionStats:
             "fallback_ops": dict(self.fallback_ops),
             "host_bytes_uploaded": self.host_bytes_uploaded, "host_bytes_read_back": self.host_bytes_read_back,
             "uncompiled_calls": dict(self.uncompiled_calls),
+            "graphs_compiled": self.graphs_compiled, "program_variants": self.program_variants,
             "launches": [{"name": r.name, "target": r.target, "cycles": r.stats.cycles} for r in self.launches],
         }
 
@@ -83,7 +88,8 @@ def last() -> ExecutionStats:
         s = _current
         return ExecutionStats(s.kernels_launched, s.bundles, s.cycles, s.mxu_busy_cycles, s.macs,
                               s.dma_bytes_loaded, s.dma_bytes_stored, Counter(s.fallback_ops), list(s.launches),
-                              s.host_bytes_uploaded, s.host_bytes_read_back, Counter(s.uncompiled_calls))
+                              s.host_bytes_uploaded, s.host_bytes_read_back, Counter(s.uncompiled_calls),
+                              s.graphs_compiled, s.program_variants)
 
 
 def record_launch(record: LaunchRecord) -> None:
@@ -122,3 +128,14 @@ def record_uncompiled_call(where: str) -> None:
     """A call of a compiled function that dynamo ran eagerly, without the backend (CPU work)."""
     with _lock:
         _current.uncompiled_calls[where] += 1
+
+
+def record_graph_compiled() -> None:
+    with _lock:
+        _current.graphs_compiled += 1
+
+
+def record_variant() -> None:
+    """A padded program compiled for one bucket of a symbolic graph's sizes (torch_tpu_backend/dynamic.py)."""
+    with _lock:
+        _current.program_variants += 1

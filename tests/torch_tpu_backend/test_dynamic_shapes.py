@@ -1,0 +1,131 @@
+"""torch.compile(backend="ctpu") with symbolic sizes: one dynamo graph, one padded program per bucket.
+
+CI runs a small attention-like module (linear, softmax over the dynamic dim, a matmul contracting it, a mean
+over it) at lengths of one bucket and of two; the tiny Llama at 5, 9, 17, 33 tokens is `slow`."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import torch_tpu_backend.stats as ctpu_stats
+from fx_passes import CtpuDynamicShapeError
+from torch_tpu_backend.llama_demo import TOLERANCE, tiny_llama
+
+
+class Mixer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [n, 8]
+        h = self.proj(x)
+        weights = torch.softmax(h @ h.t(), dim=-1)  # over the dynamic dim
+        mixed = weights.t() @ h  # contracts it
+        return mixed + h.mean(0, keepdim=True)  # a mean over it
+
+
+def _run(model: torch.nn.Module, lengths: list[int], make: object, options: dict | None = None,
+         dim: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="ctpu", options={"cache": False, **(options or {})})
+    results = []
+    with torch.no_grad():
+        for n in lengths:
+            x = make(n)  # type: ignore[operator]
+            torch._dynamo.mark_dynamic(x, dim)
+            results.append((compiled(x), model(x)))
+    return results
+
+
+def test_one_graph_one_program_per_bucket() -> None:
+    ctpu_stats.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        results = _run(Mixer(), [5, 9, 16, 17], lambda n: torch.randn(n, 8, generator=torch.Generator().manual_seed(n)))
+    for got, ref in results:
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    stats = ctpu_stats.last()
+    assert stats.graphs_compiled == 1
+    assert stats.program_variants == 2  # 5, 9, 16 share the bucket of 16; 17 is in the bucket of 32
+    assert not stats.fallback_ops
+
+
+def test_a_size_above_the_bound_is_a_clear_error() -> None:
+    with pytest.raises(CtpuDynamicShapeError, match=r"= 40 is above its bound 32"):
+        _run(Mixer(), [5, 40], lambda n: torch.randn(n, 8), {"dynamic_max": 32})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mark", [True, False], ids=["mark_dynamic", "automatic"])
+def test_llama_at_lengths_that_are_not_multiples_of_a_tile(mark: bool) -> None:
+    """The tiny Llama (2 layers) with a symbolic sequence length at 5, 9, 17, 33 tokens: eager's logits,
+    nothing on the CPU, at most 2 dynamo graphs (automatic dynamic shapes: the first call is static), one
+    program per bucket (16, 32, 64)."""
+    model = tiny_llama()
+    ctpu_stats.reset()
+    lengths = [5, 9, 17, 33]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="ctpu", options={"cache": False})
+    rtol, atol = TOLERANCE[torch.float32]
+    with torch.no_grad():
+        for n in lengths:
+            ids = torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(n))
+            if mark:
+                torch._dynamo.mark_dynamic(ids, 1)
+            torch.testing.assert_close(compiled(ids).logits, model(ids).logits, rtol=rtol, atol=atol)
+    stats = ctpu_stats.last()
+    print(f"graphs {stats.graphs_compiled}, program variants {stats.program_variants}")
+    assert not stats.fallback_ops
+    assert stats.graphs_compiled == (1 if mark else 2)
+    assert stats.program_variants == 3  # buckets 16, 32, 64 (automatic: 5 is the static first graph)
+
+
+@pytest.mark.slow
+def test_generate_with_the_default_dynamic_cache() -> None:
+    """generate() with the default DynamicCache: greedy tokens equal eager's, nothing on the CPU, and the
+    graphs stop growing with the number of tokens (the decode graph with a symbolic past serves them all)."""
+    model = tiny_llama(layers=1)
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=True)
+        expected_more = model.generate(ids, max_new_tokens=12, do_sample=False, use_cache=True)
+        torch._dynamo.reset()
+        ctpu_stats.reset()
+        model.forward = torch.compile(model.forward, backend="ctpu", options={"cache": False})
+        got = model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=True)
+        graphs = ctpu_stats.last().graphs_compiled
+        more = model.generate(ids, max_new_tokens=12, do_sample=False, use_cache=True)
+    stats = ctpu_stats.last()
+    print(f"graphs {stats.graphs_compiled}, program variants {stats.program_variants}")
+    assert torch.equal(got, expected)
+    assert torch.equal(more, expected_more)
+    assert not stats.fallback_ops and not stats.uncompiled_calls
+    assert stats.graphs_compiled == graphs <= 3  # prefill, first decode (static), decode with a symbolic past
+
+
+@pytest.mark.slow
+def test_llama_head_dim_64_on_large() -> None:
+    """A Llama with head dim 64 (hidden 128, 2 heads, 1 KV head) on `large`, symbolic sequence length at 5
+    and 40 tokens (buckets 16 and 64): eager's logits, nothing on the CPU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=256, max_position_embeddings=128, use_cache=False)
+    model = LlamaForCausalLM(cfg).eval()
+    ctpu_stats.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="ctpu", options={"cache": False, "config": "large"})
+    rtol, atol = TOLERANCE[torch.float32]
+    with torch.no_grad():
+        for n in (5, 40):
+            ids = torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(n))
+            torch._dynamo.mark_dynamic(ids, 1)
+            torch.testing.assert_close(compiled(ids).logits, model(ids).logits, rtol=rtol, atol=atol)
+    stats = ctpu_stats.last()
+    assert not stats.fallback_ops
+    assert (stats.graphs_compiled, stats.program_variants) == (1, 2)
