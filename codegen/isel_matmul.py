@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from codegen import isel_decode
 from codegen.isel_common import Flag, KernelContext, Region, chunk_loop, row_mem
 from codegen.kernel_graph import LoweringError, MatmulKernel, View
 from codegen.mir import ZERO, Reg
@@ -74,6 +75,10 @@ def lower_matmul(ctx: KernelContext, k: MatmulKernel) -> None:
     if trans_b and bm.strides[-2] != 1 and K > 1:
         raise LoweringError(f"matmul operand B is contiguous along neither dim: {bm.strides}")
     precision = "medium" if a.dtype == "bf16" and bm.dtype == "bf16" else ctx.matmul_precision
+    stream = isel_decode.plan(ctx.config, k, ctx.vmem_free())
+    if stream is not None:  # one row against a weight: streamed at HBM speed
+        isel_decode.lower_decode_matmul(ctx, k, stream)
+        return
     L = ctx.lanes
     KT, NT = -(-K // L), -(-Nn // L)
     plan = _layout(precision, M, KT, L, ctx.vmem_free())

@@ -73,6 +73,12 @@ def lower_generic(ctx: KernelContext, k: GenericKernel) -> None:
         for st in strides[:-1]:
             st[-1] = 1
         strides[-1][-1] = 0 if k.reduction else 1
+    # an outer dim of size 1 has no stride that matters either: dropped, so that it does not stop the dims
+    # around it from merging into rows ([1, H, 1, D] by [*, D, *, 1] is H rows, not H groups of one row,
+    # each paying a DMA latency: a decode step's per-head permutes and rope)
+    keep = [d for d in range(len(sizes) - 1) if sizes[d] != 1] + [len(sizes) - 1]
+    sizes = [sizes[d] for d in keep]
+    strides = [[st[d] for d in keep] for st in strides]
     views = [o.view for o in operands]
     # transposed operands (stride along the row neither 0 nor 1) are copied into row order first
     for i, st in enumerate(strides[:-1]):

@@ -549,7 +549,11 @@ def _contraction(sizes: list[int], iters: list[str], operands: list[Access], arg
         if name in by_arg:
             factors.append(by_arg[name])
             continue
-        factor = _factor_kernel(name, sizes, ops, by_arg, consts, g, prelude)
+        # a bf16 value (a truncf: the graph rounded it) is kept in a bf16 temporary: as f32 the matmul would
+        # take the fp32 path (6 MXU passes at "highest") for values that are bf16-exact
+        p = producer.get(name)
+        dtype = "bf16" if p is not None and p[0] == "arith.truncf" else "f32"
+        factor = _factor_kernel(name, sizes, ops, by_arg, consts, g, prelude, dtype=dtype)
         if factor is None:
             return None
         factors.append(factor)

@@ -102,8 +102,9 @@ class CommandFifo:
 class Mxu:
     """Weight-stationary N x N array with active and shadow weight buffers (docs/architecture.md, MXU)."""
 
-    def __init__(self, n: int, queue: int) -> None:
+    def __init__(self, n: int, queue: int, weight_cycles: int) -> None:
         self.n = n
+        self.weight_cycles = weight_cycles  # N rows through a port of vmem_port_rows rows per cycle
         self.fifo = CommandFifo(queue)
         self.active = np.zeros((n, n), np.float32)
         self.shadow = np.zeros((n, n), np.float32)
@@ -120,7 +121,7 @@ class Mxu:
         n = self.n
         rows = m.vmem_span(row, n, "mxu.lw")
         start = max(t, self.fifo.last_start, self.weight_port_free, self.shadow_free)
-        done = start + n
+        done = start + self.weight_cycles
         m.owners.claim(m, row, row + n, False, done, "mxu.w", "mxu weight load")
         w = numerics.round_to_bf16(rows.view(np.float32))
         self.shadow = np.ascontiguousarray(w.T if transpose else w)
@@ -164,8 +165,9 @@ class Mxu:
 class Dma:
     """One DMA channel between HBM and vmem, with an in-order FIFO (docs/architecture.md, DMA)."""
 
-    def __init__(self, lanes: int, bytes_per_cycle: int, latency: int, queue: int) -> None:
+    def __init__(self, lanes: int, bytes_per_cycle: int, latency: int, queue: int, port_rows: int = 1) -> None:
         self.lanes = lanes
+        self.port_rows = port_rows
         self.bytes_per_cycle = bytes_per_cycle
         self.latency = latency
         self.fifo = CommandFifo(queue)
@@ -194,9 +196,12 @@ class Dma:
         pitch = -(-cols // n)
         m.vmem_span(vmem, rows * pitch, kind)
 
-        # timing: one channel; each vmem row costs ceil(valid bytes / bandwidth) cycles
-        chunk_cycles = sum(-(-min(n, cols - q * n) * esize // self.bytes_per_cycle) for q in range(pitch))
-        xfer = rows * chunk_cycles
+        # timing: one channel, bound by HBM's bytes per cycle or by vmem's port_rows rows per cycle
+        # (port_rows 1: each vmem row costs ceil(its valid bytes / bandwidth) cycles, the original rule)
+        if self.port_rows == 1:
+            xfer = rows * sum(-(-min(n, cols - q * n) * esize // self.bytes_per_cycle) for q in range(pitch))
+        else:
+            xfer = max(-(-rows * pitch // self.port_rows), -(-rows * cols * esize // self.bytes_per_cycle))
         start = max(t, self.fifo.last_start, self.channel_free)
         self.channel_free = start + xfer
         done = start + xfer + self.latency

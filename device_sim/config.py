@@ -20,7 +20,10 @@ class HardwareConfig:
     vmem_rows       vector memory size in rows of `lanes` 32-bit words
     hbm_bytes       HBM size (byte addressed by 32-bit scalar registers, so at most 4 GiB; above it nothing is
                     mapped, and software poisons an address it must not use by moving it up there: a DMA to it traps)
-    hbm_bytes_per_cycle   DMA bandwidth; a vmem row costs ceil(row_bytes / this) cycles
+    hbm_bytes_per_cycle   DMA bandwidth in HBM bytes per cycle
+    vmem_port_rows  vmem rows per cycle the DMA channel and the MXU weight port move: a DMA of R vmem rows
+                    and B bytes transfers in max(ceil(R / this), ceil(B / hbm_bytes_per_cycle)) cycles, a
+                    weight load takes lanes / this cycles (docs/architecture.md: why `large` has 4)
     dma_latency     cycles from a DMA's last row to its completion flag
     imem_bundles    instruction memory size in bundles
     dma_queue / mxu_queue  command FIFO depths; issuing into a full FIFO stalls the bundle
@@ -36,11 +39,14 @@ class HardwareConfig:
     dma_queue: int = 8
     mxu_queue: int = 4
     clock_mhz: int = 1000
+    vmem_port_rows: int = 1
 
     def __post_init__(self) -> None:
         if not 0 < self.hbm_bytes <= (HBM_POISON & 0xFFFFFFFF):
             raise ValueError(f"{self.name}: hbm_bytes {self.hbm_bytes:#x} must leave the poison address "
                              f"{HBM_POISON & 0xFFFFFFFF:#x} unmapped")
+        if self.vmem_port_rows < 1 or self.lanes % self.vmem_port_rows:
+            raise ValueError(f"{self.name}: vmem_port_rows {self.vmem_port_rows} must divide lanes {self.lanes}")
 
     @property
     def mxu_dim(self) -> int:
@@ -49,6 +55,11 @@ class HardwareConfig:
     @property
     def sublanes(self) -> int:
         return SUBLANES
+
+    @property
+    def mxu_weight_cycles(self) -> int:
+        """Cycles one mxu.lw / mxu.lwt occupies the weight port: N rows, vmem_port_rows per cycle."""
+        return self.lanes // self.vmem_port_rows
 
     @property
     def mxu_drain(self) -> int:
@@ -81,6 +92,8 @@ LARGE = HardwareConfig(
     hbm_bytes_per_cycle=1024,  # ~1 TB/s at 1 GHz
     dma_latency=500,
     imem_bundles=65536,
+    # a bf16 weight row is 256 bytes: 4 rows per cycle keep up with HBM (1 row per cycle ran decode at 1/4)
+    vmem_port_rows=4,
 )
 
 CONFIGS: dict[str, HardwareConfig] = {c.name: c for c in (SMALL, LARGE)}

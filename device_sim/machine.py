@@ -59,8 +59,8 @@ class Machine:
         lane = np.broadcast_to(np.arange(n, dtype=np.uint32), (s, n))
         sub = np.broadcast_to(np.arange(s, dtype=np.uint32)[:, None], (s, n))
         self.iota = (lane, sub, sub * np.uint32(n) + lane)
-        self.mxu = Mxu(n, config.mxu_queue)
-        self.dma = Dma(n, config.hbm_bytes_per_cycle, config.dma_latency, config.dma_queue)
+        self.mxu = Mxu(n, config.mxu_queue, config.mxu_weight_cycles)
+        self.dma = Dma(n, config.hbm_bytes_per_cycle, config.dma_latency, config.dma_queue, config.vmem_port_rows)
         self.owners = Ownership()
         self.flag_done = [0] * isa.NUM_FLAGS
         self.pending: list[list[tuple[int, int, Any]]] = [[] for _ in range(RING)]  # (kind, index, value)

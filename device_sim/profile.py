@@ -124,16 +124,16 @@ class Profile:
 
     def roofline(self) -> list[dict[str, Any]]:
         """Per kernel: HBM bytes, MACs, cycles and the cycles each unit needs at least (HBM: bytes / bandwidth;
-        MXU: streamed rows = MACs / N^2, or N per weight tile if that is more; VPU: vector-slot ops per vector
-        slot, or vld / vst ops); `bound` is the unit needing most, or "latency" when even that is under half
-        the kernel's cycles (it mostly waits or issues scalar work); `pct_of_bound` = that unit's cycles /
-        the kernel's cycles."""
+        MXU: streamed rows = MACs / N^2, or the weight port's N / vmem_port_rows per tile if that is more;
+        VPU: vector-slot ops per vector slot, or vld / vst ops); `bound` is the unit needing most, or "latency"
+        when even that is under half the kernel's cycles (it mostly waits or issues scalar work);
+        `pct_of_bound` = that unit's cycles / the kernel's cycles."""
         cfg = self.config
         n, vector_slots = cfg.mxu_dim, [s.name for s in isa.SLOTS_OF_UNIT[isa.Unit.VECTOR]]
         rows = []
         for k in self.kernels:
             need = {"hbm": (k.dma_bytes_loaded + k.dma_bytes_stored) / cfg.hbm_bytes_per_cycle,
-                    "mxu": max(k.macs / (n * n), k.weight_loads * n),
+                    "mxu": max(k.macs / (n * n), k.weight_loads * cfg.mxu_weight_cycles),
                     "vpu": max(sum(k.slot_ops[s] for s in vector_slots) / len(vector_slots),
                                k.slot_ops["vld"], k.slot_ops["vst"])}
             unit = max(need, key=lambda u: need[u])

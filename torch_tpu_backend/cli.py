@@ -29,6 +29,9 @@
                                          1e-5; --plot: the loss curve as a PNG)
     ctpu bench [--models-only]           benchmarks (JSON): compiled GEMM utilization vs the hand-written one,
                                          bundles / cycles / ops per bundle per graph, whole models (Llama)
+    ctpu bench --llama 1b|1b-2l|mini [--prompt 17] [--top N]
+                                         a bf16 Llama on large: decode cycles / token against the HBM
+                                         roofline, prefill MXU utilization (JSON)
     ctpu isa                             the instruction table, as markdown
 
 Bad input (a file that is missing, a directory or not text, malformed assembly, a broken binary or manifest,
@@ -184,6 +187,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from codegen import bench
     from torch_tpu_backend import model_bench
 
+    if args.llama is not None:
+        from torch_tpu_backend import llama_bench
+
+        print(f"ctpu bench: Llama {args.llama}, a prefill and one decode step on large (compiling)", file=sys.stderr)
+        print(json.dumps(llama_bench.run(args.llama, prompt=args.prompt, top=args.top), indent=2))
+        return 0
     result: dict[str, object] = {"config": args.config}
     if not args.models_only:
         result |= bench.collect(args)
@@ -302,6 +311,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--config", choices=["small", "large"], default="small")
     b.add_argument("--skip-gemm", action="store_true")
     b.add_argument("--models-only", action="store_true", help="only the torch.compile graphs (Llama included)")
+    b.add_argument("--llama", metavar="GEOMETRY", choices=["1b", "1b-2l", "mini"],
+                   help="only this bf16 Llama on large: decode cycles per token against the HBM roofline, prefill "
+                   "MXU utilization")
+    b.add_argument("--prompt", type=int, default=17, help="prompt tokens (--llama)")
+    b.add_argument("--top", type=int, help="with --llama: profile the decode step, its N longest kernels")
     b.set_defaults(fn=_cmd_bench)
 
     i = sub.add_parser("isa", help="print the instruction table as markdown")

@@ -80,6 +80,22 @@ def test_reshaped_matmul_becomes_a_contraction_generic_and_back_a_matmul_kernel(
     assert not any(isinstance(k, GenericKernel) and k.reduction for k in g.kernels)
 
 
+def test_a_bf16_factor_of_a_contraction_stays_bf16() -> None:
+    """A bf16 Llama's down_proj: the SwiGLU (fused into the contraction, computed by its own kernel) rounds
+    to bf16, so its temporary is bf16 and the matmul takes one bf16 MXU pass; as an f32 temporary it took
+    the fp32 path (6 passes at "highest") for bf16-exact values: 6x the MXU work of a decode step's MLP."""
+    import fx_passes.ops  # noqa: F401  (registers torch.ops.ctpu)
+
+    def f(gate, up, w):
+        return torch.ops.ctpu.linear(torch.ops.ctpu.swiglu(gate, up, "silu"), w.permute(1, 0), None, "none", None)
+
+    bf = torch.bfloat16
+    _, g = _kernels(f, torch.randn(1, 3, 64, dtype=bf), torch.randn(1, 3, 64, dtype=bf), torch.randn(32, 64, dtype=bf))
+    (mm,) = [k for k in g.kernels if isinstance(k, MatmulKernel)]
+    factors = [k for k in g.kernels if isinstance(k, GenericKernel) and k.output.view.buffer == mm.a.buffer]
+    assert len(factors) == 1 and mm.a.dtype == "bf16" and mm.b.dtype == "bf16"
+
+
 def test_embedding_is_a_gather_kernel_feeding_its_consumer() -> None:
     res, g = _kernels(lambda w, ids: torch.nn.functional.embedding(ids, w) * 2.0, torch.randn(10, 12),
                       torch.tensor([[3, 1, 7]]))

@@ -6,11 +6,12 @@ import numpy as np
 
 from device_sim import isa
 from device_sim.asm import assemble
+from device_sim.config import HardwareConfig
 from device_sim.sequences import SeqBuilder
 from device_sim.simulator import RunStats, Simulator
 
 
-def run_asm(text: str, hbm: dict[int, np.ndarray] | None = None, config: str = "small",
+def run_asm(text: str, hbm: dict[int, np.ndarray] | None = None, config: str | HardwareConfig = "small",
             max_cycles: int = 10**7, trace: bool = False) -> tuple[Simulator, RunStats]:
     sim = Simulator(config, max_cycles=max_cycles, trace=trace)
     for addr, arr in (hbm or {}).items():

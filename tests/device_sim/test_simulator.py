@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from sim_helpers import run_asm
 
 from device_sim import isa
 from device_sim.asm import assemble
+from device_sim.config import get_config
 from device_sim.program import Program
 from device_sim.simulator import CtpuTrap, Simulator, merge_ranges
 
@@ -63,6 +66,32 @@ def test_dma_and_mxu_timing_by_hand() -> None:
     assert st.mxu_busy_cycles == 16 and st.macs == 16 * 64
     assert st.dma_bytes_loaded == (16 + 8) * 8 * 4 and st.dma_bytes_stored == 16 * 8 * 4
     np.testing.assert_array_equal(sim.read_hbm(8192, (16, 8), F32), a.astype(np.float32) * 0 + _bf(a))
+
+
+def test_wide_vmem_port_timing_by_hand() -> None:
+    """vmem_port_rows P = 4 (as on `large`): a DMA moves up to P vmem rows per cycle unless HBM's bytes per
+    cycle bind, and a weight load takes N / P cycles; P = 1 is the one-row rule above."""
+    cfg = dataclasses.replace(get_config("small"), name="wide", hbm_bytes_per_cycle=64, vmem_port_rows=4)
+    w = np.eye(8, dtype=F32)
+    text = """
+        li s3, 8 ; li s4, 8
+        lih s3, 16 ; li s2, 4096                   # shape 16 x 8
+        li s5, 8 ; li s6, 100
+        lih s5, 8 ; li s8, 1                       # shape 8 x 8
+        li s7, 200 ; dma.ld.bf16 s0, s0, s3, s4, f0   # c=4: 16 rows of 16 B: port-bound, 4 cycles; done 4+4+32 = 40
+        dma.ld s2, s6, s5, s4, f0                  # c=5: 8 rows of 32 B = 256 B: HBM-bound, 4 cycles from 8; done 44
+        wait f0 ; mxu.lw s6, f1                    # c=6 stalls to 44; weights ready at 44 + 8 / 4 = 46
+        mxu.mms s0, s7, s8, f1                     # c=45: starts 46, done 46 + 1 + 16 = 63
+        halt                                       # c=46; drained at 63
+    """
+    hbm = {0: np.ones((16, 8), np.uint16), 4096: w}
+    _, st = run_asm(text, hbm, config=cfg)
+    assert st.cycles == 63 and st.stall_cycles["wait"] == 44 - 6
+    _, narrow = run_asm(text, hbm, config=dataclasses.replace(cfg, vmem_port_rows=1))
+    # one row per cycle: 16 + 8 rows, then 8 cycles of weights: done 4+16+32, 20+8+32 = 60, mms at 68, end 85
+    assert narrow.cycles == 85
+    with pytest.raises(ValueError, match="vmem_port_rows 3 must divide lanes 8"):
+        dataclasses.replace(cfg, vmem_port_rows=3)
 
 
 def _bf(x: np.ndarray) -> np.ndarray:

@@ -28,3 +28,17 @@ def test_check_mode_detects_staleness(tmp_path) -> None:
     assert sv_package.main(["--check", "--out", str(out)]) == 0
     out.write_text(out.read_text() + "// edited\n")
     assert sv_package.main(["--check", "--out", str(out)]) == 1
+
+
+def test_rtl_refuses_a_wide_vmem_port() -> None:
+    """The RTL moves one vmem row per cycle through the DMA channel and the MXU weight port: `large`
+    (vmem_port_rows 4) is simulator-only, and building the RTL for it says so instead of running with the
+    wrong timing; `small` (1 row) builds as before."""
+    import pytest
+
+    from device_sim.config import get_config
+    from device_sim.rtl.runner import _config_params
+
+    assert _config_params(get_config("small"))["BPC"] == 32
+    with pytest.raises(ValueError, match="one-row vmem port"):
+        _config_params(get_config("large"))

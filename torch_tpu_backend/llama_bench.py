@@ -1,0 +1,82 @@
+"""`ctpu bench --llama GEOMETRY`: one Llama geometry (random bf16 weights) compiled with backend="ctpu",
+greedy generate() with a static KV cache on `large`: a prefill and one decode step, both on the simulator.
+Prints decode cycles per token against the HBM roofline of the configuration (every weight byte read once
+plus the KV cache bytes the step must read, from the model's config), their ratio, and the prefill's MXU
+utilization; `--top N` adds the decode step's N longest kernels from the profiler's roofline table.
+
+    ctpu bench --llama 1b-2l [--prompt 17] [--top 10]
+"""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+from typing import Any
+
+import torch
+
+import torch_tpu_backend.stats as ctpu_stats
+from device_sim.config import get_config
+
+_1B = {"hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32, "num_key_value_heads": 8,
+       "head_dim": 64, "rope_theta": 500000.0, "tie_word_embeddings": True}
+GEOMETRIES: dict[str, dict[str, Any]] = {
+    "1b": _1B | {"num_hidden_layers": 16, "vocab_size": 128256},  # Llama 3.2 1B
+    "1b-2l": _1B | {"num_hidden_layers": 2, "vocab_size": 2048},  # its layers, two of them, a small vocab
+    # the same proportions (GQA 4:1, head dim 64, MLP 4x) at a size a CI run affords
+    "mini": {"hidden_size": 256, "intermediate_size": 1024, "num_attention_heads": 4, "num_key_value_heads": 1,
+             "head_dim": 64, "rope_theta": 500000.0, "tie_word_embeddings": True, "num_hidden_layers": 2,
+             "vocab_size": 512},
+}
+
+
+def roofline_bytes(cfg: Any, context: int) -> dict[str, int]:
+    """HBM bytes one decode step must read at least: every weight once (tied embeddings once; bf16) and the
+    K and V rows of `context` cached positions in every layer."""
+    h, i, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    hd = cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h  # q, k, v, o, gate, up, down, two norms
+    embed = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+    weights = 2 * (L * layer + embed + h)  # + the final norm
+    return {"weight_bytes": weights, "kv_bytes": 2 * L * 2 * kv * context}
+
+
+def run(geometry: str, prompt: int = 17, config: str = "large", top: int | None = None) -> dict[str, Any]:
+    """Compile and run the prefill of `prompt` tokens and one decode step; the figures as a JSON-able dict."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if geometry not in GEOMETRIES:
+        raise ValueError(f"unknown Llama geometry {geometry!r}; known: {', '.join(GEOMETRIES)}")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**GEOMETRIES[geometry], max_position_embeddings=prompt + 8)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(1))
+    kw = {"max_new_tokens": 2, "do_sample": False, "cache_implementation": "static"}
+    with torch.no_grad(), warnings.catch_warnings(), tempfile.TemporaryDirectory() as folder:
+        warnings.simplefilter("ignore")
+        eager = model.generate(ids, **kw)
+        torch._dynamo.reset()
+        options = {"config": config} | ({"profile": folder} if top is not None else {})
+        model.forward = torch.compile(model.forward, backend="ctpu", options=options)
+        ctpu_stats.reset()
+        out = model.generate(ids, **kw)
+    launches = ctpu_stats.last().launches
+    if len(launches) != 2:
+        raise RuntimeError(f"expected a prefill and a decode launch, got {len(launches)}")
+    prefill, decode = launches
+    hw = get_config(config)
+    need = roofline_bytes(cfg, prompt + 1)  # the decode step attends over the prompt and its own token
+    roof = (need["weight_bytes"] + need["kv_bytes"]) / hw.hbm_bytes_per_cycle
+    result: dict[str, Any] = {
+        "geometry": geometry, "config": config, "dtype": "bfloat16", "layers": cfg.num_hidden_layers,
+        "vocab": cfg.vocab_size, "prompt_tokens": prompt, "tokens_equal_eager": out.tolist() == eager.tolist(),
+        "decode_cycles_per_token": decode.stats.cycles, **need, "hbm_roofline_cycles": round(roof),
+        "decode_roofline_ratio": round(decode.stats.cycles / roof, 3),
+        "decode_dma_bytes": decode.stats.dma_bytes_loaded + decode.stats.dma_bytes_stored,
+        "prefill_cycles": prefill.stats.cycles, "prefill_mxu_utilization": round(prefill.stats.mxu_utilization, 4),
+    }
+    if top is not None and decode.profile is not None:
+        rows = sorted(decode.profile.roofline(), key=lambda r: -r["cycles"])
+        result["decode_kernels"] = rows[:top]
+    return result
