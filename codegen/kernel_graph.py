@@ -501,8 +501,12 @@ def _split_gather(res: str, table: View, idx: list[str], ops: list[tuple[str, st
     producer = {r: (name, names) for r, name, names in ops}
     row = producer.get(idx[0]) if len(idx) == 2 else None
     by_arg = dict(inputs)
-    if (row is None or row[0] != "arith.index_cast" or len(table.shape) != 2
-            or index_dims.get(idx[1]) != rank - 1 or table.shape[1] != sizes[-1]):
+    # the column: the last iteration dim, or the constant 0 when rows have one column (canonicalization folds
+    # a linalg.index over a dim of size 1)
+    column = index_dims.get(idx[1]) == rank - 1 or (sizes[-1] == 1 and consts.get(idx[1]) == 0) \
+        if len(idx) == 2 else False
+    if (row is None or row[0] != "arith.index_cast" or len(table.shape) != 2 or not column
+            or table.shape[1] != sizes[-1]):
         raise LoweringError(f"memref.load that is not a row gather (table[id, last index]):\n{text}")
     prelude: list[Kernel] = []
     ids = by_arg.get(row[1][0])
