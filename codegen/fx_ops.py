@@ -186,12 +186,25 @@ def _logical_not(e: MlirEmitter, x: TValue) -> TValue:
 
 @_reg(aten.where.self)
 def _where(e: MlirEmitter, cond: TValue, a: Any, b: Any) -> TValue:
+    """cond is an i1 lane mask (kept as one); bool values are selected as masks too (a bool result, as
+    eager's), and with numbers they are 0.0 / 1.0 like every bool operand of arithmetic."""
+    promoted = _promote(a, b)
+    is_bool = [isinstance(t, TValue) and t.dtype == "i1" for t in (a, b)]
+    if promoted == "i1":
+        def pick(v: list[str], w: BodyWriter) -> str:
+            x, y = (v[k] if isinstance(t, TValue) else w.const_int(int(t), "i1") for k, t in ((1, a), (2, b)))
+            return w.select(v[0], x, y, "i1")
+
+        return e.elementwise([_as_bool(e, cond), a, b], pick, dtype="i1", result="i1", keep_bool=True)
+
+    def select(v: list[str], w: BodyWriter) -> str:
+        x, y = (w.cast(v[k], "i1", "f32") if is_bool[k - 1] else v[k] for k in (1, 2))
+        return w.select(v[0], x, y)
+
     dtypes = [t.dtype for t in (a, b) if isinstance(t, TValue)]
     # torch's promotion: integers stay integers (nll_loss' where(target != ignore, target, 0) is an index)
-    dtype = "bf16" if dtypes and all(d == "bf16" for d in dtypes) else "i32" if _promote(a, b) in ("i32", "i1") \
-        else "f32"
-    return e.elementwise([_as_bool(e, cond), a, b], lambda v, w: w.select(v[0], v[1], v[2]), dtype=dtype,
-                         keep_bool=True)
+    dtype = "bf16" if dtypes and all(d == "bf16" for d in dtypes) else "i32" if promoted == "i32" else "f32"
+    return e.elementwise([_as_bool(e, cond), a, b], select, dtype=dtype, keep_bool=True)
 
 
 # ---- creation: arange, full --------------------------------------------------------------------------

@@ -66,6 +66,17 @@ def test_gather_of_integers_with_a_smaller_index() -> None:
     np.testing.assert_array_equal(outs[0], refs[0])
 
 
+def test_an_embedding_of_gathered_ids() -> None:
+    """BERT's token types: ids gathered from an expanded int64 buffer, then looked up; both loads fuse into one
+    generic, and the first gathers one-column rows used across the second's row."""
+    buf, pos, table = torch.zeros(1, 20, dtype=torch.long), torch.tensor([[0, 3, 19, 3, 1]]), torch.randn(2, 16)
+    buf[0, 3] = 1
+    table[1, :2] = torch.tensor([-0.0, math.nan])
+    outs, refs, _ = compile_and_run(
+        lambda t, b, p: torch.nn.functional.embedding(torch.gather(b.expand(1, 20), 1, p), t) * 2.0, table, buf, pos)
+    np.testing.assert_array_equal(outs[0], refs[0])
+
+
 def test_index_on_an_inner_dim_of_a_4d_tensor() -> None:
     """Falcon's rotary cache lookup on an inner dim: x[:, :, idx] of a [B, H, S, D] tensor, negative indices."""
     x, idx = torch.randn(2, 3, 9, 16).to(torch.bfloat16), torch.tensor([[8, 0, -1, 4, -9]])
