@@ -543,7 +543,59 @@ def _pow(e: MlirEmitter, x: TValue, p: float) -> TValue:
         return e.elementwise([x], lambda v, w: w.op("math.rsqrt", v[0]))
     if p == 1:
         return x
-    raise UnsupportedOp(f"pow with exponent {p}")
+    return _pow_general(e, x, float(p))
+
+
+POW_BITS = 8  # integer exponents |y| < 2^8 by squaring: 2 ** -104 exact (exp(y log 2) is ~70 ulp off)
+
+
+@_reg(aten.pow.Tensor_Tensor, aten.pow.Scalar)
+def _pow_general(e: MlirEmitter, x: Any, y: Any) -> TValue:
+    """x ** y elementwise (BLOOM's ALiBi slopes: base ** arange), torch's (C99's) special values exactly:
+    a small integer exponent (|y| <= 255: x ** 0 = 1 for any x, a negative base's sign, ±0 and ±inf bases)
+    by squaring, exact where the result is representable; otherwise exp(y log|x|) (a few ulp times
+    |y log x|), with a finite negative base and a non-integer y NaN, (-x) ** odd = -(x ** odd), 1 ** y = 1
+    and (-1) ** ±inf = 1."""
+    dtype = _promote(x, y)
+    if dtype not in ("f32", "bf16"):
+        raise UnsupportedOp(f"pow of {dtype} values (integer pow)")
+
+    def body(v: list[str], w: BodyWriter) -> str:
+        b, n = v
+        one, inf = w.const(1.0), w.const(math.inf)
+        ab, an = w.op("math.absf", b), w.op("math.absf", n)
+        big = w.cmp("oge", an, w.const(2.0**24))  # every float this large is an even integer (inf included)
+        ni = w.cast(n, "f32", "i32")
+        integral = w.op("arith.ori", big, w.cmp("oeq", w.cast(ni, "i32", "f32"), n), dtype="i1")
+        odd = w.op("arith.andi", w.cmp("eq", w.op("arith.andi", ni, w.const_int(1), dtype="i32"), w.const_int(1),
+                                       "i32"), w.op("arith.xori", big, w.const_int(1, "i1"), dtype="i1"), dtype="i1")
+        odd = w.op("arith.andi", odd, integral, dtype="i1")  # 1.5 truncates to 1: not odd
+        # by squaring: (1/x) ** |y| for y < 0 (no spurious overflow of x ** |y|; 1/±0 = ±inf keeps the sign)
+        inv = w.op("arith.divf", one, b)
+        base = w.select(w.cmp("olt", n, w.const(0.0)), inv, b)
+        bits = w.cast(w.op("math.absf", n), "f32", "i32")
+        p, sq = one, base
+        for k in range(POW_BITS):
+            hit = w.cmp("ne", w.op("arith.andi", bits, w.const_int(1 << k), dtype="i32"), w.const_int(0), "i32")
+            p = w.select(hit, w.op("arith.mulf", p, sq), p)
+            if k < POW_BITS - 1:
+                sq = w.op("arith.mulf", sq, sq)
+        small = w.op("arith.andi", integral, w.cmp("ole", an, w.const(2.0**POW_BITS - 1)), dtype="i1")
+        # exp(y log|x|): the sign of a negative base (or -0) with an odd y; NaN for a finite negative base and
+        # a non-integer y; |x| = 1 cases whose y log|x| would be 0 * inf
+        r = w.op("math.exp", w.op("arith.mulf", n, w.op("math.log", ab)))
+        negative = w.op("arith.ori", w.cmp("olt", b, w.const(0.0)), w.cmp("olt", inv, w.const(0.0)), dtype="i1")
+        r = w.select(w.op("arith.andi", negative, odd, dtype="i1"), w.op("arith.negf", r), r)
+        finite_neg = w.op("arith.andi", w.cmp("olt", b, w.const(0.0)), w.cmp("one", ab, inf), dtype="i1")
+        nan = w.op("arith.andi", finite_neg, w.op("arith.xori", integral, w.const_int(1, "i1"), dtype="i1"),
+                   dtype="i1")
+        r = w.select(nan, w.const(math.nan), r)
+        unit = w.op("arith.ori", w.cmp("oeq", b, one), w.op("arith.andi", w.cmp("oeq", ab, one),
+                                                          w.cmp("oeq", an, inf), dtype="i1"), dtype="i1")
+        r = w.select(unit, one, r)
+        return w.select(small, p, r)
+
+    return e.elementwise([x, y], body, dtype=dtype)
 
 
 @_reg(aten._to_copy.default, aten.clone.default, aten.alias.default, aten.lift_fresh_copy.default)

@@ -69,7 +69,7 @@ CPU_OPS = {
     "qwen3": {},
     "bert": {},
     "gptj": {},
-    "bloom": {"aten.pow.Tensor_Tensor": 1},  # ALiBi slopes: tensor ** tensor
+    "bloom": {},
     **{name: {} for name in LLAMA_LIKE},
     "falcon": {},
 }
