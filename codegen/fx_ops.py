@@ -151,6 +151,8 @@ def _clamp(e: MlirEmitter, x: TValue, lo: float | None = None, hi: float | None 
 # ---- comparisons, masks, select (bool tensors are i1: 0 / ~0 lane masks on the CTPU) -------------------
 def _compare(pred: str) -> Lowering:
     def lower(e: MlirEmitter, a: Any, b: Any) -> TValue:
+        if _promote(a, b) == "bf16":  # eager compares in the tensor's dtype: a Python scalar is rounded to it
+            a, b = (t if isinstance(t, TValue) else float(torch.tensor(t, dtype=torch.bfloat16)) for t in (a, b))
         return e.elementwise([a, b], lambda v, w: w.cmp(pred, v[0], v[1]), dtype="i1", result="i1")
     return lower
 
