@@ -156,6 +156,8 @@ def _clamp(e: MlirEmitter, x: TValue, lo: float | None = None, hi: float | None 
 # ---- comparisons, masks, select (bool tensors are i1: 0 / ~0 lane masks on the CTPU) -------------------
 def _compare(pred: str) -> Lowering:
     def lower(e: MlirEmitter, a: Any, b: Any) -> TValue:
+        if _promote(a, b) == "bf16":  # eager compares in the tensor's dtype: a Python scalar is rounded to it
+            a, b = (t if isinstance(t, TValue) else float(torch.tensor(t, dtype=torch.bfloat16)) for t in (a, b))
         return e.elementwise([a, b], lambda v, w: w.cmp(pred, v[0], v[1]), dtype="i1", result="i1")
     return lower
 
@@ -191,12 +193,25 @@ def _logical_not(e: MlirEmitter, x: TValue) -> TValue:
 
 @_reg(aten.where.self)
 def _where(e: MlirEmitter, cond: TValue, a: Any, b: Any) -> TValue:
+    """cond is an i1 lane mask (kept as one); bool values are selected as masks too (a bool result, as
+    eager's), and with numbers they are 0.0 / 1.0 like every bool operand of arithmetic."""
+    promoted = _promote(a, b)
+    is_bool = [isinstance(t, TValue) and t.dtype == "i1" for t in (a, b)]
+    if promoted == "i1":
+        def pick(v: list[str], w: BodyWriter) -> str:
+            x, y = (v[k] if isinstance(t, TValue) else w.const_int(int(t), "i1") for k, t in ((1, a), (2, b)))
+            return w.select(v[0], x, y, "i1")
+
+        return e.elementwise([_as_bool(e, cond), a, b], pick, dtype="i1", result="i1", keep_bool=True)
+
+    def select(v: list[str], w: BodyWriter) -> str:
+        x, y = (w.cast(v[k], "i1", "f32") if is_bool[k - 1] else v[k] for k in (1, 2))
+        return w.select(v[0], x, y)
+
     dtypes = [t.dtype for t in (a, b) if isinstance(t, TValue)]
     # torch's promotion: integers stay integers (nll_loss' where(target != ignore, target, 0) is an index)
-    dtype = "bf16" if dtypes and all(d == "bf16" for d in dtypes) else "i32" if _promote(a, b) in ("i32", "i1") \
-        else "f32"
-    return e.elementwise([_as_bool(e, cond), a, b], lambda v, w: w.select(v[0], v[1], v[2]), dtype=dtype,
-                         keep_bool=True)
+    dtype = "bf16" if dtypes and all(d == "bf16" for d in dtypes) else "i32" if promoted == "i32" else "f32"
+    return e.elementwise([_as_bool(e, cond), a, b], select, dtype=dtype, keep_bool=True)
 
 
 # ---- creation: arange, full --------------------------------------------------------------------------
@@ -274,24 +289,52 @@ def _embedding(e: MlirEmitter, weight: TValue, ids: TValue, padding_idx: int = -
 
 @_reg(aten.index.Tensor)
 def _index(e: MlirEmitter, x: TValue, indices: Any) -> TValue:
-    """x[idx] with one integer index tensor on dim 0 of a 2-D x (Falcon's `cos[position_ids]`): a row gather,
-    a negative index counted from the end as torch does (one outside [-V, V) traps, as eager
-    raises)."""
+    """x[.., idx, ..] with one integer index tensor at dim d (Falcon's `cos[position_ids]`, an inner dim's
+    lookup): a row gather from x viewed as [prod(x.shape[:d+1]), rest], a negative index counted from the end
+    as torch does (one outside [-size, size) traps, and the call runs on the CPU, where eager raises)."""
     given = [(d, t) for d, t in enumerate(indices) if t is not None]
-    if len(given) != 1 or given[0][0] != 0 or not isinstance(given[0][1], TValue) or given[0][1].dtype != "i32":
-        raise UnsupportedOp("index with other than one integer index tensor on dim 0")
-    idx = given[0][1]
-    if len(x.shape) != 2:  # a flattened [V, rest] table's lookup is reshaped back into the body: not a row gather
-        raise UnsupportedOp(f"index of a {x.type} (rows of a 2-D tensor are supported)")
-    rows = x.shape[0]
+    if len(given) != 1 or not isinstance(given[0][1], TValue) or given[0][1].dtype != "i32":
+        raise UnsupportedOp("index with other than one integer index tensor")
+    d, idx = given[0]
+    return _gather_rows_at(e, x, d, idx, wrap=True)
 
-    def wrap(args: list[str], w: BodyWriter) -> str:
+
+def _gather_rows_at(e: MlirEmitter, x: TValue, d: int, idx: TValue, wrap: bool) -> TValue:
+    """out[l.., j.., r..] = x[l.., idx[j..], r..] (shape x.shape[:d] + idx.shape + x.shape[d+1:]): one row gather
+    of x viewed as [prod(lead) * size, prod(rest)] at the row l * size + idx[j]. An index outside [0, size) (after
+    wrapping a negative one when `wrap`) becomes the row -1, which the gather kernel poisons: the launch traps."""
+    lead, size, rest = x.shape[:d], x.shape[d], x.shape[d + 1:]
+    rank = len(lead) + len(idx.shape)
+
+    def row(args: list[str], w: BodyWriter) -> str:
         w.dtype = "i32"
-        return _wrapped_index(args[0], rows, w)
+        i = _wrapped_index(args[0], size, w) if wrap else args[0]
+        base = w.const_int(0)  # the lead dims' flat index, times size
+        for k, n in enumerate(lead):
+            base = w.op("arith.addi", w.op("arith.muli", base, w.const_int(n), dtype="i32"), w.index(k), dtype="i32")
+        r = w.op("arith.addi", w.op("arith.muli", base, w.const_int(size), dtype="i32"), i, dtype="i32")
+        return w.select(_in_range(i, size, w), r, w.const_int(-1), "i32")
+
+    shape = (*lead, *idx.shape)
+    idx_map = affine_map(rank, [f"d{k}" for k in range(len(lead), rank)])
+    ids = e.generic([idx], [idx_map, affine_map(rank)], e.empty(shape, "i32"), ["parallel"] * rank, row)
+    table = e.reshape(x, (math.prod(lead) * size, math.prod(rest)))
+    return e.reshape(e.gather_rows(table, ids), (*shape, *rest))
+
+
+def _checked_index(e: MlirEmitter, idx: TValue, size: int, wrap: bool) -> TValue:
+    """idx (a negative index counted from the end when `wrap`), read back through a row gather of arange(size):
+    the values are unchanged, but one outside [0, size) makes the launch trap (the gather kernel's check), so
+    the ops indexing with the result never see an index out of range."""
+    def wrapped(args: list[str], w: BodyWriter) -> str:
+        w.dtype = "i32"
+        return _wrapped_index(args[0], size, w) if wrap else args[0]
 
     rank = len(idx.shape)
-    ids = e.generic([idx], [affine_map(rank), affine_map(rank)], e.empty(idx.shape, "i32"), ["parallel"] * rank, wrap)
-    return e.gather_rows(x, ids)
+    ids = e.generic([idx], [affine_map(rank), affine_map(rank)], e.empty(idx.shape, "i32"), ["parallel"] * rank,
+                    wrapped)
+    positions = e.iota((size, 1), lambda i, w: i[0], "i32")
+    return e.reshape(e.gather_rows(positions, ids), idx.shape)
 
 
 @_reg(aten.index_put.default)
@@ -435,28 +478,29 @@ def _constant_pad_nd(e: MlirEmitter, x: TValue, pad: Any, value: float = 0.0) ->
 
 @_reg(aten.gather.default)
 def _gather(e: MlirEmitter, x: TValue, dim: int, index: TValue, sparse_grad: bool = False) -> TValue:
-    """out[i] = x[i with i_dim = index[i]], as a reduction over x's dim: sum_c (c == index[i] ? x[.., c, ..]
-    : 0), one nonzero term (a -0 comes back +0). An index outside [0, size) gives NaN (eager raises)."""
+    """out[i] = x[i with i_dim = index[i]]: a row gather of x viewed as [numel, 1] at the flat position of
+    each element (exact bits, any dtype). An index outside [0, size) (negative ones too, as eager) traps,
+    and the call runs on the CPU, where eager raises."""
     rank = len(x.shape)
     d = _norm_dim(dim, rank)
-    if index.dtype != "i32" or len(index.shape) != rank or x.dtype not in ("f32", "bf16") \
-            or any(index.shape[k] != x.shape[k] for k in range(rank) if k != d):
-        raise UnsupportedOp(f"gather of a {x.type} along dim {d} with a {index.type} index (same shape but at dim)")
+    if index.dtype != "i32" or len(index.shape) != rank \
+            or any(index.shape[k] > x.shape[k] for k in range(rank) if k != d):
+        raise UnsupportedOp(f"gather of a {x.type} along dim {d} with a {index.type} index")
     size = x.shape[d]
-    it = rank + 1  # the index's dims, then c
-    maps = [affine_map(it, [f"d{rank}" if k == d else f"d{k}" for k in range(rank)]), affine_map(it, [
-        f"d{k}" for k in range(rank)]), affine_map(it, [f"d{k}" for k in range(rank)])]
-    init = e.fill(0.0, index.shape, "f32")
+    strides = [math.prod(x.shape[k + 1:]) for k in range(rank)]
 
-    def body(a: list[str], w: BodyWriter) -> str:
-        w.dtype = "f32"
-        c = w.index(rank)
-        hit = w.cmp("eq", c, a[1], "i32")
-        miss = w.select(_in_range(a[1], size, w), w.const(0.0), w.const(math.nan))
-        return w.op("arith.addf", w.select(hit, w.cast(a[0], x.dtype, "f32"), miss), a[2])
+    def position(a: list[str], w: BodyWriter) -> str:
+        w.dtype = "i32"
+        flat = w.op("arith.muli", a[0], w.const_int(strides[d]), dtype="i32")
+        for k in range(rank):
+            if k != d:
+                flat = w.op("arith.addi", flat, w.op("arith.muli", w.index(k), w.const_int(strides[k]), dtype="i32"),
+                            dtype="i32")
+        return w.select(_in_range(a[0], size, w), flat, w.const_int(-1), "i32")
 
-    out = e.generic([x, index], maps, init, ["parallel"] * rank + ["reduction"], body)
-    return e.elementwise([out], lambda v, w: v[0], dtype=x.dtype) if x.dtype != "f32" else out
+    pos = e.generic([index], [affine_map(rank), affine_map(rank)], e.empty(index.shape, "i32"),
+                    ["parallel"] * rank, position)
+    return e.reshape(e.gather_rows(e.reshape(x, (math.prod(x.shape), 1)), pos), index.shape)
 
 
 def _wrapped_index(i: str, size: int, w: BodyWriter) -> str:
@@ -474,21 +518,20 @@ def _in_range(i: str, size: int, w: BodyWriter) -> str:
 @_reg(aten.scatter.value)
 def _scatter_value(e: MlirEmitter, x: TValue, dim: int, index: TValue, value: float) -> TValue:
     """x with x[i with i_dim = index[i]] = value, for an index of size 1 along dim and x's size elsewhere
-    (the backward of nll_loss): one select per element. An index outside [0, size) makes its row NaN
-    (eager raises)."""
+    (the backward of nll_loss): one select per element. An index outside [0, size) traps (`_checked_index`),
+    and the call runs on the CPU, where eager raises."""
     rank = len(x.shape)
     d = _norm_dim(dim, rank)
     if index.dtype != "i32" or len(index.shape) != rank or index.shape[d] != 1 \
             or any(index.shape[k] != x.shape[k] for k in range(rank) if k != d):
         raise UnsupportedOp(f"scatter into a {x.type} with a {index.type} index (size 1 along dim {d} is supported)")
-    size = x.shape[d]
+    index = _checked_index(e, index, x.shape[d], wrap=False)
     maps = [affine_map(rank), affine_map(rank, ["0" if k == d else f"d{k}" for k in range(rank)]), affine_map(rank)]
 
     def body(a: list[str], w: BodyWriter) -> str:
         w.dtype = "f32"
         hit = w.cmp("eq", w.index(d), a[1], "i32")
-        r = w.select(hit, w.const(float(value)), w.cast(a[0], x.dtype, "f32"))
-        return w.cast(w.select(_in_range(a[1], size, w), r, w.const(math.nan)), "f32", x.dtype)
+        return w.cast(w.select(hit, w.const(float(value)), w.cast(a[0], x.dtype, "f32")), "f32", x.dtype)
 
     return e.generic([x, index], maps, e.empty(x.shape, x.dtype), ["parallel"] * rank, body)
 
@@ -497,9 +540,9 @@ def _index_put_accumulate(e: MlirEmitter, x: TValue, d: int, idx: TValue, values
     """x[.., idx, ..] += values with duplicates summed (embedding's backward): out[.., v, ..] = x + sum over n
     of (idx[n] == v ? values[.., n, ..] : 0), one reduction generic whose output starts as x, exact in the
     sense that every update is added once. Costs x.numel() * n; a negative index counts from the end; an
-    index outside [-size, size) makes the whole result NaN (eager raises)."""
+    index outside [-size, size) traps (`_checked_index`), and the call runs on the CPU, where eager raises."""
     rank = len(x.shape)
-    size = x.shape[d]
+    idx = _checked_index(e, idx, x.shape[d], wrap=True)
     it = rank + 1  # x's dims, then n
     vals_map = [f"d{rank}" if k == d else f"d{k}" for k in range(rank)]
     maps = [affine_map(it, vals_map), affine_map(it, [f"d{rank}"]), affine_map(it, [f"d{k}" for k in range(rank)])]
@@ -507,10 +550,9 @@ def _index_put_accumulate(e: MlirEmitter, x: TValue, d: int, idx: TValue, values
 
     def body(a: list[str], w: BodyWriter) -> str:
         w.dtype = "f32"
-        wrapped = _wrapped_index(a[1], size, w)
-        hit = w.cmp("eq", w.index(d), wrapped, "i32")
-        miss = w.select(_in_range(wrapped, size, w), w.const(0.0), w.const(math.nan))
-        return w.op("arith.addf", w.select(hit, w.cast(a[0], values.dtype, "f32"), miss), a[2])
+        hit = w.cmp("eq", w.index(d), a[1], "i32")
+        # a miss adds -0.0, the identity of + (x + 0.0 would turn a -0 of x into +0)
+        return w.op("arith.addf", w.select(hit, w.cast(a[0], values.dtype, "f32"), w.const(-0.0)), a[2])
 
     out = e.generic([values, idx], maps, init, ["parallel"] * rank + ["reduction"], body)
     return e.elementwise([out], lambda v, w: v[0], dtype=x.dtype) if x.dtype != "f32" else out
@@ -528,7 +570,59 @@ def _pow(e: MlirEmitter, x: TValue, p: float) -> TValue:
         return e.elementwise([x], lambda v, w: w.op("math.rsqrt", v[0]))
     if p == 1:
         return x
-    raise UnsupportedOp(f"pow with exponent {p}")
+    return _pow_general(e, x, float(p))
+
+
+POW_BITS = 8  # integer exponents |y| < 2^8 by squaring: 2 ** -104 exact (exp(y log 2) is ~70 ulp off)
+
+
+@_reg(aten.pow.Tensor_Tensor, aten.pow.Scalar)
+def _pow_general(e: MlirEmitter, x: Any, y: Any) -> TValue:
+    """x ** y elementwise (BLOOM's ALiBi slopes: base ** arange), torch's (C99's) special values exactly:
+    a small integer exponent (|y| <= 255: x ** 0 = 1 for any x, a negative base's sign, ±0 and ±inf bases)
+    by squaring, exact where the result is representable; otherwise exp(y log|x|) (a few ulp times
+    |y log x|), with a finite negative base and a non-integer y NaN, (-x) ** odd = -(x ** odd), 1 ** y = 1
+    and (-1) ** ±inf = 1."""
+    dtype = _promote(x, y)
+    if dtype not in ("f32", "bf16"):
+        raise UnsupportedOp(f"pow of {dtype} values (integer pow)")
+
+    def body(v: list[str], w: BodyWriter) -> str:
+        b, n = v
+        one, inf = w.const(1.0), w.const(math.inf)
+        ab, an = w.op("math.absf", b), w.op("math.absf", n)
+        big = w.cmp("oge", an, w.const(2.0**24))  # every float this large is an even integer (inf included)
+        ni = w.cast(n, "f32", "i32")
+        integral = w.op("arith.ori", big, w.cmp("oeq", w.cast(ni, "i32", "f32"), n), dtype="i1")
+        odd = w.op("arith.andi", w.cmp("eq", w.op("arith.andi", ni, w.const_int(1), dtype="i32"), w.const_int(1),
+                                       "i32"), w.op("arith.xori", big, w.const_int(1, "i1"), dtype="i1"), dtype="i1")
+        odd = w.op("arith.andi", odd, integral, dtype="i1")  # 1.5 truncates to 1: not odd
+        # by squaring: (1/x) ** |y| for y < 0 (no spurious overflow of x ** |y|; 1/±0 = ±inf keeps the sign)
+        inv = w.op("arith.divf", one, b)
+        base = w.select(w.cmp("olt", n, w.const(0.0)), inv, b)
+        bits = w.cast(w.op("math.absf", n), "f32", "i32")
+        p, sq = one, base
+        for k in range(POW_BITS):
+            hit = w.cmp("ne", w.op("arith.andi", bits, w.const_int(1 << k), dtype="i32"), w.const_int(0), "i32")
+            p = w.select(hit, w.op("arith.mulf", p, sq), p)
+            if k < POW_BITS - 1:
+                sq = w.op("arith.mulf", sq, sq)
+        small = w.op("arith.andi", integral, w.cmp("ole", an, w.const(2.0**POW_BITS - 1)), dtype="i1")
+        # exp(y log|x|): the sign of a negative base (or -0) with an odd y; NaN for a finite negative base and
+        # a non-integer y; |x| = 1 cases whose y log|x| would be 0 * inf
+        r = w.op("math.exp", w.op("arith.mulf", n, w.op("math.log", ab)))
+        negative = w.op("arith.ori", w.cmp("olt", b, w.const(0.0)), w.cmp("olt", inv, w.const(0.0)), dtype="i1")
+        r = w.select(w.op("arith.andi", negative, odd, dtype="i1"), w.op("arith.negf", r), r)
+        finite_neg = w.op("arith.andi", w.cmp("olt", b, w.const(0.0)), w.cmp("one", ab, inf), dtype="i1")
+        nan = w.op("arith.andi", finite_neg, w.op("arith.xori", integral, w.const_int(1, "i1"), dtype="i1"),
+                   dtype="i1")
+        r = w.select(nan, w.const(math.nan), r)
+        unit = w.op("arith.ori", w.cmp("oeq", b, one), w.op("arith.andi", w.cmp("oeq", ab, one),
+                                                          w.cmp("oeq", an, inf), dtype="i1"), dtype="i1")
+        r = w.select(unit, one, r)
+        return w.select(small, p, r)
+
+    return e.elementwise([x, y], body, dtype=dtype)
 
 
 @_reg(aten._to_copy.default, aten.clone.default, aten.alias.default, aten.lift_fresh_copy.default)

@@ -501,8 +501,13 @@ def _split_gather(res: str, table: View, idx: list[str], ops: list[tuple[str, st
     producer = {r: (name, names) for r, name, names in ops}
     row = producer.get(idx[0]) if len(idx) == 2 else None
     by_arg = dict(inputs)
-    if (row is None or row[0] != "arith.index_cast" or len(table.shape) != 2
-            or index_dims.get(idx[1]) != rank - 1 or table.shape[1] != sizes[-1]):
+    # the column: the last iteration dim, or the constant 0 of a one-column table (canonicalization folds a
+    # linalg.index over a dim of size 1; a gathered scalar may also be used across the last dim: an id
+    # gathered by one load and used by the next, BERT's token types)
+    column = len(idx) == 2 and index_dims.get(idx[1]) == rank - 1 and len(table.shape) == 2 \
+        and table.shape[1] == sizes[-1]
+    scalar = len(idx) == 2 and consts.get(idx[1]) == 0 and len(table.shape) == 2 and table.shape[1] == 1
+    if row is None or row[0] != "arith.index_cast" or not (column or scalar):
         raise LoweringError(f"memref.load that is not a row gather (table[id, last index]):\n{text}")
     prelude: list[Kernel] = []
     ids = by_arg.get(row[1][0])
@@ -515,9 +520,10 @@ def _split_gather(res: str, table: View, idx: list[str], ops: list[tuple[str, st
         ids = Access(ids.view, (*ids.iter_strides, 0))
     if ids.iter_strides[-1] != 0:
         raise LoweringError(f"memref.load that is not a row gather (the id varies along the row):\n{text}")
-    out = _temp(g, "gather", tuple(sizes), table.dtype)
-    inputs.append((res, Access(out, out.strides)))
-    return [*prelude, GatherKernel(table, ids, out, tuple(sizes), f"gather rows of {table.buffer}: {text}")]
+    gathered = tuple(sizes) if column else (*sizes[:-1], 1)
+    out = _temp(g, "gather", gathered, table.dtype)
+    inputs.append((res, Access(out, out.strides if column else (*out.strides[:-1], 0))))
+    return [*prelude, GatherKernel(table, ids, out, gathered, f"gather rows of {table.buffer}: {text}")]
 
 
 # ---- contractions back to matmuls -----------------------------------------------------------------------

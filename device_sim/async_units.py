@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from device_sim import isa, numerics
-from device_sim.config import HardwareConfig
+from device_sim.config import HBM_POISON, HardwareConfig
 
 if TYPE_CHECKING:
     from device_sim.profile import Recording
@@ -31,7 +31,7 @@ class Machine(Protocol):
     pc: int
     owners: Ownership
 
-    def trap(self, message: str) -> None: ...
+    def trap(self, message: str, index_range: bool = False) -> None: ...
     def vmem_span(self, row: int, rows: int, what: str) -> np.ndarray: ...
     def complete_on(self, flag: int, done: int) -> None: ...
 
@@ -191,7 +191,9 @@ class Dma:
             m.trap(f"dma.st with row stride {stride} < {cols} columns: its HBM rows would overlap")
         last = hbm + ((rows - 1) * stride + cols) * esize
         if last > m.config.hbm_bytes:
-            m.trap(f"{kind}: HBM bytes [{hbm:#x}, {last:#x}) out of bounds (HBM has {m.config.hbm_bytes:#x} bytes)")
+            poisoned = hbm >= HBM_POISON & 0xFFFFFFFF  # software's mark for an index out of range (config.py)
+            m.trap(f"{kind}: HBM bytes [{hbm:#x}, {last:#x}) out of bounds (HBM has {m.config.hbm_bytes:#x} bytes)"
+                   + (": the poison address, an index out of range" if poisoned else ""), index_range=poisoned)
         n = self.lanes
         pitch = -(-cols // n)
         m.vmem_span(vmem, rows * pitch, kind)

@@ -25,7 +25,7 @@ from device_sim import numerics
 from device_sim.config import HardwareConfig, get_config
 from device_sim.program import Program
 from device_sim.runners import Runner
-from device_sim.simulator import RunStats
+from device_sim.simulator import CtpuTrap, RunStats
 
 ARENA_REGISTER = 1  # s1
 ALIGN = 64  # bytes: buffers in the arena and inputs of a fresh HBM image start on this boundary
@@ -80,7 +80,8 @@ class Executable:
 
 
 class InputRangeError(ValueError):
-    """An input's values cannot be represented as the program reads them (int64 beyond int32)."""
+    """An input's values cannot be represented as the program reads them (int64 beyond int32), or an index
+    among them is out of range (the program trapped on the poison address its check gave the index)."""
 
 
 def pack_input(spec: ArgSpec, x: Any) -> np.ndarray:
@@ -130,7 +131,12 @@ def launch(exe: Executable, runner: Runner, hbm: np.ndarray, input_addrs: Sequen
     at `input_addrs`, its arena at `arena_addr`; returns (outputs, statistics). The one launch path."""
     table = argument_table(exe, input_addrs, arena_addr)
     hbm[arena_addr : arena_addr + table.nbytes] = table
-    stats = runner.run(exe.program, hbm, {ARENA_REGISTER: arena_addr}, max_cycles)
+    try:
+        stats = runner.run(exe.program, hbm, {ARENA_REGISTER: arena_addr}, max_cycles)
+    except CtpuTrap as e:
+        if e.index_range:
+            raise InputRangeError(f"an index out of range ({e})") from e
+        raise
     return [read_output(hbm, v, input_addrs, arena_addr) for v in exe.outputs], stats
 
 

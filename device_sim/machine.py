@@ -23,11 +23,15 @@ assert RING > max(i.latency for i in isa.INSTRUCTIONS)
 class CtpuTrap(RuntimeError):
     """The machine stopped on an error; names the bundle address, the cycle and the instruction."""
 
-    def __init__(self, message: str, pc: int, cycle: int, where: str = "", instruction: str = "") -> None:
+    def __init__(self, message: str, pc: int, cycle: int, where: str = "", instruction: str = "",
+                 index_range: bool = False) -> None:
         loc = f"bundle {pc}" + (f" ({where})" if where else "")
         text = f"trap at {loc}, cycle {cycle}: " + (f"{instruction}: " if instruction else "") + message
         super().__init__(text)
         self.pc, self.cycle, self.reason = pc, cycle, message
+        # a DMA to the poison address: the program's own index check failed (the input's values, not the
+        # program, are at fault: the launch raises InputRangeError, and the caller may run the op elsewhere)
+        self.index_range = index_range
 
 
 class Operands:
@@ -72,7 +76,7 @@ class Machine:
         self.trace: list[tuple[Any, ...]] | None = None
 
     # -- errors --------------------------------------------------------------------------------------
-    def trap(self, message: str) -> None:
+    def trap(self, message: str, index_range: bool = False) -> None:
         instruction = ""
         if self.current is not None:
             from device_sim.asm import format_instruction  # printing belongs to the assembler
@@ -80,7 +84,7 @@ class Machine:
             values = {f.name: getattr(self.current, f.name) for f in self.current.ins.fmt.fields}
             instruction = format_instruction(self.current.ins, values)
         where = self.program.where(self.pc) if self.program else ""
-        raise CtpuTrap(message, self.pc, self.cycle, where, instruction)
+        raise CtpuTrap(message, self.pc, self.cycle, where, instruction, index_range)
 
     # -- registers -----------------------------------------------------------------------------------
     def write_s(self, reg: int, value: int, land: int) -> None:

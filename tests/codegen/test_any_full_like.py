@@ -103,6 +103,24 @@ def test_full_like_bool_and_int_in_a_where() -> None:
     _same(_compiled(fn, ROWS), fn(ROWS))
 
 
+WHERE_BOOL: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "tensors": lambda x: torch.where(x > 0, x != x, x < 0),
+    "scalar_true": lambda x: torch.where(x != 0, x.abs() == math.inf, True),
+    "scalar_false": lambda x: torch.where(x != x, False, x == 0),
+    "then_and": lambda x: torch.where(x > 0, x < 1, x == -math.inf) & (x != 3e38),
+    "bool_with_int": lambda x: torch.where(x > 0, x < 1, torch.full_like(x, 7, dtype=torch.int32)),
+    "bool_with_float": lambda x: torch.where(x > 0, x == 0, x),
+}
+
+
+@pytest.mark.parametrize("case", WHERE_BOOL)
+def test_where_of_bools_is_bool(case: str) -> None:
+    """where() of bool values is bool, as eager (it was an int32 select, or an MLIR type error: the i1 masks
+    were mixed with f32 constants); a bool with an int stays int."""
+    fn = WHERE_BOOL[case]
+    _same(_compiled(fn, ROWS), fn(ROWS))
+
+
 def test_safe_softmax_guard_on_large() -> None:
     """torch._safe_softmax's guard (where(~any(~(s == -inf)), full_like(p, 0), p)) over Llama-sized scores
     on `large`: 16 heads, 64 queries, 96 keys, rows fully masked, a NaN row, +inf scores."""

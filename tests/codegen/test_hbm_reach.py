@@ -15,7 +15,7 @@ from codegen_helpers import trace
 
 from codegen import compile_graph
 from device_sim.config import HBM_POISON, LARGE, SMALL, HardwareConfig
-from device_sim.executable import ALIGN, launch, pack_input, run_fresh
+from device_sim.executable import ALIGN, InputRangeError, launch, pack_input, run_fresh
 from device_sim.machine import CtpuTrap
 from device_sim.runners import SimulatorRunner
 
@@ -28,8 +28,9 @@ def _lookup(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def test_an_embedding_id_outside_the_table_traps(bad_id: int) -> None:
     table, ids = torch.randn(10, 12), torch.tensor([[3, bad_id, 7]])
     exe = compile_graph(trace(_lookup, table, torch.tensor([[3, 1, 7]])), [table, ids], "small")
-    with pytest.raises(CtpuTrap, match="out of bounds"):
+    with pytest.raises(InputRangeError, match="out of bounds") as err:  # the values' fault: the call may rerun
         run_fresh(exe, [table.numpy(), ids.numpy()], SimulatorRunner("small"))
+    assert isinstance(err.value.__cause__, CtpuTrap) and err.value.__cause__.index_range
     outs, _ = run_fresh(exe, [table.numpy(), torch.tensor([[3, 9, 0]]).numpy()], SimulatorRunner("small"))
     np.testing.assert_array_equal(outs[0], _lookup(table, torch.tensor([[3, 9, 0]])).numpy())
 

@@ -95,13 +95,12 @@ def test_index_out_of_range_traps(bad: int) -> None:
     from codegen_helpers import trace
 
     from codegen import compile_graph
-    from device_sim.executable import run_fresh
-    from device_sim.machine import CtpuTrap
+    from device_sim.executable import InputRangeError, run_fresh
     from device_sim.runners import SimulatorRunner
 
     x = torch.randn(40, 12)
     exe = compile_graph(trace(lambda v, i: v[i] * 2.0, x, torch.tensor([1, 2])), [x, torch.tensor([1, 2])], "small")
-    with pytest.raises(CtpuTrap, match="out of bounds"):
+    with pytest.raises(InputRangeError, match="out of bounds"):
         run_fresh(exe, [x.numpy(), np.array([1, bad])], SimulatorRunner("small"))
 
 

@@ -67,11 +67,11 @@ CPU_OPS = {
     "gpt2": {},
     "opt": {},
     "qwen3": {},
-    "bert": {"aten.gather.default": 1},  # token_type_ids from the buffered ids: an element gather
+    "bert": {},
     "gptj": {},
-    "bloom": {"aten.pow.Tensor_Tensor": 1},  # ALiBi slopes: tensor ** tensor
+    "bloom": {},
     **{name: {} for name in LLAMA_LIKE},
-    "falcon": {"aten.index.Tensor": 4},  # an index tensor on an inner dim (only dim 0 of a 2-D tensor lowers)
+    "falcon": {},
 }
 
 
