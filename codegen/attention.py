@@ -31,10 +31,13 @@ from device_sim.config import HardwareConfig
 KEY_TILE_VMEM_ROWS = 16
 # a tile's f32 scores take at most this share of HBM (a long prefill has many query rows) ...
 SCORE_HBM_SHARE = 64
-# ... unless that makes more tiles than this: linalg-fuse-elementwise-ops fuses the running sum and output
-# updates of every tile into the final division, one generic with 3 operands per tile, and register
-# allocation runs out of spill slots at 8 tiles (small, L = 64, S = 1024)
-MAX_KEY_TILES = 4
+# ... unless that makes more tiles than this: the tiles are unrolled, a few kernels each (~2k bundles on
+# `small`: 16 tiles overflow its imem)
+MAX_KEY_TILES = 8
+# linalg-fuse-elementwise-ops fuses the running sum and output updates of consecutive tiles into one generic
+# (3 operands per tile; at 8 tiles register allocation ran out of spill slots): the running values go
+# through a copy it does not fuse through after every FUSED_TILES tiles
+FUSED_TILES = 4
 
 
 def key_tile(cfg: HardwareConfig, query_rows: int, keys: int) -> int:
@@ -122,6 +125,8 @@ def attention(e: MlirEmitter, q: TValue, k: TValue, v: TValue, mask: TValue | No
         else:
             l_sum = e.elementwise([l_sum, m, m_new, p_sum], _rescaled)
             o = e.elementwise([o, m, m_new, pv], _rescaled)
+            if (start // tile + 1) % FUSED_TILES == 0 and end < keys:
+                l_sum, o = _fusion_barrier(e, l_sum), _fusion_barrier(e, o)
         m = m_new
     assert m is not None and l_sum is not None and o is not None
 
@@ -144,6 +149,13 @@ def _masked(mask: TValue | None, causal: bool, scale: float) -> Any:
             y = w.select(rest[0], y, w.const(-math.inf))
         return y
     return body
+
+
+def _fusion_barrier(e: MlirEmitter, x: TValue) -> TValue:
+    """x copied into a new tensor (bufferized to a memref.copy): elementwise fusion stops here."""
+    r = TValue(e.fresh(), x.shape, x.dtype)
+    e.lines.append(f"{r.name} = bufferization.alloc_tensor() copy({x.name}) : {x.type}")
+    return r
 
 
 def _rescaled(a: list[str], w: BodyWriter) -> str:

@@ -150,11 +150,28 @@ def test_large_llama_shapes(d: int, dtype: torch.dtype) -> None:
 
 
 def test_long_context_on_small() -> None:
-    """1024 keys on `small`: 4 tiles of 256 keys. Tiles of 128 keys (8 tiles) made one generic of 24 operands
-    (the fused updates of every tile) that ran out of spill slots; before tiling, P @ V's K = 1024 did not
-    fit vmem."""
-    check(*_qkv(1, 4, 2, 8, 1024, 16), causal=True)
-    assert key_tile(get_config("small"), 4 * 8, 1024) == 256
+    """1024 keys, 64 queries on `small`: 8 tiles of 128 keys. linalg-fuse-elementwise-ops fused the running
+    sum and output updates of every tile into the final division, one generic of 3 operands per tile that ran
+    out of spill slots here (so tiles were capped at 4, 256 keys each); a copy after every FUSED_TILES tiles
+    stops the fusion. Before tiling, P @ V's K did not fit vmem."""
+    assert key_tile(get_config("small"), 4 * 64, 1024) == 128
+    check(*_qkv(1, 4, 2, 64, 1024, 16), causal=True)
+
+
+def test_edge_rows_across_the_fusion_barrier() -> None:
+    """8 tiles (1100 keys: 4 of 144, the barrier's copy, 3 more, 92): rows all masked, masked up to the last
+    tile, NaN or +inf after the barrier, scores of huge magnitude; the running max / sum / output cross it."""
+    keys = 1100
+    assert key_tile(get_config("small"), 2 * 6, keys) == 144
+    q, k, v = _qkv(1, 2, 1, 6, keys, 16)
+    mask = torch.zeros(1, 1, 6, keys)
+    mask[..., 0, :] = -math.inf
+    mask[..., 1, :1050] = -math.inf  # the running max is -inf through the barrier
+    mask[..., 2, 1040] = math.nan
+    mask[..., 3, 1099] = math.inf
+    mask[..., 4, :] = _r(keys, seed=4) * 1e30
+    mask[..., 4, 10] = 3e38  # the only key that counts, in the first tile
+    check(q, k, v, mask)
 
 
 def test_no_buffer_holds_the_whole_score_matrix() -> None:
