@@ -87,28 +87,28 @@ def test_stream_only_where_it_applies(m: int, k: int, n: int, dtype: torch.dtype
     np.testing.assert_allclose(out, (x.double() @ w.double().T).numpy(), rtol=2e-2, atol=2e-2)
 
 
+def _stream_over_roofline(n: int, k: int) -> float:
+    """x[1, k] @ W.T with W [n, k] bf16 on `large`: simulator cycles over the weight bytes' HBM time."""
+    torch.manual_seed(0)
+    x, w = torch.randn(1, k).bfloat16(), torch.randn(n, k).bfloat16() / k ** 0.5
+    exe = _compile(x, w, "large")
+    (out,), stats = run_fresh(exe, [x.float().numpy(), w.float().numpy()], SimulatorRunner("large"))
+    np.testing.assert_allclose(out, (x.double() @ w.double().T).numpy(), rtol=1e-2, atol=1e-2)
+    return stats.cycles / (w.numel() * 2 / get_config("large").hbm_bytes_per_cycle)
+
+
 @pytest.mark.slow  # 80 s on a loaded machine (a 32 MiB weight)
 def test_stream_runs_at_hbm_speed_on_large() -> None:
     """The 1B's gate projection at one token (x[1, 2048] @ W.T, W [8192, 2048] bf16, 32 MiB) on `large`, in
     simulator counts: within 10% of its bytes / HBM bandwidth (measured 1.094: the first group's DMA latency,
     the last mm's drain and the store's latency). The general path took 1.9x (a DMA latency per n-tile)."""
-    torch.manual_seed(0)
-    x, w = torch.randn(1, 2048).bfloat16(), torch.randn(8192, 2048).bfloat16() / 45
-    exe = _compile(x, w, "large")
-    (out,), stats = run_fresh(exe, [x.float().numpy(), w.float().numpy()], SimulatorRunner("large"))
-    roofline = w.numel() * 2 / get_config("large").hbm_bytes_per_cycle
-    assert stats.cycles <= 1.10 * roofline, stats.cycles / roofline
-    np.testing.assert_allclose(out, (x.double() @ w.double().T).numpy(), rtol=1e-2, atol=1e-2)
+    ratio = _stream_over_roofline(8192, 2048)
+    assert ratio <= 1.10, ratio
 
 
 def test_stream_on_large_within_its_bound() -> None:
     """CI's check of the stream on `large` (simulator counts): x[1, 1024] @ W.T, W [4096, 1024] bf16 (8 MiB,
-    4 iterations of 8 n-tiles). Measured MEASURED x its HBM roofline: the fixed costs (the first group's DMA
+    4 iterations of 8 n-tiles). Measured 1.373 x its HBM roofline: the fixed costs (the first group's DMA
     latency, the drain and the store) weigh more than on the 32 MiB projection."""
-    torch.manual_seed(0)
-    x, w = torch.randn(1, 1024).bfloat16(), torch.randn(4096, 1024).bfloat16() / 32
-    exe = _compile(x, w, "large")
-    (out,), stats = run_fresh(exe, [x.float().numpy(), w.float().numpy()], SimulatorRunner("large"))
-    roofline = w.numel() * 2 / get_config("large").hbm_bytes_per_cycle
-    assert stats.cycles <= 1.40 * roofline, stats.cycles / roofline
-    np.testing.assert_allclose(out, (x.double() @ w.double().T).numpy(), rtol=1e-2, atol=1e-2)
+    ratio = _stream_over_roofline(4096, 1024)
+    assert ratio <= 1.40, ratio
