@@ -147,8 +147,9 @@ def pow_scalar_base(base: float | bool, exponent: Tensor) -> Tensor:
     """`base ** exponent` (fp32, fp64) for a base in (0, 1] (Adam's bias corrections `beta ** step`) as
     exp(exponent * log(base)): 1 at exponent 0, NaN for NaN, 0 / inf for an infinite exponent, as pow; within
     a few ulp elsewhere (the relative error grows with |exponent * log(base)| * 2^-24); 1 ** x = 1. Other bases
-    are left to the op (NotImplemented): 0 and negative ones (integer exponents matter), and bases > 1, whose
-    integer powers pow gives exactly (2 ** 10 = 1024; exp(10 log 2) is 1024.0001)."""
+    are left to the op (NotImplemented), whose lowering takes small integer exponents by squaring: 0 and
+    negative bases (signs), and bases > 1, whose integer powers are exact (2 ** 10 = 1024; exp(10 log 2) is
+    1024.0001). For a base near 1 squaring would be the less accurate (its error doubles every square)."""
     if isinstance(base, bool) or not isinstance(base, int | float) or not 0 < base <= 1:
         return NotImplemented  # type: ignore[return-value]
     dtype = exponent.dtype if exponent.is_floating_point() else torch.get_default_dtype()
