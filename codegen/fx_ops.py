@@ -153,6 +153,20 @@ def _clamp(e: MlirEmitter, x: TValue, lo: float | None = None, hi: float | None 
     return e.elementwise([x], fn)
 
 
+@_reg(aten.clamp.Tensor)
+def _clamp_tensor(e: MlirEmitter, x: TValue, lo: TValue | None = None, hi: TValue | None = None) -> TValue:
+    """clamp with tensor bounds (what clamp_min / clamp_max of a tensor decompose to; AMSGrad's running max):
+    NaN in x or a bound gives NaN, as eager; lo > hi gives hi."""
+    bounds = [(b, op) for b, op in ((lo, "arith.maximumf"), (hi, "arith.minimumf")) if b is not None]
+
+    def fn(v: list[str], w: BodyWriter) -> str:
+        r = v[0]
+        for value, (_, op) in zip(v[1:], bounds, strict=True):
+            r = w.op(op, r, value)
+        return r
+    return e.elementwise([x, *(b for b, _ in bounds)], fn, dtype=_promote(x, *(b for b, _ in bounds)))
+
+
 # ---- comparisons, masks, select (bool tensors are i1: 0 / ~0 lane masks on the CTPU) -------------------
 def _compare(pred: str) -> Lowering:
     def lower(e: MlirEmitter, a: Any, b: Any) -> TValue:

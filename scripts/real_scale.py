@@ -1,6 +1,9 @@
 """Real geometries on `large`: `model.generate()` with a static cache, forward compiled with backend="ctpu", bf16,
 random weights; prints per compiled graph the compile seconds (wall and CPU), program bundles, layer loops and
 the HBM the program needs, then parity with eager, CPU ops, cycles per launch and peak host memory as JSON.
+Where a token differs from eager's, "divergence" says whether it is a near tie: at the first differing step,
+both tokens' logits in eager bf16, in the CTPU's, and in an fp32 forward of the same prefix (the arbiter), and
+the largest |CTPU - eager| logit difference of the step.
 
     python scripts/real_scale.py llama 16 128256 3 17   # Llama-3.2-1B: layers, vocab, new tokens, prompt
     python scripts/real_scale.py qwen 4 2048 3 17       # Qwen3-0.6B geometry, 4 layers, vocab 2048
@@ -57,7 +60,8 @@ def main() -> None:
     codegen.compile_graph = recording
 
     def generate() -> torch.Tensor:
-        return m.generate(ids, max_new_tokens=new, do_sample=False, cache_implementation="static")
+        return m.generate(ids, max_new_tokens=new, do_sample=False, cache_implementation="static",
+                          output_logits=True, return_dict_in_generate=True)
 
     with torch.no_grad():
         t = time.time()
@@ -69,14 +73,35 @@ def main() -> None:
         out = generate()
         ctpu_s = time.time() - t
     st = ctpu_stats.last()
+    divergence = first_divergence(m, ref, out, prompt)
+    ref, out = ref.sequences, out.sequences
     print(json.dumps({
         "family": family, "layers": layers, "vocab": vocab, "prompt": prompt, "new": new,
         "equal": out.tolist() == ref.tolist(), "tokens": out[0, prompt:].tolist(),
         "ref_tokens": ref[0, prompt:].tolist(),
         "cpu_ops": dict(st.fallback_ops), "compiles": compiles, "eager_s": round(eager_s, 1),
         "ctpu_total_s": round(ctpu_s, 1), "cycles": [r.stats.cycles for r in st.launches],
-        "launches": st.kernels_launched, "bundles_executed": st.bundles,
+        "divergence": divergence, "launches": st.kernels_launched, "bundles_executed": st.bundles,
         "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}))
+
+
+def first_divergence(m: torch.nn.Module, ref, out, prompt: int) -> dict | None:  # type: ignore[no-untyped-def]
+    """The first step whose token differs: each token's logit in eager, on the CTPU and in fp32 (same prefix)."""
+    pairs = zip(ref.sequences[0, prompt:].tolist(), out.sequences[0, prompt:].tolist(), strict=False)
+    differ = [i for i, (a, b) in enumerate(pairs) if a != b]
+    if not differ:
+        return None
+    step = differ[0]
+    want, got = int(ref.sequences[0, prompt + step]), int(out.sequences[0, prompt + step])
+    eager, ctpu = ref.logits[step][0].float(), out.logits[step][0].float()
+    m.forward = m.__class__.forward.__get__(m)  # the uncompiled forward, in fp32
+    with torch.no_grad():
+        fp32 = m.float()(ref.sequences[:, :prompt + step]).logits[0, -1]
+    pick = lambda logits: {"eager_token": round(float(logits[want]), 4), "ctpu_token": round(float(logits[got]), 4)}
+    return {"step": step, "eager_token": want, "ctpu_token": got, "eager_bf16": pick(eager), "ctpu": pick(ctpu),
+            "fp32": {**pick(fp32), "argmax": int(fp32.argmax())},
+            "max_abs_logit_diff": round(float((ctpu - eager).abs().max()), 4),
+            "logit_range": round(float(eager.max() - eager.min()), 4)}
 
 
 if __name__ == "__main__":

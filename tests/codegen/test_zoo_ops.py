@@ -125,3 +125,17 @@ def test_inverse_permutation_into_an_empty_buffer_like_moe_routing(make: str) ->
     got = torch.compile(fn, backend="ctpu", options={"cache": False})(x, perm)
     assert dict(ctpu_stats.last().fallback_ops) == {} and ctpu_stats.last().kernels_launched == 1
     torch.testing.assert_close(got, fn(x, perm), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("bounds", ["min", "max", "both"])
+def test_clamp_with_tensor_bounds(bounds: str) -> None:
+    """clamp_min / clamp_max / clamp of tensor bounds (AMSGrad's running max), bit for bit: ±0 (the first of
+    equal values), NaN in x or in a bound, ±inf, a subnormal, lo > hi (gives hi), broadcast bounds."""
+    edges = [0.0, -0.0, 1.0, -2.0, float("nan"), float("inf"), -float("inf"), 1e-45, 5.0, 3e38]
+    x = torch.tensor([edges, edges[::-1], [v * -1 for v in edges]])
+    lo = torch.tensor([-0.0, 0.0, float("nan"), -1.0, 0.0, 3.0, -3.0, 0.0, 6.0, -1e-45])
+    hi = torch.tensor([[0.0], [float("nan")], [2.0]])
+    fns = {"min": lambda a, b, c: torch.clamp_min(a, b), "max": lambda a, b, c: torch.clamp_max(a, c),
+           "both": lambda a, b, c: torch.clamp(a, b, c)}
+    outs, refs, _ = compile_and_run(fns[bounds], x, lo, hi)
+    np.testing.assert_array_equal(outs[0].view(np.int32), refs[0].view(np.int32))
