@@ -126,7 +126,7 @@ def attention(e: MlirEmitter, q: TValue, k: TValue, v: TValue, mask: TValue | No
             l_sum = e.elementwise([l_sum, m, m_new, p_sum], _rescaled)
             o = e.elementwise([o, m, m_new, pv], _rescaled)
             if (start // tile + 1) % FUSED_TILES == 0 and end < keys:
-                l_sum, o = _fusion_barrier(e, l_sum), _fusion_barrier(e, o)
+                l_sum, o = e.fusion_barrier(l_sum), e.fusion_barrier(o)
         m = m_new
     assert m is not None and l_sum is not None and o is not None
 
@@ -149,13 +149,6 @@ def _masked(mask: TValue | None, causal: bool, scale: float) -> Any:
             y = w.select(rest[0], y, w.const(-math.inf))
         return y
     return body
-
-
-def _fusion_barrier(e: MlirEmitter, x: TValue) -> TValue:
-    """x copied into a new tensor (bufferized to a memref.copy): elementwise fusion stops here."""
-    r = TValue(e.fresh(), x.shape, x.dtype)
-    e.lines.append(f"{r.name} = bufferization.alloc_tensor() copy({x.name}) : {x.type}")
-    return r
 
 
 def _rescaled(a: list[str], w: BodyWriter) -> str:

@@ -339,7 +339,9 @@ def _gather_rows_at(e: MlirEmitter, x: TValue, d: int, idx: TValue, wrap: bool) 
 def _checked_index(e: MlirEmitter, idx: TValue, size: int, wrap: bool) -> TValue:
     """idx (a negative index counted from the end when `wrap`), read back through a row gather of arange(size):
     the values are unchanged, but one outside [0, size) makes the launch trap (the gather kernel's check), so
-    the ops indexing with the result never see an index out of range."""
+    the ops indexing with the result never see an index out of range. The checked ids are a buffer of their
+    own: fused into a consumer with more dims (index_put's accumulate reads them at every output element),
+    the gather would run once per consumer element (15k instructions for 9 ids into 7 x 20)."""
     def wrapped(args: list[str], w: BodyWriter) -> str:
         w.dtype = "i32"
         return _wrapped_index(args[0], size, w) if wrap else args[0]
@@ -348,7 +350,7 @@ def _checked_index(e: MlirEmitter, idx: TValue, size: int, wrap: bool) -> TValue
     ids = e.generic([idx], [affine_map(rank), affine_map(rank)], e.empty(idx.shape, "i32"), ["parallel"] * rank,
                     wrapped)
     positions = e.iota((size, 1), lambda i, w: i[0], "i32")
-    return e.reshape(e.gather_rows(positions, ids), idx.shape)
+    return e.fusion_barrier(e.reshape(e.gather_rows(positions, ids), idx.shape))
 
 
 @_reg(aten.index_put.default)

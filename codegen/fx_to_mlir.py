@@ -259,6 +259,12 @@ class MlirEmitter:
         maps = [affine_map(rank, results), affine_map(rank)]
         return self.generic([x], maps, init, ["parallel"] * rank, lambda a, w: a[0])
 
+    def fusion_barrier(self, x: TValue) -> TValue:
+        """x copied into a new tensor (bufferized to a memref.copy): elementwise fusion stops here."""
+        r = TValue(self.fresh(), x.shape, x.dtype)
+        self.lines.append(f"{r.name} = bufferization.alloc_tensor() copy({x.name}) : {x.type}")
+        return r
+
     def reshape(self, x: TValue, shape: tuple[int, ...]) -> TValue:
         """Through the flat 1-d view: collapse to it, expand from it (a 0-d tensor is a rank change of []
         groups: expanded from / collapsed into tensor<1x..>)."""

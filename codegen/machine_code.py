@@ -15,7 +15,9 @@ With `verify=True` (tests) every pass's result is checked by `verify.py`, loops 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from codegen.errors import CapacityError, ProgramTooLargeError
@@ -98,7 +100,8 @@ def compile_functions(funcs: list[Function], next_id: int, source_name: str = "<
     bundles_so_far = 0
     for k, func in enumerate(funcs):
         try:
-            part = _compile_retrying(func, next_id, pipeline, verify)
+            with _collector_paused():
+                part = _compile_retrying(func, next_id, pipeline, verify)
         except CapacityError as e:
             raise CapacityError(f"{func.name}: {e}" if func.name else str(e)) from e
         next_id = max(next_id, part.func.max_reg_id()) + 1
@@ -120,6 +123,21 @@ def compile_functions(funcs: list[Function], next_id: int, source_name: str = "<
     return MachineCode(merged, bundles, assignment, text, program, sum(p.spilled for p in parts),
                        [loop for p in parts for loop in p.pipelined], [line for p in parts for line in p.log],
                        [sum(len(part.bundles[b.label]) for b in part.func.blocks) for part in parts])
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while one function is scheduled and allocated: the scheduler
+    makes millions of short-lived lists, and each collection they trigger walks every object the compile
+    holds (MLIR, FX, the kernel graph): 58% of the 1B model's scheduling time. Nothing of a function's
+    compile is cyclic garbage worth collecting before it ends."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass

@@ -16,6 +16,7 @@ instructions per cycle) such that, with results landing at issue + latency and n
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 from collections import defaultdict
@@ -40,13 +41,49 @@ def _is_memory(ins: MInstr) -> bool:
     return bool(ins.mem) or ins.is_async or ins.unit in (isa.Unit.VLOAD, isa.Unit.VSTORE)
 
 
+class _RowMap:
+    """The last writer and the readers since of every row of one memory region, as runs of rows that share
+    them (a DMA touches thousands of rows: per-row bookkeeping made 29M dependences, 54K of them distinct, on
+    one layer of the 1B model)."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = [0]  # run k covers rows [starts[k], starts[k + 1])
+        self.writers: list[int | None] = [None]
+        self.readers: list[list[int]] = [[]]
+
+    def _split(self, row: int) -> int:
+        """The index of the run starting at `row` (made by splitting the run holding it)."""
+        k = bisect.bisect_right(self.starts, row) - 1
+        if self.starts[k] == row:
+            return k
+        self.starts.insert(k + 1, row)
+        self.writers.insert(k + 1, self.writers[k])
+        self.readers.insert(k + 1, list(self.readers[k]))
+        return k + 1
+
+    def runs(self, lo: int, hi: int) -> range:
+        """The runs covering exactly rows [lo, hi)."""
+        first = self._split(lo)
+        return range(first, self._split(hi))
+
+    def write(self, lo: int, hi: int, b: int) -> None:
+        k = self._split(lo)
+        end = self._split(hi)
+        self.starts[k:end], self.writers[k:end], self.readers[k:end] = [lo], [b], [[]]
+
+
 def build_deps(instrs: list[MInstr]) -> list[Dep]:
-    """All ordering constraints of a block (see the module docstring), as (pred, succ, distance)."""
-    deps: list[Dep] = []
+    """All ordering constraints of a block (see the module docstring), as (pred, succ, distance), one per
+    ordered pair (the largest distance)."""
+    distance: dict[tuple[int, int], int] = {}
+
+    def dep(a: int, b: int, d: int) -> None:
+        if distance.get((a, b), d - 1) < d:
+            distance[(a, b)] = d
+
     last_def: dict[Reg, int] = {}
     uses_since: dict[Reg, list[int]] = defaultdict(list)
-    row_writer: dict[tuple[str, int], int] = {}
-    row_readers: dict[tuple[str, int], list[int]] = defaultdict(list)
+    rows: dict[str, _RowMap] = defaultdict(_RowMap)
     mem_since_wait: list[int] = []
     last_wait: int | None = None
     last_async: dict[isa.Unit, int] = {}
@@ -55,15 +92,15 @@ def build_deps(instrs: list[MInstr]) -> list[Dep]:
         for r in ins.uses:
             if r in last_def:
                 a = last_def[r]
-                deps.append(Dep(a, b, instrs[a].latency))
+                dep(a, b, instrs[a].latency)
         if ins.dst is not None:
             r = ins.dst
             for a in uses_since[r]:
                 if a != b:
-                    deps.append(Dep(a, b, 1 - lat_b))
+                    dep(a, b, 1 - lat_b)
             if r in last_def:
                 a = last_def[r]
-                deps.append(Dep(a, b, instrs[a].latency - lat_b + 1))
+                dep(a, b, instrs[a].latency - lat_b + 1)
         for r in ins.uses:
             uses_since[r].append(b)
         if ins.dst is not None:
@@ -72,43 +109,44 @@ def build_deps(instrs: list[MInstr]) -> list[Dep]:
         # memory order through rows
         for m in ins.mem:
             assert m.hi is not None, f"{ins}: memory rows must be known"
-            for row in range(m.lo, m.hi):
-                key = (m.region, row)
-                w = row_writer.get(key)
-                if m.write:
-                    if w is not None and w != b:
-                        deps.append(Dep(w, b, 1))
-                    for a in row_readers[key]:
-                        if a != b:
-                            deps.append(Dep(a, b, 1 if ins.is_async or instrs[a].is_async else 0))
-                    row_writer[key] = b
-                    row_readers[key] = []
-                else:
-                    if w is not None and w != b:
-                        deps.append(Dep(w, b, max(1, instrs[w].latency)))
-                    row_readers[key].append(b)
+            if m.hi <= m.lo:
+                continue
+            region = rows[m.region]
+            runs = region.runs(m.lo, m.hi)
+            writers = {region.writers[k] for k in runs} - {None, b}
+            if m.write:
+                for w in writers:
+                    dep(w, b, 1)
+                for a in {a for k in runs for a in region.readers[k]} - {b}:
+                    dep(a, b, 1 if ins.is_async or instrs[a].is_async else 0)
+                region.write(m.lo, m.hi, b)
+            else:
+                for w in writers:
+                    dep(w, b, max(1, instrs[w].latency))  # type: ignore[index]
+                for k in runs:
+                    region.readers[k].append(b)
         if ins.is_async:
             prev = last_async.get(ins.unit)
             if prev is not None:
-                deps.append(Dep(prev, b, 1))
+                dep(prev, b, 1)
             last_async[ins.unit] = b
         if ins.op == "wait":
             for a in mem_since_wait:
                 same_flag = instrs[a].is_async and instrs[a].flag == ins.flag
-                deps.append(Dep(a, b, 1 if same_flag else 0))
+                dep(a, b, 1 if same_flag else 0)
             if last_wait is not None:
-                deps.append(Dep(last_wait, b, 1))
+                dep(last_wait, b, 1)
             mem_since_wait, last_wait = [], b
         elif _is_memory(ins):
             if last_wait is not None:
-                deps.append(Dep(last_wait, b, 0))
+                dep(last_wait, b, 0)
             mem_since_wait.append(b)
     # the control instruction closes the block
     if instrs and instrs[-1].is_control:
         t = len(instrs) - 1
         for a in range(t):
-            deps.append(Dep(a, t, max(0, instrs[a].latency - 1)))
-    return deps
+            dep(a, t, max(0, instrs[a].latency - 1))
+    return [Dep(a, b, d) for (a, b), d in distance.items()]
 
 
 def schedule_block(instrs: list[MInstr]) -> list[list[MInstr]]:
@@ -155,37 +193,51 @@ def _list_schedule(instrs: list[MInstr], deps: list[Dep], release: list[int]) ->
     earliest = list(release)
     time: list[int | None] = [None] * n
     ready = [i for i in range(n) if waiting[i] == 0]
-    remaining: dict[Reg, int] = defaultdict(int)
-    for ins in instrs:
-        for r in ins.uses:
-            remaining[r] += 1
-    live: dict[str, int] = defaultdict(int)
-    counted: set[Reg] = set()
+    # registers as small integers (hashing Reg dataclasses dominated scheduling time): per instruction its
+    # distinct uses with their counts, its destination (-1: none)
+    ids: dict[Reg, int] = {}
+    regs: list[Reg] = []
 
-    def dying(i: int) -> set[Reg]:
-        uses = instrs[i].uses
-        return {r for r in uses if r in counted and remaining[r] == uses.count(r)}
+    def reg_id(r: Reg) -> int:
+        if r not in ids:
+            ids[r] = len(regs)
+            regs.append(r)
+        return ids[r]
+
+    uses = [tuple((reg_id(r), ins.uses.count(r)) for r in dict.fromkeys(ins.uses)) for ins in instrs]
+    dsts = [-1 if ins.dst is None else reg_id(ins.dst) for ins in instrs]
+    kind_of = [r.kind for r in regs]
+    phys = [r.phys for r in regs]
+    remaining = [0] * len(regs)
+    for u in uses:
+        for r, count in u:
+            remaining[r] += count
+    counted = [False] * len(regs)
+    live: dict[str, int] = defaultdict(int)
+
+    def dying(i: int) -> list[int]:
+        return [r for r, count in uses[i] if counted[r] and remaining[r] == count]
 
     def growth(i: int, kind: str) -> int:
-        dst = instrs[i].dst
-        grow = 1 if dst is not None and dst.kind == kind and remaining[dst] > 0 and dst not in counted else 0
-        return grow - sum(1 for r in dying(i) if r.kind == kind)
+        dst = dsts[i]
+        grow = 1 if dst >= 0 and kind_of[dst] == kind and remaining[dst] > 0 and not counted[dst] else 0
+        return grow - sum(1 for r in dying(i) if kind_of[r] == kind)
 
     def _reads_live(i: int, kind: str) -> bool:
         """Whether `i` works on a live value of `kind` that is near its end (at most 2 reads left): it
         continues a short chain. (A read of a long-lived base address does not count.)"""
-        return any(r.kind == kind and r in counted and remaining[r] <= 2 for r in instrs[i].uses)
+        return any(kind_of[r] == kind and counted[r] and remaining[r] <= 2 for r, _ in uses[i])
 
     def commit(i: int) -> None:
         for r in dying(i):
-            counted.discard(r)
-            live[r.kind] -= 1
-        for r in instrs[i].uses:
-            remaining[r] -= 1
-        dst = instrs[i].dst
-        if dst is not None and not dst.phys and remaining[dst] > 0 and dst not in counted:
-            counted.add(dst)
-            live[dst.kind] += 1
+            counted[r] = False
+            live[kind_of[r]] -= 1
+        for r, count in uses[i]:
+            remaining[r] -= count
+        dst = dsts[i]
+        if dst >= 0 and not phys[dst] and remaining[dst] > 0 and not counted[dst]:
+            counted[dst] = True
+            live[kind_of[dst]] += 1
 
     # Ready instructions whose earliest cycle has come, per unit (the only ones a cycle looks at), and the
     # others in a heap by earliest cycle. A cycle visits candidates in priority order across units (a merge

@@ -37,7 +37,7 @@ def token_stream(vocab: int, batch: int, length: int, seed: int = 0) -> Iterator
         yield (start + stride * positions) % vocab
 
 
-def _optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
+def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr)
     if name == "adamw":
@@ -60,9 +60,9 @@ def run(steps: int = 10, optimizer: str = "sgd", lr: float | None = None, batch:
     torch._dynamo.reset()
     options = {"target": target, "config": config}
     compiled = torch.compile(model, backend="ctpu", options=options)
-    opt = _optimizer(optimizer, model.parameters(), lr)
+    opt = make_optimizer(optimizer, model.parameters(), lr)
     opt_step = torch.compile(opt.step, backend="ctpu", options=options)
-    eager_opt = _optimizer(optimizer, eager.parameters(), lr) if eager is not None else None
+    eager_opt = make_optimizer(optimizer, eager.parameters(), lr) if eager is not None else None
     data = token_stream(model.config.vocab_size, batch, length)
     records: list[dict[str, Any]] = []
     warned: set[str] = set()
