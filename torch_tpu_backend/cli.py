@@ -32,6 +32,8 @@
     ctpu bench --llama 1b|1b-2l|mini [--prompt 17] [--top N]
                                          a bf16 Llama on large: decode cycles / token against the HBM
                                          roofline, prefill MXU utilization (JSON)
+    ctpu bench --train [--config small]  the tiny Llama's training step (SGD, 2 steps, the second measured):
+                                         cycles, kernels and MXU utilization of forward, backward, optimizer
     ctpu isa                             the instruction table, as markdown
 
 Bad input (a file that is missing, a directory or not text, malformed assembly, a broken binary or manifest,
@@ -193,6 +195,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(f"ctpu bench: Llama {args.llama}, a prefill and one decode step on large (compiling)", file=sys.stderr)
         print(json.dumps(llama_bench.run(args.llama, prompt=args.prompt, top=args.top), indent=2))
         return 0
+    if args.train:
+        from torch_tpu_backend import train
+
+        print(f"ctpu bench: training the tiny Llama on {args.config}, 2 steps (compiling)", file=sys.stderr)
+        trained = train.run(steps=2, config=args.config)
+        print(json.dumps({key: trained[key] for key in ("model", "optimizer", "batch", "length", "config")}
+                         | {"step": trained["steps"][-1]}, indent=2))
+        return 0
     result: dict[str, object] = {"config": args.config}
     if not args.models_only:
         result |= bench.collect(args)
@@ -314,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--llama", metavar="GEOMETRY", choices=["1b", "1b-2l", "mini"],
                    help="only this bf16 Llama on large: decode cycles per token against the HBM roofline, prefill "
                    "MXU utilization")
+    b.add_argument("--train", action="store_true", help="only the tiny Llama's training step: cycles, kernels and "
+                   "MXU utilization of its forward, backward and optimizer (JSON)")
     b.add_argument("--prompt", type=int, default=17, help="prompt tokens (--llama)")
     b.add_argument("--top", type=int, help="with --llama: profile the decode step, its N longest kernels")
     b.set_defaults(fn=_cmd_bench)

@@ -5,7 +5,8 @@ are compiled with backend="ctpu", and so is the optimizer step (`torch.compile(o
     ctpu train [--steps 10] [--optimizer sgd|adamw] [--lr 0.05] [--check] [--plot loss.png] [--json]
 
 Each step prints its loss, the CTPU cycles of its launches (forward, backward, optimizer) and the ops that
-ran on the CPU. `--check` trains an eager copy of the same model alongside and compares every step's loss
+ran on the CPU; `--json` has each phase's cycles, kernels and MXU utilization (`ctpu bench --train`: the
+second step's). `--check` trains an eager copy of the same model alongside and compares every step's loss
 (relative 1e-5, fp32 at "highest"). `--plot FILE.png` writes the loss curve (a PNG written by png.py, no
 plotting library needed).
 """
@@ -49,7 +50,6 @@ def run(steps: int = 10, optimizer: str = "sgd", lr: float | None = None, batch:
         check: bool = False, config: str = "small", target: str = "sim",
         progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Train; the per-step figures and the check as a JSON-able dict."""
-    import torch_tpu_backend.stats as ctpu_stats
     from torch_tpu_backend.llama_demo import tiny_llama
 
     lr = lr if lr is not None else (0.05 if optimizer == "sgd" else 3e-3)
@@ -69,21 +69,20 @@ def run(steps: int = 10, optimizer: str = "sgd", lr: float | None = None, batch:
     try:
         for step in range(1, steps + 1):
             ids = next(data)
-            ctpu_stats.reset()
             started = time.perf_counter()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 opt.zero_grad(set_to_none=True)
                 on_device = ids.to("ctpu")
-                loss = compiled(input_ids=on_device, labels=on_device, use_cache=USE_CACHE).loss
-                loss.backward()
-                opt_step()
-            stats = ctpu_stats.last()
+                loss, forward = _measured(lambda d=on_device: compiled(input_ids=d, labels=d,
+                                                                        use_cache=USE_CACHE).loss)
+                phases = {"forward": forward, "backward": _measured(loss.backward)[1],
+                          "optimizer": _measured(opt_step)[1]}
             warned.update(str(w.message)[:300] for w in caught if "ctpu" in str(w.message))
             record: dict[str, Any] = {
-                "step": step, "loss": loss.item(), "cycles": stats.cycles, "kernels": stats.kernels_launched,
-                "cpu_ops": sum(n for op, n in stats.fallback_ops.items() if "getitem" not in op),
-                "seconds": time.perf_counter() - started}
+                "step": step, "loss": loss.item(), **{key: sum(p[key] for p in phases.values())
+                                                      for key in ("cycles", "kernels", "cpu_ops")},
+                "phases": phases, "seconds": time.perf_counter() - started}
             if eager is not None and eager_opt is not None:
                 eager_opt.zero_grad(set_to_none=True)
                 want = eager(input_ids=ids, labels=ids, use_cache=USE_CACHE).loss
@@ -102,6 +101,17 @@ def run(steps: int = 10, optimizer: str = "sgd", lr: float | None = None, batch:
             "config": config, "steps": records, "check": None if not check else {"passed": passed,
                                                                                 "rtol": LOSS_RTOL},
             "warnings": sorted(warned)}
+
+
+def _measured(fn: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
+    """fn() and what its launches cost on the CTPU: cycles, kernels, MXU utilization, CPU ops."""
+    import torch_tpu_backend.stats as ctpu_stats
+
+    ctpu_stats.reset()
+    out = fn()
+    s = ctpu_stats.last()
+    return out, {"cycles": s.cycles, "kernels": s.kernels_launched, "mxu_utilization": round(s.mxu_utilization, 4),
+                 "cpu_ops": sum(n for op, n in s.fallback_ops.items() if "getitem" not in op)}
 
 
 def summary(result: dict[str, Any]) -> str:

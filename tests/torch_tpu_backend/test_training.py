@@ -315,3 +315,21 @@ def test_silu_backward_on_ctpu_tensors_runs_on_the_ctpu() -> None:
     assert not ctpu_stats.last().fallback_ops
     fn(on_cpu).backward()
     torch.testing.assert_close(on_device.grad.cpu(), on_cpu.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_ctpu_bench_train_reports_each_phase(train_cache: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`ctpu bench --train`: the second training step's cycles, kernels and MXU utilization per phase (JSON);
+    every phase ran on the CTPU, the backward's matmuls on the MXU."""
+    import json
+
+    from torch_tpu_backend import cli
+
+    monkeypatch.setenv("CTPU_CACHE_DIR", str(train_cache))
+    assert cli.main(["bench", "--train"]) == 0
+    step = json.loads(capsys.readouterr().out)["step"]
+    phases = step["phases"]
+    assert list(phases) == ["forward", "backward", "optimizer"]
+    assert all(p["kernels"] >= 1 and p["cpu_ops"] == 0 and p["cycles"] > 0 for p in phases.values()), phases
+    assert 0 < phases["backward"]["mxu_utilization"] < 1 and phases["optimizer"]["mxu_utilization"] == 0
+    assert step["cycles"] == sum(p["cycles"] for p in phases.values())
