@@ -211,26 +211,29 @@ def test_bf16_compared_with_a_python_scalar_rounds_the_scalar_first() -> None:
         np.testing.assert_array_equal(got, want, err_msg=f"{ops[k // len(scalars)].__name__} {scalars[k % 5]}")
 
 
+def _check_rows(dtype: torch.dtype, x: list[float], y: list[float]) -> None:
+    """Every unary op on x, every binary op on (x, y), against eager."""
+    _run_and_check("unary", dtype, x)
+    _run_and_check("binary", dtype, x, y)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 def test_every_edge_value_at_once(dtype: torch.dtype) -> None:
     """The edge list itself, every value against every other (x and y rotated), in CI."""
     x = (EDGES * 3)[:N]
     y = (EDGES[7:] * 4)[:N]
-    _run_and_check("unary", dtype, x)
-    _run_and_check("binary", dtype, x, y)
+    _check_rows(dtype, x, y)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 @_cases(examples=3, slow=False)
 @given(x=ROW, y=ROW)
 def test_edge_values_ci(dtype: torch.dtype, x: list[float], y: list[float]) -> None:
-    _run_and_check("unary", dtype, x)
-    _run_and_check("binary", dtype, x, y)
+    _check_rows(dtype, x, y)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 @_cases(examples=150, slow=True)
 @given(x=ROW, y=ROW)
 def test_edge_values_many(dtype: torch.dtype, x: list[float], y: list[float]) -> None:
-    _run_and_check("unary", dtype, x)
-    _run_and_check("binary", dtype, x, y)
+    _check_rows(dtype, x, y)

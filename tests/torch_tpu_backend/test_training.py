@@ -120,16 +120,6 @@ def test_backward_with_ctpu_and_cpu_segments() -> None:
     assert set(stats.fallback_ops) == {"aten.cumsum.default", "aten.flip.default"}, stats.fallback_ops
 
 
-def tiny_llama(attn_implementation: str) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
-                      attn_implementation=attn_implementation)
-    return LlamaForCausalLM(cfg).train()
-
-
 @pytest.fixture(scope="module")
 def train_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One compile cache for the tests that train `ctpu train`'s model on its data: the CLI test reuses the
@@ -152,11 +142,11 @@ def test_tiny_llama_training_runs_on_the_ctpu(optimizer: str, attention: str, tr
     CPU, 1.1396e-8 on the CTPU: summation order) moves its parameter differently, and the next step's
     gradients differ by 1.4e-5 relative while the CTPU's gradients stay within 8.4e-7 of eager's at the
     CTPU's own parameters (every step, measured)."""
-    from torch_tpu_backend.llama_demo import tiny_llama as demo_llama
+    from torch_tpu_backend.llama_demo import tiny_llama
     from torch_tpu_backend.train import USE_CACHE, make_optimizer, token_stream
 
     def llama() -> torch.nn.Module:
-        m = demo_llama().train()
+        m = tiny_llama().train()
         m.set_attn_implementation(attention)
         return m
 
