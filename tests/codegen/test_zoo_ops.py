@@ -139,3 +139,14 @@ def test_clamp_with_tensor_bounds(bounds: str) -> None:
            "both": lambda a, b, c: torch.clamp(a, b, c)}
     outs, refs, _ = compile_and_run(fns[bounds], x, lo, hi)
     np.testing.assert_array_equal(outs[0].view(np.int32), refs[0].view(np.int32))
+
+
+def test_clamp_with_tensor_bounds_at_a_model_shape_on_large() -> None:
+    """17 tokens x hidden 2048 with a per-channel bound row, on `large`, edge values in the first row."""
+    x, lo = torch.randn(17, 2048), torch.randn(2048) * 0.5
+    x[0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-45, -0.0, 3e38])
+    lo[:2] = torch.tensor([float("nan"), 0.0])
+    outs, refs, _ = compile_and_run(lambda x, lo: torch.clamp(x, lo, lo + 1.0), x, lo, config="large")
+    nan = np.isnan(refs[0])
+    np.testing.assert_array_equal(np.isnan(outs[0]), nan)  # the NaN column (a NaN bound), any NaN payload
+    np.testing.assert_array_equal(outs[0].view(np.int32)[~nan], refs[0].view(np.int32)[~nan])
