@@ -180,6 +180,11 @@ for _name, _pred in [("eq", "oeq"), ("ne", "une"), ("lt", "olt"), ("le", "ole"),
     _reg(getattr(aten, _name).Scalar, getattr(aten, _name).Tensor)(_compare(_pred))
 
 
+@_reg(aten.isnan.default)
+def _isnan(e: MlirEmitter, x: TValue) -> TValue:
+    return e.elementwise([x], lambda v, w: w.cmp("une", v[0], v[0]), dtype="i1", result="i1")
+
+
 def _logical(opname: str) -> Lowering:
     def lower(e: MlirEmitter, a: TValue, b: TValue) -> TValue:
         a, b = (_as_bool(e, t) for t in (a, b))

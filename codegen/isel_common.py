@@ -158,10 +158,10 @@ class KernelContext:
         return self.b.offset_reg(base, off + element_offset * ESIZE[view.dtype])
 
     def dma(self, load: bool, dtype: str, hbm: Reg, region: Region, row: int, rows: int, cols: int,
-            stride: int, flag: Flag, parity: int = 0) -> None:
-        """One 2-D DMA: `rows` x `cols` elements, HBM row stride `stride` elements, at vmem region row `row`.
-        Rows wider than the shape register's 16-bit column field (`large`: a 128256-entry logits row) move
-        one row and one piece of whole vmem rows at a time."""
+            stride: int, flag: Flag, parity: int = 0, base: Reg = ZERO) -> None:
+        """One 2-D DMA: `rows` x `cols` elements, HBM row stride `stride` elements, at vmem region row `row`
+        (+ `base`, a loop register of vmem rows). Rows wider than the shape register's 16-bit column field
+        (`large`: a 128256-entry logits row) move one row and one piece of whole vmem rows at a time."""
         b = self.b
         p = -(-cols // self.lanes)
         if rows > DMA_SHAPE_COLS_MASK:
@@ -172,13 +172,13 @@ class KernelContext:
                 for c0 in range(0, cols, piece):
                     at = b.offset_reg(hbm, (r * stride + c0) * ESIZE[dtype])
                     self.dma(load, dtype, at, region, row + r * p + c0 // self.lanes, 1, min(piece, cols - c0),
-                             stride, flag, parity)
+                             stride, flag, parity, base)
             return
         op = ("dma.ld" if load else "dma.st") + (".bf16" if dtype == "bf16" else "")
         shape = b.const(rows << DMA_SHAPE_ROWS_SHIFT | cols)
-        vrow = b.const(region.row + row)
+        vrow = b.const(region.row + row) if base == ZERO else b.offset_reg(base, region.row + row)
         b.emit(op, None, (hbm, vrow, shape, b.const(stride)), flag=self.flag(flag, parity),
-               mem=(region.mem(row, row + rows * p, write=load),))
+               mem=(row_mem(region, base, row, rows * p, write=load),))
 
 
 # ---- loops over vmem rows ----------------------------------------------------------------------------

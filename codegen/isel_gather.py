@@ -2,11 +2,14 @@
 (embedding lookups) and iotas.
 
 Gather, for chunks of T rows of the output (outer index i, D columns, P = ceil(D / N) vmem rows a row):
-1. the T ids are DMA'd one element each into lane 0 of vmem rows 0..T-1 of an index region (any ids layout);
+1. the T ids are DMA'd into lane 0 of vmem rows 0..T-1 of an index region, one DMA per run of ids at a
+   constant stride (one for contiguous ids; any layout);
 2. `vld` of 8 of those rows + `vext` of lane (i % 8) * N moves id i to a scalar register: the one path from
    vector data to addresses; `mul` + `add` make the table row's HBM address;
 3. one `dma.ld` per row brings table[id] (1 x D) into rows i*P .. of a data region, and one `dma.st` writes
    the T x D chunk to the dense output.
+Steps 2-3 run 8 rows an iteration of a runtime loop: code size does not grow with T (a prefill's 2048
+token embeddings, an MoE's expert-sorted rows).
 An id outside [0, rows) (torch raises IndexError) gets its address poisoned (`poison_unless`), so its DMA
 traps on the HBM bound instead of reading another buffer.
 
@@ -28,48 +31,89 @@ from __future__ import annotations
 import math
 
 from codegen.builder import Builder
-from codegen.isel_common import Flag, KernelContext
+from codegen.isel_common import Flag, KernelContext, Region, chunk_loop, row_mem
 from codegen.kernel_graph import ESIZE, GatherKernel, IotaKernel, LoweringError, ScatterKernel
-from codegen.mir import Reg
+from codegen.mir import ZERO, Reg
 from device_sim.config import HBM_POISON
 
 
 def lower_gather(ctx: KernelContext, k: GatherKernel) -> None:
-    b, n_lanes = ctx.b, ctx.lanes
     outer, cols = k.sizes[:-1], k.sizes[-1]
     rows = math.prod(outer)
-    p = -(-cols // n_lanes)
-    esize = ESIZE[k.table.dtype]
-    row_bytes = k.table.strides[0] * esize
+    p = -(-cols // ctx.lanes)
     if k.table.strides[1] != 1:
         raise LoweringError("gather from a table that is not contiguous along its rows")
     chunk = max(8, min(rows, (ctx.vmem_free() // 2 - 16) // (p + 1)) // 8 * 8)
     ids_region = ctx.region(chunk + 8, "ids")
     data_region = ctx.region(chunk * p + 8, "rows")
-    table_base = ctx.hbm_addr(k.table, k.table.offset)
-    flat = [_flat_index(i, outer) for i in range(rows)]
+    id_at = [k.ids.view.offset + sum(ix * s for ix, s in zip(_flat_index(i, outer), k.ids.iter_strides, strict=False))
+             for i in range(rows)]
     for c0 in range(0, rows, chunk):
-        n = min(chunk, rows - c0)
-        b.new_scope()
-        for i in range(n):
-            off = k.ids.view.offset + sum(ix * s for ix, s in zip(flat[c0 + i], k.ids.iter_strides, strict=False))
-            ctx.dma(True, k.ids.view.dtype, ctx.hbm_addr(k.ids.view, off), ids_region, i, 1, 1, 1, Flag.INDEX)
-        b.emit("wait", flag=ctx.flag(Flag.INDEX))
-        zero, stride_reg, table_rows = b.const(0), b.const(row_bytes), b.const(k.table.shape[0])
-        for g in range(0, n, 8):
-            v = b.vld(zero, ids_region.row + g, ids_region.mem(g, g + 8))
-            for i in range(g, min(g + 8, n)):
-                row_id, valid, offset, addr = b.sreg(), b.sreg(), b.sreg(), b.sreg()
-                b.emit("vext", row_id, (v,), imm=(i - g) * n_lanes)
-                b.emit("sltu", valid, (row_id, table_rows))  # 0 <= id < rows (a negative id is a huge unsigned)
-                b.emit("mul", offset, (row_id, stride_reg))
-                b.emit("add", addr, (offset, table_base))
-                addr = poison_unless(b, addr, valid)
-                ctx.dma(True, k.table.dtype, addr, data_region, i * p, 1, cols, cols, Flag.ROWS)
-        b.emit("wait", flag=ctx.flag(Flag.ROWS))
+        ctx.b.new_scope()
+        _gather_chunk(ctx, k, id_at[c0:c0 + chunk], ids_region, data_region)
         out_addr = ctx.hbm_addr(k.output, k.output.offset + c0 * cols)
-        ctx.dma(False, k.output.dtype, out_addr, data_region, 0, n, cols, cols, Flag.OUT)
-        b.emit("wait", flag=ctx.flag(Flag.OUT))
+        ctx.dma(False, k.output.dtype, out_addr, data_region, 0, min(chunk, rows - c0), cols, cols, Flag.OUT)
+        ctx.b.emit("wait", flag=ctx.flag(Flag.OUT))
+
+
+def _gather_chunk(ctx: KernelContext, k: GatherKernel, id_at: list[int], ids_region: Region,
+                  data_region: Region) -> None:
+    """The table rows of the ids at element offsets `id_at` into `data_region`, row i at vmem row i * P."""
+    b, n, cols = ctx.b, len(id_at), k.sizes[-1]
+    p = -(-cols // ctx.lanes)
+    for first, count, step in _runs(id_at):
+        ctx.dma(True, k.ids.view.dtype, ctx.hbm_addr(k.ids.view, id_at[first]), ids_region, first, count, 1, step,
+                Flag.INDEX)
+    b.emit("wait", flag=ctx.flag(Flag.INDEX))
+    table_base = ctx.hbm_addr(k.table, k.table.offset)
+    stride_reg, table_rows = b.const(k.table.strides[0] * ESIZE[k.table.dtype]), b.const(k.table.shape[0])
+
+    def gather_rows(first: int, count: int, at: Reg = ZERO, data_at: Reg = ZERO) -> None:
+        """Rows first .. first + count (<= 8), `at` rows further (a loop's offset; `data_at` = at * P)."""
+        v = b.vld(at, ids_region.row + first, row_mem(ids_region, at, first, 8))
+        for j in range(count):
+            row_id, valid, offset, addr = b.sreg(), b.sreg(), b.sreg(), b.sreg()
+            b.emit("vext", row_id, (v,), imm=j * ctx.lanes)
+            b.emit("sltu", valid, (row_id, table_rows))  # 0 <= id < rows (a negative id is a huge unsigned)
+            b.emit("mul", offset, (row_id, stride_reg))
+            b.emit("add", addr, (offset, table_base))
+            ctx.dma(True, k.table.dtype, poison_unless(b, addr, valid), data_region, (first + j) * p, 1, cols, cols,
+                    Flag.ROWS, base=data_at)
+
+    groups = n // 8
+    if groups <= 2:  # short: constant addresses
+        for g in range(groups):
+            gather_rows(8 * g, 8)
+    else:
+        data_at = b.sreg()
+        b.emit("addi", data_at, (ZERO,), imm=0)
+
+        def eight_rows(at: Reg) -> None:
+            gather_rows(0, 8, at, data_at)
+            b.emit("addi", data_at, (data_at,), imm=8 * p)
+
+        chunk_loop(b, groups, eight_rows, "gather", ivs={data_at: 8 * p})
+    if n % 8:
+        gather_rows(8 * groups, n % 8)
+    b.emit("wait", flag=ctx.flag(Flag.ROWS))
+
+
+def _runs(offsets: list[int]) -> list[tuple[int, int, int]]:
+    """(first, count, step): the offsets as maximal runs at a constant positive step (one DMA each)."""
+    runs: list[tuple[int, int, int]] = []
+    i = 0
+    while i < len(offsets):
+        step = offsets[i + 1] - offsets[i] if i + 1 < len(offsets) else 1
+        if step <= 0:
+            step, count = 1, 1
+        else:
+            count = 2
+            while i + count < len(offsets) and offsets[i + count] - offsets[i + count - 1] == step:
+                count += 1
+            count = min(count, len(offsets) - i)
+        runs.append((i, count, step))
+        i += count
+    return runs
 
 
 def lower_scatter(ctx: KernelContext, k: ScatterKernel) -> None:

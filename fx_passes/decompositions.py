@@ -30,13 +30,15 @@ import torch
 from torch import Tensor
 
 from .foreach import foreach_decompositions
+from .routing import routing_decompositions
 
 aten = torch.ops.aten
 
 
 def decomposition_table() -> dict[Any, Callable[..., Any]]:
-    """core_aten_decompositions() with the SDPA-for-CPU rule that keeps the op's outputs (module docstring), and
-    the `_foreach_*` ops as one op per tensor (foreach.py)."""
+    """core_aten_decompositions() with the SDPA-for-CPU rule that keeps the op's outputs (module docstring),
+    the `_foreach_*` ops as one op per tensor (foreach.py) and an MoE's routing ops in static shapes
+    (routing.py)."""
     from torch._decomp import core_aten_decompositions
 
     table = dict(core_aten_decompositions())
@@ -44,6 +46,7 @@ def decomposition_table() -> dict[Any, Callable[..., Any]]:
     table[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = sdpa_flash_for_cpu_backward
     table[aten.pow.Scalar] = pow_scalar_base
     table.update(foreach_decompositions())  # a compiled optimizer step's list ops, one op per tensor
+    table.update(routing_decompositions())  # an MoE router's ops and grouped matmul, in static shapes
     return table
 
 

@@ -49,6 +49,7 @@ UNARY: dict[str, tuple[object, Callable[[torch.Tensor], torch.Tensor]]] = {
     "eq_scalar": (aten.eq.Scalar, lambda x: x == 0.0), "ne_scalar": (aten.ne.Scalar, lambda x: x != 1.0),
     "lt_scalar": (aten.lt.Scalar, lambda x: x < 0.5), "le_scalar": (aten.le.Scalar, lambda x: x <= 0.0),
     "gt_scalar": (aten.gt.Scalar, lambda x: x > -1.0), "ge_scalar": (aten.ge.Scalar, lambda x: x >= 2.5),
+    "isnan": (aten.isnan.default, torch.isnan),
     "not": (aten.logical_not.default, lambda x: ~(x > 0)), "bnot": (aten.bitwise_not.default, lambda x: ~(x < 0)),
     "to_other": (aten._to_copy.default, lambda x: x.to(torch.bfloat16 if x.dtype == torch.float32
                                                            else torch.float32)),

@@ -123,17 +123,22 @@ def test_training_graph_saves_the_logsumexp_for_the_backward() -> None:
 
 
 def test_table_is_core_aten_with_the_sdpa_rule_replaced() -> None:
-    """core ATen, the SDPA rules, the optimizer's list ops (one op per tensor) and pow with a scalar base."""
+    """core ATen, the SDPA rules, the optimizer's list ops (one op per tensor), pow with a scalar base and an
+    MoE's routing ops."""
     from torch._decomp import core_aten_decompositions
 
     from fx_passes.foreach import foreach_decompositions
+    from fx_passes.routing import routing_decompositions
 
     core, ours = core_aten_decompositions(), decomposition_table()
+    routing = routing_decompositions()
+    assert {aten.sort.default, aten.topk.default, aten.histc.default, aten._grouped_mm.default} <= set(routing)
+    assert not set(routing) & set(core)  # added, none replaced
     backward = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
     foreach = set(foreach_decompositions())
     assert {aten._foreach_add.List, aten._foreach_lerp.Scalar, aten._foreach_addcdiv.ScalarList} <= foreach
     assert aten._foreach_addcdiv.Tensor not in foreach  # its scalars are a tensor's values
-    assert set(ours) == set(core) | {backward, aten.pow.Scalar} | foreach
+    assert set(ours) == set(core) | {backward, aten.pow.Scalar} | foreach | set(routing)
     assert ours[aten._scaled_dot_product_flash_attention_for_cpu.default] is sdpa_flash_for_cpu
     assert ours[backward] is sdpa_flash_for_cpu_backward
     assert ours[aten.silu.default] is core[aten.silu.default]
