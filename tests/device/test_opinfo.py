@@ -67,7 +67,7 @@ CI_OPS = {
     "matmul", "mm", "bmm", "addmm", "linear", "einsum", "view", "reshape", "transpose", "permute", "narrow",
     "select", "unfold", "diagonal", "as_strided", "expand", "squeeze", "unsqueeze", "flatten", "index_select",
     "gather", "scatter", "index_put", "masked_fill", "masked_select", "nonzero", "cat", "stack", "split", "chunk",
-    "flip", "roll", "sort", "topk", "nn.functional.softmax", "nn.functional.layer_norm", "nn.functional.gelu",
+    "flip", "roll", "sort", "topk", "softmax", "nn.functional.layer_norm", "nn.functional.gelu",
     "nn.functional.silu", "nn.functional.embedding", "nn.functional.conv2d", "nn.functional.dropout",
     "nn.functional.cross_entropy", "tril", "full_like", "zeros_like", "ones_like", "rand_like", "randn_like",
     "clone", "contiguous", "item", "tolist", "to", "copysign", "nan_to_num", "fmod", "remainder", "floor_divide",
@@ -76,7 +76,7 @@ CI_OPS = {
 COMPILE_CI_OPS = {
     "add", "sub", "mul", "div", "exp", "tanh", "sigmoid", "abs", "neg", "maximum", "where", "sum", "mean",
     "amax", "matmul", "mm", "bmm", "addmm", "linear", "transpose", "permute", "reshape", "cat", "cumsum",
-    "nn.functional.softmax", "nn.functional.layer_norm", "nn.functional.silu", "nn.functional.gelu",
+    "softmax", "nn.functional.layer_norm", "nn.functional.silu", "nn.functional.gelu",
 }
 COMPILE_CI_SAMPLES = 2
 # Random ops draw from torch.compile's own generator stream: not comparable sample by sample.
@@ -220,7 +220,10 @@ def check_op(op: Any, device: str, assert_equal: Callable[[Any, Any, str], None]
             assert_equal(tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, actual), expected,
                          op.name)
         except AssertionError as err:
-            if not (op.name in MXU and _as_accurate_as_cpu(op, sample, actual, expected, gradients)):
+            # Backward formulas run decomposed (AOT's, or composites on ctpu) where the CPU runs fused kernels:
+            # other roundings. E.g. layer_norm over one element: the normalised value is exactly 0 (ctpu, and
+            # the CPU's forward), but the CPU's backward kernel gives the weight -3.7e-5. Float64 arbitrates.
+            if not ((op.name in MXU or gradients) and _as_accurate_as_cpu(op, sample, actual, expected, gradients)):
                 return {**result, "status": "mismatch", "reason": str(err)[:300]}
         sample_status = "fallback" if run.fallback_ops else "ctpu" if run.kernels_launched else "native"
         status = max(status, sample_status, key=STATUS_ORDER.index)
