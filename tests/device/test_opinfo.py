@@ -82,14 +82,13 @@ COMPILE_CI_SAMPLES = 2
 # Random ops draw from torch.compile's own generator stream: not comparable sample by sample.
 COMPILE_SKIP_PREFIX = ("rand", "normal", "bernoulli", "multinomial", "nn.functional.dropout", "uniform",
                        "exponential", "geometric", "cauchy", "log_normal", "randn", "randint")
-# The gradient sweep in CI (forward and backward compiled per sample): elementwise, reductions, matmuls,
-# normalisation, activations, indexing and scatter, shape ops, scans, selection.
+# The gradient sweeps in CI (compiled, a forward and a backward graph per sample; eager): elementwise,
+# reductions, matmuls, normalisation, activations, indexing and scatter, shape ops, scans, selection.
 GRAD_CI_OPS = {
     "add", "mul", "div", "exp", "tanh", "sigmoid", "pow", "sum", "mean", "amax", "var", "prod", "matmul",
-    "addmm", "nn.functional.linear", "softmax", "log_softmax",
-    "nn.functional.layer_norm", "nn.functional.gelu", "nn.functional.silu", "nn.functional.embedding",
-    "gather", "index_select", "scatter_add", "cat", "transpose", "reshape", "expand", "cumsum", "where",
-    "clamp", "nn.functional.cross_entropy",
+    "addmm", "nn.functional.linear", "softmax", "log_softmax", "nn.functional.layer_norm", "nn.functional.gelu",
+    "nn.functional.silu", "nn.functional.embedding", "gather", "index_select", "scatter_add", "cat", "transpose",
+    "reshape", "expand", "cumsum", "where", "clamp", "nn.functional.cross_entropy",
 }
 GRAD_CI_SAMPLES = 1
 GRAD_MODES = ("grad", "eager-grad")
