@@ -439,7 +439,9 @@ def _copy_(e: MlirEmitter, dst: TValue, src: Any, non_blocking: bool = False) ->
 
 @_reg(aten.cat.default)
 def _cat(e: MlirEmitter, tensors: Any, dim: int = 0) -> TValue:
-    parts = [t for t in tensors if isinstance(t, TValue) and math.prod(t.shape) > 0]
+    tensors = [t for t in tensors if isinstance(t, TValue)]
+    # empty parts add nothing; when all are empty, concat of them is an empty result of the cat's shape
+    parts = [t for t in tensors if math.prod(t.shape) > 0] or tensors
     if len(parts) == 1:
         return parts[0]
     return e.concat(parts, _norm_dim(dim, len(parts[0].shape)))

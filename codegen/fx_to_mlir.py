@@ -348,6 +348,8 @@ class MlirEmitter:
     def extract_slice(self, x: TValue, dim: int, start: int, end: int, step: int = 1) -> TValue:
         """x[start:end:step] along `dim` (a strided view after bufferization)."""
         shape = (*x.shape[:dim], -(-(end - start) // step), *x.shape[dim + 1:])
+        if 0 in shape:  # nothing to read, and MLIR rejects any offset into a dimension of size 0
+            return self.empty(shape, x.dtype)
         out = TValue(self.fresh(), shape, x.dtype)
         offs = ", ".join(str(start if i == dim else 0) for i in range(len(shape)))
         sizes = ", ".join(str(s) for s in shape)
@@ -358,6 +360,8 @@ class MlirEmitter:
 
     def insert_slice(self, dest: TValue, part: TValue, offsets: Sequence[int]) -> TValue:
         """dest with `part` written at `offsets` (tensor.insert_slice: a copy into a subview)."""
+        if 0 in part.shape:  # nothing to write, and MLIR rejects any offset into a dimension of size 0
+            return dest
         out = TValue(self.fresh(), dest.shape, dest.dtype)
         offs = ", ".join(str(o) for o in offsets)
         sizes = ", ".join(str(s) for s in part.shape)
@@ -375,13 +379,8 @@ class MlirEmitter:
         for p in parts:
             if p.dtype != acc.dtype:
                 p = self.elementwise([p], lambda v, w: v[0], dtype=acc.dtype)
-            out = TValue(self.fresh(), acc.shape, acc.dtype)
-            offs = ", ".join(str(offset if i == dim else 0) for i in range(len(shape)))
-            sizes = ", ".join(str(s) for s in p.shape)
-            ones = ", ".join("1" for _ in shape)
-            self.lines.append(f"{out.name} = tensor.insert_slice {p.name} into {acc.name}[{offs}] [{sizes}] "
-                              f"[{ones}] : {p.type} into {acc.type}")
-            acc, offset = out, offset + p.shape[dim]
+            acc = self.insert_slice(acc, p, [offset if i == dim else 0 for i in range(len(shape))])
+            offset += p.shape[dim]
         return acc
 
     def matmul(self, a: TValue, b: TValue, out_dtype: str) -> TValue:

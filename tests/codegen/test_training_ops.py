@@ -69,6 +69,14 @@ def test_slice_scatter_and_constant_pad() -> None:
         y, (0, 1), value=-100).float()), x, labels.to(torch.int32), rtol=0, atol=0)
 
 
+def test_slices_and_pads_of_a_tensor_with_a_zero_dim() -> None:
+    """The backward of a circular pad over a batch of 0 (OpInfo's gradient sweep): a slice, select, pad or
+    slice_scatter of a 0 x n tensor was an MLIR error (an offset into a dimension of size 0), not a kernel."""
+    x, s = torch.randn(0, 6), torch.randn(0, 3)
+    check(lambda x, s: (x[:, 1:4] * 2.0, x[:, 1] + 1.0, torch.nn.functional.pad(x, (1, 2)) * 3.0,
+                        torch.slice_scatter(x, s, 1, 2, 5) * 4.0, torch.cat([x, s], 1) * 5.0), x, s, rtol=0, atol=0)
+
+
 def test_log_softmax_and_its_backward_with_inf() -> None:
     x = torch.randn(6, 33) * 4
     x[0, 3] = -math.inf

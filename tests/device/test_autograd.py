@@ -38,3 +38,13 @@ def test_optimizer_step_updates_ctpu_params() -> None:
     model(torch.ones(2, 3, device="ctpu")).sum().backward()
     opt.step()
     torch.testing.assert_close(model.weight.detach().cpu(), before - 0.1 * 2.0)
+
+
+def test_zero_gradient_of_sgn() -> None:
+    """sgn's backward of a real tensor is an _efficientzerotensor, which has no ctpu kernel: the CPU's ZeroTensor,
+    whose storage has no data, was copied to HBM (a segfault); it arrives as zeros."""
+    x = torch.randn(4, 5, device="ctpu", requires_grad=True)
+    (grad,) = torch.autograd.grad(torch.sgn(x), x, torch.ones(4, 5, device="ctpu"))
+    assert grad.device.type == "ctpu"
+    torch.testing.assert_close(grad.cpu(), torch.zeros(4, 5))
+    torch.testing.assert_close(torch._efficientzerotensor((2, 3), device="ctpu").cpu(), torch.zeros(2, 3))

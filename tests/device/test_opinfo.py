@@ -1,11 +1,14 @@
 """OpInfo sweep: op_db float32 samples against the CPU, eager on ctpu tensors and through torch.compile.
 
 Eager: each sample is made on the CPU and copied to ctpu, the op runs on both (same seed for random ops).
-Compiled: the op runs under torch.compile(backend="ctpu") on the CPU sample. The results must agree: an
-error where the CPU has none is a crash, any difference a mismatch. CI runs a representative part of each
-(CI_OPS, COMPILE_CI_OPS); the whole op_db is marked slow. The report (JSON, counts by outcome and why):
+Compiled: the op runs under torch.compile(backend="ctpu") on the CPU sample. Gradients ("grad", "eager-grad",
+the OpInfos that support autograd): the op compiled, or eager on ctpu tensors, then torch.autograd.grad of its
+float outputs with a seeded random cotangent w.r.t. the sample's float inputs; outputs and gradients are
+compared. The results must agree: an error where the CPU has none is a crash, any difference a mismatch. CI
+runs a representative part of each (CI_OPS, COMPILE_CI_OPS, GRAD_CI_OPS); the whole op_db is marked slow.
+The report (JSON, counts by outcome and why):
 
-    .venv/bin/python tests/device/test_opinfo.py --report opinfo_report.json [--mode compile]
+    .venv/bin/python tests/device/test_opinfo.py --report opinfo_report.json [--mode compile|grad|eager-grad]
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ CI_OPS = {
     "matmul", "mm", "bmm", "addmm", "linear", "einsum", "view", "reshape", "transpose", "permute", "narrow",
     "select", "unfold", "diagonal", "as_strided", "expand", "squeeze", "unsqueeze", "flatten", "index_select",
     "gather", "scatter", "index_put", "masked_fill", "masked_select", "nonzero", "cat", "stack", "split", "chunk",
-    "flip", "roll", "sort", "topk", "nn.functional.softmax", "nn.functional.layer_norm", "nn.functional.gelu",
+    "flip", "roll", "sort", "topk", "softmax", "nn.functional.layer_norm", "nn.functional.gelu",
     "nn.functional.silu", "nn.functional.embedding", "nn.functional.conv2d", "nn.functional.dropout",
     "nn.functional.cross_entropy", "tril", "full_like", "zeros_like", "ones_like", "rand_like", "randn_like",
     "clone", "contiguous", "item", "tolist", "to", "copysign", "nan_to_num", "fmod", "remainder", "floor_divide",
@@ -73,12 +76,22 @@ CI_OPS = {
 COMPILE_CI_OPS = {
     "add", "sub", "mul", "div", "exp", "tanh", "sigmoid", "abs", "neg", "maximum", "where", "sum", "mean",
     "amax", "matmul", "mm", "bmm", "addmm", "linear", "transpose", "permute", "reshape", "cat", "cumsum",
-    "nn.functional.softmax", "nn.functional.layer_norm", "nn.functional.silu", "nn.functional.gelu",
+    "softmax", "nn.functional.layer_norm", "nn.functional.silu", "nn.functional.gelu",
 }
 COMPILE_CI_SAMPLES = 2
 # Random ops draw from torch.compile's own generator stream: not comparable sample by sample.
 COMPILE_SKIP_PREFIX = ("rand", "normal", "bernoulli", "multinomial", "nn.functional.dropout", "uniform",
                        "exponential", "geometric", "cauchy", "log_normal", "randn", "randint")
+# The gradient sweeps in CI (compiled, a forward and a backward graph per sample; eager): elementwise,
+# reductions, matmuls, normalisation, activations, indexing and scatter, shape ops, scans, selection.
+GRAD_CI_OPS = {
+    "add", "mul", "div", "exp", "tanh", "sigmoid", "pow", "sum", "mean", "amax", "var", "prod", "matmul",
+    "addmm", "nn.functional.linear", "softmax", "log_softmax", "nn.functional.layer_norm", "nn.functional.gelu",
+    "nn.functional.silu", "nn.functional.embedding", "gather", "index_select", "scatter_add", "cat", "transpose",
+    "reshape", "expand", "cumsum", "where", "clamp", "nn.functional.cross_entropy",
+}
+GRAD_CI_SAMPLES = 1
+GRAD_MODES = ("grad", "eager-grad")
 STATUS_ORDER = ("native", "ctpu", "fallback", "skipped", "mismatch", "crash")
 
 
@@ -90,9 +103,44 @@ def _run(op: Any, sample: Any) -> tuple[Any, BaseException | None]:
         return None, err
 
 
+def _float_leaves(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _with_grads(sample: Any, out: Any, err: BaseException | None) -> tuple[Any, BaseException | None]:
+    """`out` (as OpInfo prepares it for autograd) and the gradients of its float outputs, with a random
+    cotangent of a fixed seed, w.r.t. the sample's float inputs that require grad (None where unused)."""
+    if err is not None:
+        return None, err
+    try:
+        out = sample.output_process_fn_grad(out)
+        outputs = [t for t in _float_leaves(out) if t.requires_grad]
+        inputs = [t for t in _float_leaves((sample.input, sample.args, sample.kwargs)) if t.requires_grad]
+        if not outputs or not inputs:
+            return (out, None), None
+        seeded = torch.Generator().manual_seed(0)
+        # drawn in float32 and cast: the float64 arbiter gets the same cotangent
+        cotangents = [torch.randn(o.shape, generator=seeded).to(o.device, o.dtype) for o in outputs]
+        return (out, torch.autograd.grad(outputs, inputs, cotangents, allow_unused=True)), None
+    except Exception as err:
+        return None, err
+
+
+def _copy_sample(sample: Any, device: str, dtype: torch.dtype | None = None) -> Any:
+    """The sample's tensors copied to `device` (and float32 ones to `dtype`) as fresh leaves that keep their
+    requires_grad (transform runs under no_grad)."""
+    def copy(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        to_dtype = dtype if dtype is not None and t.dtype == torch.float32 else t.dtype
+        return t.detach().to(device, to_dtype, copy=True).requires_grad_(t.requires_grad)
+
+    return sample.transform(copy)
+
+
 def _to_device(sample: Any, device: str) -> Any:
     """The sample with its tensors, and a factory's device argument, on `device`."""
-    moved = sample.transform(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t)
+    moved = _copy_sample(sample, device)
     is_cpu = lambda v: str(v) == "cpu" and isinstance(v, str | torch.device)
     moved.args = tuple(torch.device(device) if is_cpu(a) else a for a in moved.args)
     if is_cpu(moved.kwargs.get("device")):
@@ -111,36 +159,45 @@ def _compiled(op: Any) -> Callable[..., Any]:
 
 def check_op(op: Any, device: str, assert_equal: Callable[[Any, Any, str], None], mode: str = "eager",
              max_samples: int | None = None) -> dict[str, Any]:
-    """Run the float32 samples of `op` on the CPU and on `device` (eager) or compiled with backend="ctpu";
-    the outcome and why."""
+    """Run the float32 samples of `op` on the CPU and on `device` (eager) or compiled with backend="ctpu",
+    with their gradients in the GRAD_MODES; the outcome and why."""
     result: dict[str, Any] = {"op": op.name, "variant": op.variant_test_name, "samples": 0, "fallback_ops": [],
                               "kernels_launched": 0, "mode": mode}
+    compiled, gradients = mode in ("compile", "grad"), mode in GRAD_MODES
+    if gradients:
+        result.update(backward_kernels_launched=0, backward_fallback_ops=[])
     reason = SKIP.get(op.name) or next((r for p, r in SKIP_PREFIX.items() if op.name.startswith(p)), None)
-    if mode == "compile" and op.name.startswith(COMPILE_SKIP_PREFIX):
+    if compiled and op.name.startswith(COMPILE_SKIP_PREFIX):
         reason = "random op: torch.compile draws from its own generator stream"
+    if gradients and not op.supports_autograd:
+        reason = "the OpInfo does not support autograd"
     if reason:
         return {**result, "status": "skipped", "reason": reason}
     try:
-        samples = list(op.sample_inputs("cpu", torch.float32))[:max_samples]
+        samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=gradients))[:max_samples]
     except Exception as err:
         return {**result, "status": "skipped", "reason": f"sample inputs fail on the CPU: {err!r}"[:200]}
-    status, reason, fallbacks = "native", "", Counter[str]()
+    status, reason, fallbacks, backward_fallbacks = "native", "", Counter[str](), Counter[str]()
     for sample in samples:
-        cpu_sample = sample.transform(lambda t: t.clone() if isinstance(t, torch.Tensor) else t)
+        cpu_sample = _copy_sample(sample, "cpu")
         try:
-            if mode == "compile":
-                dev_sample = sample.transform(lambda t: t.clone() if isinstance(t, torch.Tensor) else t)
-            else:
-                dev_sample = _to_device(sample, device)
+            dev_sample = _copy_sample(sample, "cpu") if compiled else _to_device(sample, device)
         except torch.OutOfMemoryError as err:
             return {**result, "status": "skipped", "reason": f"sample does not fit in HBM: {err}"[:200]}
         expected, cpu_err = _run(op, cpu_sample)
         stats.reset()
-        actual, dev_err = _run(_compiled(op) if mode == "compile" else op, dev_sample)
-        run = stats.last()
+        actual, dev_err = _run(_compiled(op) if compiled else op, dev_sample)
+        forward = stats.last()
+        if gradients:
+            expected, cpu_err = _with_grads(cpu_sample, expected, cpu_err)
+            actual, dev_err = _with_grads(dev_sample, actual, dev_err)
+        run = stats.last()  # forward and backward: their graphs launch separately, the counts add up
         fallbacks.update(run.fallback_ops)
         result["samples"] += 1
         result["kernels_launched"] += run.kernels_launched
+        if gradients:
+            backward_fallbacks.update(run.fallback_ops - forward.fallback_ops)
+            result["backward_kernels_launched"] += run.kernels_launched - forward.kernels_launched
         if isinstance(dev_err, torch.OutOfMemoryError):
             return {**result, "status": "skipped", "reason": f"sample does not fit in HBM: {dev_err}"[:200]}
         if cpu_err is not None or dev_err is not None:
@@ -149,7 +206,7 @@ def check_op(op: Any, device: str, assert_equal: Callable[[Any, Any, str], None]
                 return {**result, "status": kind, "reason": f"cpu: {cpu_err!r} ctpu: {dev_err!r}"[:300]}
             continue  # both raise: the sample is invalid on the CPU as well
         leaves, _ = tree_flatten(actual)
-        home = "cpu" if mode == "compile" else "ctpu"
+        home = "cpu" if compiled else "ctpu"
         # a factory sample with no ctpu input and no device argument builds on the default device (CPU)
         sample_leaves, _ = tree_flatten((dev_sample.input, dev_sample.args, dev_sample.kwargs))
         on_device = any(isinstance(v, torch.Tensor | torch.device) and str(getattr(v, "device", v)).startswith(home)
@@ -162,22 +219,29 @@ def check_op(op: Any, device: str, assert_equal: Callable[[Any, Any, str], None]
             assert_equal(tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, actual), expected,
                          op.name)
         except AssertionError as err:
-            if not (op.name in MXU and _as_accurate_as_cpu(op, sample, actual, expected)):
+            # Backward formulas run decomposed (AOT's, or composites on ctpu) where the CPU runs fused kernels:
+            # other roundings. E.g. layer_norm over one element: the normalised value is exactly 0 (ctpu, and
+            # the CPU's forward), but the CPU's backward kernel gives the weight -3.7e-5. Float64 arbitrates.
+            if not ((op.name in MXU or gradients) and _as_accurate_as_cpu(op, sample, actual, expected, gradients)):
                 return {**result, "status": "mismatch", "reason": str(err)[:300]}
         sample_status = "fallback" if run.fallback_ops else "ctpu" if run.kernels_launched else "native"
         status = max(status, sample_status, key=STATUS_ORDER.index)
     result["fallback_ops"] = sorted(fallbacks)
+    if gradients:
+        result["backward_fallback_ops"] = sorted(backward_fallbacks)
     return {**result, "status": status, "reason": reason}
 
 
-def _as_accurate_as_cpu(op: Callable[..., Any], sample: Any, actual: Any, expected: Any) -> bool:
-    """Is every float result as close to the float64 result as the CPU's float32 one: within twice the
-    CPU's own error, or 1e-5 of the largest |value|? NaNs and everything else must match exactly."""
-    torch.manual_seed(0)
-    s64 = sample.transform(lambda t: t.double() if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t)
-    try:
-        reference = op(s64.input, *s64.args, **s64.kwargs)
-    except Exception:
+def _as_accurate_as_cpu(op: Callable[..., Any], sample: Any, actual: Any, expected: Any,
+                        gradients: bool = False) -> bool:
+    """Is every float result (with `gradients`: outputs and gradients, as _with_grads gives them) as close to
+    the float64 result as the CPU's float32 one: within twice the CPU's own error, or 1e-5 of the largest
+    |value|? NaNs and everything else must match exactly."""
+    s64 = _copy_sample(sample, "cpu", torch.float64)
+    reference, err = _run(op, s64)
+    if gradients:
+        reference, err = _with_grads(s64, reference, err)
+    if err is not None:
         return False
     (a_leaves, a_spec), (e_leaves, e_spec), (r_leaves, r_spec) = map(tree_flatten, (actual, expected, reference))
     if not a_spec == e_spec == r_spec:
@@ -189,7 +253,7 @@ def _as_accurate_as_cpu(op: Callable[..., Any], sample: Any, actual: Any, expect
             if not (torch.equal(a.cpu(), e) if isinstance(e, torch.Tensor) else a == e):
                 return False
             continue
-        a, e, r = a.cpu().double(), e.double(), r.double()
+        a, e, r = a.detach().cpu().double(), e.detach().double(), r.detach().double()
         if a.shape != e.shape or r.shape != e.shape or not torch.equal(a.isnan(), e.isnan()):
             return False
         a, e, r = (t.nan_to_num(0.0) for t in (a, e, r))
@@ -275,7 +339,46 @@ def test_ill_conditioned_attention_passes_against_float64() -> None:
     assert err is None and _as_accurate_as_cpu(op, sample, actual.cpu(), expected)
 
 
-for _case in (TestOpInfoCI, TestOpInfoFull, TestOpInfoCompileCI, TestOpInfoCompileFull):
+class TestOpInfoGradCI(_OpInfoCheck):
+    @ops([op for op in op_db if op.name in GRAD_CI_OPS and op.supports_autograd], allowed_dtypes=(torch.float32,))
+    def test_compiled_grad_matches_cpu(self, device: str, dtype: torch.dtype, op: Any) -> None:
+        self._check(device, op, "grad", GRAD_CI_SAMPLES)
+
+
+@pytest.mark.slow
+class TestOpInfoGradFull(_OpInfoCheck):
+    @ops([op for op in op_db if op.supports_autograd], allowed_dtypes=(torch.float32,))
+    def test_compiled_grad_matches_cpu(self, device: str, dtype: torch.dtype, op: Any) -> None:
+        self._check(device, op, "grad")
+
+
+class TestOpInfoEagerGradCI(_OpInfoCheck):
+    @ops([op for op in op_db if op.name in GRAD_CI_OPS and op.supports_autograd], allowed_dtypes=(torch.float32,))
+    def test_grad_matches_cpu(self, device: str, dtype: torch.dtype, op: Any) -> None:
+        self._check(device, op, "eager-grad", GRAD_CI_SAMPLES)
+
+
+@pytest.mark.slow
+class TestOpInfoEagerGradFull(_OpInfoCheck):
+    @ops([op for op in op_db if op.supports_autograd], allowed_dtypes=(torch.float32,))
+    def test_grad_matches_cpu(self, device: str, dtype: torch.dtype, op: Any) -> None:
+        self._check(device, op, "eager-grad")
+
+
+def test_gradients_compared_with_float64() -> None:
+    from torch.testing._internal.opinfo.core import SampleInput
+
+    sample = SampleInput(torch.linspace(-1, 1, 7, requires_grad=True))
+    op = lambda x: (x * 3.1).sin()
+    expected, err = _with_grads(sample, *_run(op, sample))
+    assert err is None and expected[1][0].shape == (7,)
+    (out, (grad,)) = expected
+    assert _as_accurate_as_cpu(op, sample, (out, (grad.nextafter(torch.tensor(9.0)),)), expected, gradients=True)
+    assert not _as_accurate_as_cpu(op, sample, (out, (grad + 1e-3,)), expected, gradients=True)
+
+
+for _case in (TestOpInfoCI, TestOpInfoFull, TestOpInfoCompileCI, TestOpInfoCompileFull, TestOpInfoGradCI,
+              TestOpInfoGradFull, TestOpInfoEagerGradCI, TestOpInfoEagerGradFull):
     instantiate_device_type_tests(_case, globals(), only_for="privateuse1")
 
 
@@ -283,18 +386,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report", default="opinfo_report.json", help="where the JSON report goes")
     parser.add_argument("--ci-only", action="store_true", help="only the CI part")
-    parser.add_argument("--mode", choices=["eager", "compile"], default="eager",
-                        help="eager ops on ctpu tensors, or each op under torch.compile(backend='ctpu')")
+    parser.add_argument("--mode", choices=["eager", "compile", *GRAD_MODES], default="eager",
+                        help="eager ops on ctpu tensors, or each op under torch.compile(backend='ctpu'); the "
+                             "grad modes add the gradients (compiled, or eager on ctpu tensors)")
+    parser.add_argument("--max-samples", type=int, help="the first samples of each OpInfo only")
     args = parser.parse_args()
-    ci_ops = COMPILE_CI_OPS if args.mode == "compile" else CI_OPS
+    ci_ops = {"compile": COMPILE_CI_OPS, "grad": GRAD_CI_OPS, "eager-grad": GRAD_CI_OPS}.get(args.mode, CI_OPS)
     checker = TestCase()
     warnings.simplefilter("ignore", CtpuFallbackWarning)
     start, outcomes = time.time(), []
     for op in op_db:
-        if torch.float32 in op.supported_dtypes("cpu") and (not args.ci_only or op.name in ci_ops):
+        if (torch.float32 in op.supported_dtypes("cpu") and (not args.ci_only or op.name in ci_ops)
+                and (args.mode not in GRAD_MODES or op.supports_autograd)):
             print(op.name, op.variant_test_name, file=sys.stderr, flush=True)
             outcomes.append(check_op(op, "ctpu", lambda a, e, name: _assert_equal(checker, a, e, name),
-                                     args.mode))
+                                     args.mode, args.max_samples))
     counts = Counter(o["status"] for o in outcomes)
     fallback_ops = Counter(name for o in outcomes for name in o["fallback_ops"])
     report = {"torch": torch.__version__, "mode": args.mode, "opinfos": len(outcomes), "counts": dict(counts),

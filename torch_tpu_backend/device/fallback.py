@@ -87,6 +87,8 @@ class _HostMirror:
         return _set_bits(h, t)
 
     def to_device(self, h: torch.Tensor) -> torch.Tensor:
+        if h._is_zerotensor():  # _efficientzerotensor (the gradient of sgn, ...): no data behind its storage
+            return torch.zeros(h.size(), dtype=h.dtype, device=self.device)
         host = h.untyped_storage()
         dev_storage = self.device_of.get(host._cdata)
         if dev_storage is None:  # a new result: its whole host storage moves to HBM, layout kept
