@@ -84,9 +84,11 @@ class _Event:
     iteration: int
 
 
-def verify_pipelined(loop: PipelinedLoop, assignment: dict[Reg, Reg] | None = None) -> None:
-    """The trace of a pipelined loop (kernel repeated `kernel_runs` times) against sequential semantics;
-    with `assignment`, on physical registers (so a read that sees a foreign write is caught too)."""
+def verify_pipelined(loop: PipelinedLoop, assignment: dict[Reg, Reg] | None = None, max_runs: int | None = None
+                     ) -> None:
+    """The trace of a pipelined loop (kernel repeated `kernel_runs` times, or `max_runs`: the same code with
+    fewer runs, whose steady state repeats every run) against sequential semantics; with `assignment`, on
+    physical registers (so a read that sees a foreign write is caught too)."""
     if assignment is not None:
         def phys(x: _Event) -> _Event:
             def m(r: Reg) -> Reg:
@@ -101,14 +103,16 @@ def verify_pipelined(loop: PipelinedLoop, assignment: dict[Reg, Reg] | None = No
     pro_len = (s.stages - 1) * ii
     trace = [_Event(x.ins, x.time, x.op, x.iteration) for x in loop.prologue]
     slots: Counter[tuple[int, isa.Unit]] = Counter()
-    for j in range(loop.kernel_runs):
+    runs = loop.kernel_runs if max_runs is None else min(loop.kernel_runs, max_runs)
+    for j in range(runs):
         base = pro_len + j * u * ii
         trace += [_Event(x.ins, base + x.time, x.op, x.iteration + j * u) for x in loop.kernel]
         slots[(base + u * ii - 1, isa.Unit.SCALAR)] += 1  # the counter decrement and the branch
         slots[(base + u * ii - 1, isa.Unit.CTRL)] += 1
-    epi_base = pro_len + loop.kernel_runs * u * ii
-    trace += [_Event(x.ins, epi_base + x.time, x.op, x.iteration) for x in loop.epilogue]
-    iterations = s.stages - 1 + u * loop.kernel_runs
+    epi_base = pro_len + runs * u * ii
+    shift = (runs - loop.kernel_runs) * u  # the epilogue's iterations, renumbered for the shorter run
+    trace += [_Event(x.ins, epi_base + x.time, x.op, x.iteration + shift) for x in loop.epilogue]
+    iterations = s.stages - 1 + u * runs
     _check_trace(loop.label, loop.body, trace, iterations, epi_base + loop.epilogue_len, slots)
 
 

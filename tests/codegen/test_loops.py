@@ -132,3 +132,17 @@ def test_compile_graph_honours_pipeline_false() -> None:
     np.testing.assert_array_equal(on[0], off[0])
     assert exe_off.last_stats.cycles > exe_on.last_stats.cycles
     assert len(exe_off.program) < len(exe_on.program)  # no prologue / epilogue copies
+
+
+def test_a_pipelined_loop_that_breaks_its_trace_is_compiled_unpipelined() -> None:
+    """Six row slices of one [4, 6, 40] input and a constant in one elementwise kernel on `small` (P = 5 vmem
+    rows a row): modulo scheduling and allocation gave its chunk loop a register one iteration overwrote
+    before the previous one read it, silently (errors of ~3). Every pipelined loop's trace is now checked on
+    every compile (a few kernel runs), and one that fails is compiled unpipelined."""
+    import numpy as np
+    import torch
+    from codegen_helpers import compile_and_run
+
+    x = torch.randn(4, 6, 40, generator=torch.Generator().manual_seed(0))
+    outs, refs, _ = compile_and_run(lambda t: sum((t[:, i] for i in range(1, 6)), t[:, 0] + 0.5), x)
+    np.testing.assert_allclose(outs[0], refs[0], rtol=1e-6, atol=1e-6)
