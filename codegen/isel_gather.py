@@ -103,15 +103,11 @@ def _runs(offsets: list[int]) -> list[tuple[int, int, int]]:
     runs: list[tuple[int, int, int]] = []
     i = 0
     while i < len(offsets):
-        step = offsets[i + 1] - offsets[i] if i + 1 < len(offsets) else 1
-        if step <= 0:
-            step, count = 1, 1
-        else:
-            count = 2
-            while i + count < len(offsets) and offsets[i + count] - offsets[i + count - 1] == step:
-                count += 1
-            count = min(count, len(offsets) - i)
-        runs.append((i, count, step))
+        step = offsets[i + 1] - offsets[i] if i + 1 < len(offsets) else 0
+        count = 1
+        while step > 0 and i + count < len(offsets) and offsets[i + count] - offsets[i + count - 1] == step:
+            count += 1
+        runs.append((i, count, max(step, 1)))
         i += count
     return runs
 

@@ -339,28 +339,32 @@ def test_ill_conditioned_attention_passes_against_float64() -> None:
     assert err is None and _as_accurate_as_cpu(op, sample, actual.cpu(), expected)
 
 
+AUTOGRAD_OPS = [op for op in op_db if op.supports_autograd]
+AUTOGRAD_CI_OPS = [op for op in AUTOGRAD_OPS if op.name in GRAD_CI_OPS]
+
+
 class TestOpInfoGradCI(_OpInfoCheck):
-    @ops([op for op in op_db if op.name in GRAD_CI_OPS and op.supports_autograd], allowed_dtypes=(torch.float32,))
+    @ops(AUTOGRAD_CI_OPS, allowed_dtypes=(torch.float32,))
     def test_compiled_grad_matches_cpu(self, device: str, dtype: torch.dtype, op: Any) -> None:
         self._check(device, op, "grad", GRAD_CI_SAMPLES)
 
 
 @pytest.mark.slow
 class TestOpInfoGradFull(_OpInfoCheck):
-    @ops([op for op in op_db if op.supports_autograd], allowed_dtypes=(torch.float32,))
+    @ops(AUTOGRAD_OPS, allowed_dtypes=(torch.float32,))
     def test_compiled_grad_matches_cpu(self, device: str, dtype: torch.dtype, op: Any) -> None:
         self._check(device, op, "grad")
 
 
 class TestOpInfoEagerGradCI(_OpInfoCheck):
-    @ops([op for op in op_db if op.name in GRAD_CI_OPS and op.supports_autograd], allowed_dtypes=(torch.float32,))
+    @ops(AUTOGRAD_CI_OPS, allowed_dtypes=(torch.float32,))
     def test_grad_matches_cpu(self, device: str, dtype: torch.dtype, op: Any) -> None:
         self._check(device, op, "eager-grad", GRAD_CI_SAMPLES)
 
 
 @pytest.mark.slow
 class TestOpInfoEagerGradFull(_OpInfoCheck):
-    @ops([op for op in op_db if op.supports_autograd], allowed_dtypes=(torch.float32,))
+    @ops(AUTOGRAD_OPS, allowed_dtypes=(torch.float32,))
     def test_grad_matches_cpu(self, device: str, dtype: torch.dtype, op: Any) -> None:
         self._check(device, op, "eager-grad")
 
