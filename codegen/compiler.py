@@ -208,6 +208,8 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
                "buffers": {n: dataclasses.asdict(p) for n, p in placements.items()},
                "outputs": [dataclasses.asdict(v) for v in graph.results], "compile_seconds": clock.laps}
     summary["mutated_inputs"] = [graph.arguments[i] for i in mutated]
+    summary["pipelined_loops"] = len(mc.pipelined)
+    summary["pipelining_undone"] = [line for line in mc.log if "trace check" in line]  # a compiler bug
     summary["loops"] = [{"kernels": [lp.first, lp.first + lp.period - 1], "runs": lp.repeats,
                          "slots": len(lp.slots[0])} for lp in loops]
     summary["vmem_table_rows"] = [SPILL_ROWS, SPILL_ROWS + table_rows(table_entries, cfg.lanes)]

@@ -399,13 +399,15 @@ def _generic(op: ir.Operation, views: dict[str, View], constants: dict[str, floa
     n_out = len(yields)
     if n_out != 1:
         raise LoweringError(f"generic with {n_out} outputs")
-    contraction = _contraction(sizes, iters, operands, args, ops, yields, consts, g, _text(op, state))
-    if contraction is not None:
-        return contraction
     prelude: list[Kernel] = []
     inputs, out_arg = list(zip(args[:-1], operands[:-1], strict=True)), args[-1]
     for res, (table, idx) in loads.items():
         prelude += _split_gather(res, table, idx, ops, consts, index_dims, inputs, sizes, g, _text(op, state))
+    # a matmul, also of gathered rows (a MoE's tokens routed to the experts' weights)
+    contraction = _contraction(sizes, iters, [o for _, o in inputs] + operands[-1:], [a for a, _ in inputs] +
+                               [out_arg], ops, yields, consts, g, _text(op, state))
+    if contraction is not None:
+        return [*prelude, *contraction]
     live = _live(ops, [*yields])
     ops = [o for o in ops if o[0] in live]
     inputs = [(a, o) for a, o in inputs if a in live]
@@ -520,9 +522,17 @@ def _split_gather(res: str, table: View, idx: list[str], ops: list[tuple[str, st
         ids = Access(ids.view, (*ids.iter_strides, 0))
     if ids.iter_strides[-1] != 0:
         raise LoweringError(f"memref.load that is not a row gather (the id varies along the row):\n{text}")
-    gathered = tuple(sizes) if column else (*sizes[:-1], 1)
+    # gathered once per distinct id: over the dims the ids vary along (a gather fused into a matmul is
+    # read by every output column; materialized per output element it was E*N times the rows)
+    kept = [d for d in range(rank - 1) if ids.iter_strides[d]] or list(range(rank - 1))
+    gathered = (*(sizes[d] for d in kept), sizes[-1] if column else 1)
     out = _temp(g, "gather", gathered, table.dtype)
-    inputs.append((res, Access(out, out.strides if column else (*out.strides[:-1], 0))))
+    strides = [0] * rank
+    for d, st in zip(kept, out.strides, strict=False):
+        strides[d] = st
+    strides[-1] = out.strides[-1] if column else 0
+    inputs.append((res, Access(out, tuple(strides))))
+    ids = Access(ids.view, (*(ids.iter_strides[d] for d in kept), 0))
     return [*prelude, GatherKernel(table, ids, out, gathered, f"gather rows of {table.buffer}: {text}")]
 
 

@@ -115,7 +115,9 @@ def live_intervals(func: Function, bundles: dict[str, list[list[MInstr]]]) -> di
                 cur[r] = [now, land]
                 if self_loop and land > end:
                     add(r, s0, min(end, s0 + land - end - 1))
-        for r, (seg, _) in old.items():
+        for r, (seg, new_lands) in old.items():
+            if r in live_out[blk.label] and new_lands > end + 1:
+                seg[1] = end  # the successor's reads before the new value lands see this one
             _close(seg, cur.get(r), add, r)
         for r, seg in cur.items():
             if r in live_out[blk.label]:

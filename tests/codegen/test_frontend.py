@@ -150,7 +150,8 @@ def test_kernels_name_the_fx_node_and_module_they_came_from() -> None:
     origins = [(type(k).__name__, k.origin) for k in g.kernels]
     nodes = {n.name: n for n in gm.graph.nodes}
     assert all(node in nodes for _, (node, _) in origins)  # every kernel names a node of the graph
-    # the lookup fused into the projection's contraction generic: the gather split out of it is the mm's too
-    assert origins[-3:] == [("GatherKernel", ("mm", "proj")), ("GenericKernel", ("mm", "proj")),
+    # the lookup fused into the projection's contraction generic: the gather split out of it is the mm's too,
+    # and what remains is a matmul of the gathered rows
+    assert origins[-3:] == [("GatherKernel", ("mm", "proj")), ("MatmulKernel", ("mm", "proj")),
                             ("GenericKernel", ("exp", ""))]  # exp(.. * 2): one generic, named after its consumer
     assert nodes["mm"].target == torch.ops.aten.mm.default and nodes["exp"].target == torch.ops.aten.exp.default

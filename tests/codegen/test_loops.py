@@ -134,15 +134,36 @@ def test_compile_graph_honours_pipeline_false() -> None:
     assert len(exe_off.program) < len(exe_on.program)  # no prologue / epilogue copies
 
 
-def test_a_pipelined_loop_that_breaks_its_trace_is_compiled_unpipelined() -> None:
+def test_a_value_read_two_kernel_runs_after_its_load_keeps_its_register() -> None:
     """Six row slices of one [4, 6, 40] input and a constant in one elementwise kernel on `small` (P = 5 vmem
-    rows a row): modulo scheduling and allocation gave its chunk loop a register one iteration overwrote
-    before the previous one read it, silently (errors of ~3). Every pipelined loop's trace is now checked on
-    every compile (a few kernel runs), and one that fails is compiled unpipelined."""
+    rows a row): a vld at kernel bundle 5 (II 6, latency 2) read at bundle 0 two runs later, one name (the
+    next load lands after that read). The allocator took the value for dead between the read and the load,
+    gave its register to an add, and the result was silently wrong (errors of ~3). Now a live-out value whose
+    redefinition lands past the block's end lives to the end. The trace check on every compile (which had
+    caught it and compiled the loop unpipelined) no longer rejects the loop."""
     import numpy as np
     import torch
     from codegen_helpers import compile_and_run
 
     x = torch.randn(4, 6, 40, generator=torch.Generator().manual_seed(0))
-    outs, refs, _ = compile_and_run(lambda t: sum((t[:, i] for i in range(1, 6)), t[:, 0] + 0.5), x)
+    outs, refs, exe = compile_and_run(lambda t: sum((t[:, i] for i in range(1, 6)), t[:, 0] + 0.5), x)
     np.testing.assert_allclose(outs[0], refs[0], rtol=1e-6, atol=1e-6)
+    assert exe.summary["pipelined_loops"] >= 1 and exe.summary["pipelining_undone"] == []
+
+
+def test_live_out_value_is_live_until_its_redefinition_lands() -> None:
+    """Block-level: v1 defined at 0, redefined at 4 by a 4-cycle reduction that lands after the block's end,
+    and read by the successor before that: the first value holds its register through the whole block."""
+    from codegen.mir import Block
+    from codegen.regalloc import live_intervals
+
+    v0, v1, v2 = Reg("v", 0, True), Reg("v", 1), Reg("v", 2)
+    first = MInstr("vadd.f", v1, (v0, v0))
+    other = MInstr("vadd.f", v2, (v0, v0))
+    use_other = MInstr("vadd.f", v2, (v2, v2))
+    late = MInstr("vred.sum.l", v1, (v0,))
+    read = MInstr("vadd.f", Reg("v", 3), (v1, v1))
+    f = Function(blocks=[Block("a", [first, other, use_other, late]), Block("b", [read, MInstr("halt")])])
+    bundles = {"a": [[first], [other], [use_other], [], [late]], "b": [[read, f.blocks[1].instrs[1]]]}
+    segments = live_intervals(f, bundles)[v1].segments
+    assert segments[0][0] == 0 and segments[0][1] >= 4, segments
