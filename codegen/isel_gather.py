@@ -22,6 +22,7 @@ Scatter (in place, the KV cache update), for chunks of T rows of the updates (k 
 3. one `dma.st` per row writes it. bf16 rows of an even length move as 32-bit words, so every bit
    pattern (NaN payloads included) is copied exactly; rows are written in order, so a repeated index keeps
    the last row.
+Steps 2-3 run 8 rows an iteration of a runtime loop, as the gather's (a prefill's KV cache update).
 
 Iota: `viota` (sublane * N + lane) plus the chunk base, stored to vmem, one DMA out (a 1 x n row).
 """
@@ -29,6 +30,7 @@ Iota: `viota` (sublane * N + lane) plus the chunk base, stored to vmem, one DMA 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from codegen.builder import Builder
 from codegen.isel_common import Flag, KernelContext, Region, chunk_loop, row_mem
@@ -80,22 +82,29 @@ def _gather_chunk(ctx: KernelContext, k: GatherKernel, id_at: list[int], ids_reg
             ctx.dma(True, k.table.dtype, poison_unless(b, addr, valid), data_region, (first + j) * p, 1, cols, cols,
                     Flag.ROWS, base=data_at)
 
+    _eight_rows_at_a_time(b, n, p, gather_rows, "gather")
+    b.emit("wait", flag=ctx.flag(Flag.ROWS))
+
+
+def _eight_rows_at_a_time(b: Builder, n: int, p: int, rows: Callable[[int, int, Reg, Reg], None], hint: str) -> None:
+    """rows(first, count, at, data_at) for the n rows of a chunk, 8 at a time, in order: a runtime loop (`at`:
+    its row offset, `data_at` = at * P) when there are more than two groups, so code size does not grow
+    with n; constant addresses otherwise."""
     groups = n // 8
     if groups <= 2:  # short: constant addresses
         for g in range(groups):
-            gather_rows(8 * g, 8)
+            rows(8 * g, 8, ZERO, ZERO)
     else:
         data_at = b.sreg()
         b.emit("addi", data_at, (ZERO,), imm=0)
 
         def eight_rows(at: Reg) -> None:
-            gather_rows(0, 8, at, data_at)
+            rows(0, 8, at, data_at)
             b.emit("addi", data_at, (data_at,), imm=8 * p)
 
-        chunk_loop(b, groups, eight_rows, "gather", ivs={data_at: 8 * p})
+        chunk_loop(b, groups, eight_rows, hint, ivs={data_at: 8 * p})
     if n % 8:
-        gather_rows(8 * groups, n % 8)
-    b.emit("wait", flag=ctx.flag(Flag.ROWS))
+        rows(8 * groups, n % 8, ZERO, ZERO)
 
 
 def _runs(offsets: list[int]) -> list[tuple[int, int, int]]:
@@ -133,16 +142,17 @@ def lower_scatter(ctx: KernelContext, k: ScatterKernel) -> None:
         ctx.dma(True, dtype, upd_addr, data_region, 0, n, cols, k.updates.strides[0] // unit, Flag.ROWS)
         b.emit("wait", flag=ctx.flag(Flag.INDEX))
         b.emit("wait", flag=ctx.flag(Flag.ROWS))
-        zero = b.const(0)
         sizes = [b.const(k.dest.shape[j]) for j in range(depth)]
         strides = [b.const(k.dest.strides[j] * esize) for j in range(depth)]
-        for g in range(0, n, 8):
-            v = b.vld(zero, idx_region.row + g, idx_region.mem(g, g + 8))
-            for i in range(g, min(g + 8, n)):
+
+        def scatter_rows(first: int, count: int, at: Reg, data_at: Reg, sizes: list[Reg] = sizes,
+                         strides: list[Reg] = strides) -> None:
+            v = b.vld(at, idx_region.row + first, row_mem(idx_region, at, first, 8))
+            for i in range(count):
                 addr, valid = dest_base, None
                 for j in range(depth):
                     ix = b.sreg()
-                    b.emit("vext", ix, (v,), imm=(i - g) * n_lanes + j)
+                    b.emit("vext", ix, (v,), imm=i * n_lanes + j)
                     ok = b.sreg()
                     b.emit("sltu", ok, (ix, sizes[j]))  # 0 <= ix < size (a negative ix is a huge unsigned)
                     if valid is not None:
@@ -153,7 +163,10 @@ def lower_scatter(ctx: KernelContext, k: ScatterKernel) -> None:
                     b.emit("add", nxt, (addr, off))
                     addr = nxt
                 assert valid is not None
-                ctx.dma(False, dtype, poison_unless(b, addr, valid), data_region, i * p, 1, cols, cols, Flag.OUT)
+                ctx.dma(False, dtype, poison_unless(b, addr, valid), data_region, (first + i) * p, 1, cols, cols,
+                        Flag.OUT, base=data_at)
+
+        _eight_rows_at_a_time(b, n, p, scatter_rows, "scatter")  # in order: a repeated index keeps the last row
         b.emit("wait", flag=ctx.flag(Flag.OUT))
 
 

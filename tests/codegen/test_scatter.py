@@ -91,6 +91,27 @@ def _kernel_kinds(exe: codegen.Executable) -> list[str]:
     return [k["kind"] for k in exe.summary["kernels"]]
 
 
+@pytest.mark.parametrize("count", [45, 90])
+def test_a_prefill_sized_update_runs_as_a_loop_and_keeps_the_last_of_repeated_rows(count: int) -> None:
+    """A prefill's KV cache update (B=1, H=2: 2 * count rows, positions with repeats): the rows are written in
+    order, 8 an iteration of a runtime loop, so a repeated position keeps the last row (as the CPU) and the
+    program does not grow with the rows."""
+    g = torch.Generator().manual_seed(count)
+    cache, vals = torch.randn(1, 2, 64, 16, generator=g), torch.randn(1, 2, count, 16, generator=g)
+    pos = torch.randint(0, 64, (count,), generator=g)
+    assert len(set(pos.tolist())) < count  # repeats
+
+    def assign(cache: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+        cache[:, :, pos] = vals
+        return cache.sum(-1)
+
+    got, _, exe = _run(assign, cache, pos, vals)
+    expected = cache.clone()
+    assign(expected, pos, vals)
+    np.testing.assert_array_equal(got, _bits(expected))
+    assert len(exe.program) < 1400, len(exe.program)  # unrolled: ~15 bundles a row
+
+
 def test_the_cache_is_written_in_place_not_copied() -> None:
     """The only writes to the cache's buffer are the scatter's rows: no kernel copies the whole cache."""
     cache, pos, vals = torch.randn(1, 2, 64, 16), torch.tensor([5]), torch.randn(1, 2, 1, 16)
