@@ -18,6 +18,7 @@ The module text is parsed (and so verified) by the MLIR Python bindings (`iree.c
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from device_sim.config import SMALL, HardwareConfig
 
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i32", torch.bool: "i1"}
 FLOATS = ("f32", "bf16")
+SLICED_REDUCTION_MAX = 16  # reductions over at most this many outer slices run as one elementwise op
 # int64 tensors are narrowed to int32 (the lane width) at the graph boundary; bool tensors are i1 in MLIR
 # and 0 / ~0 lane masks (32-bit words) in vmem and HBM.
 
@@ -122,6 +124,54 @@ class BodyWriter:
         return self._conv("arith.index_cast", i, "index", "i32")
 
 
+_INTEGER_OPS = {"arith.addf": "arith.addi", "arith.subf": "arith.subi", "arith.mulf": "arith.muli"}
+_INTEGER_PREDICATES = {"oeq": "eq", "ueq": "eq", "one": "ne", "une": "ne", "olt": "slt", "ult": "slt", "ole": "sle",
+                       "ule": "sle", "ogt": "sgt", "ugt": "sgt", "oge": "sge", "uge": "sge"}
+
+
+class IntegerBodyWriter(BodyWriter):
+    """A body written once for f32 (every aten op's lowering) run on i32 values exactly: add, sub, mul, neg,
+    abs, min/max, compares and selects become integer ops (`vadd.i`, `vcmp.lt.i`, ...). Through f32 an
+    integer above 2^24 lost its low bits silently (`x + 1` of 2^24 + 1 gave 2^24); an op with no exact integer
+    form (a division, exp, ...) raises UnsupportedOp, and the node runs on the CPU. i32 wraps where torch's
+    int64 would not (above 2^31)."""
+
+    def op(self, name: str, *args: str, dtype: str | None = None) -> str:
+        if dtype not in (None, "f32", "i32"):
+            return super().op(name, *args, dtype=dtype)  # i1 logic
+        if name in _INTEGER_OPS:
+            return super().op(_INTEGER_OPS[name], *args, dtype="i32")
+        if name in ("arith.addi", "arith.subi", "arith.muli", "arith.andi", "arith.ori", "arith.xori", "arith.shli",
+                    "arith.shrsi"):
+            return super().op(name, *args, dtype="i32")
+        if name in ("arith.maximumf", "arith.maxnumf", "arith.minimumf", "arith.minnumf"):
+            a, b = args
+            return self.select(self.cmp("ogt" if "max" in name else "olt", a, b), a, b)
+        if name == "arith.negf":
+            return super().op("arith.subi", self.const_int(0), args[0], dtype="i32")
+        if name == "math.absf":
+            return self.op("arith.maximumf", args[0], self.op("arith.negf", args[0]))
+        raise UnsupportedOp(f"{name} of integers (only through f32, which is exact below 2^24)")
+
+    def const(self, value: float, dtype: str | None = None) -> str:
+        if dtype not in (None, "f32", "i32"):
+            return super().const(value, dtype)
+        if not math.isfinite(value) or value != int(value) or abs(value) >= 2**31:
+            raise UnsupportedOp(f"the constant {value} in integer arithmetic")
+        return self.const_int(int(value))
+
+    def cast(self, x: str, src: str, dst: str) -> str:
+        return super().cast(x, "i32" if src == "f32" else src, "i32" if dst == "f32" else dst)
+
+    def cmp(self, pred: str, a: str, b: str, dtype: str = "f32") -> str:
+        if dtype in ("f32", "i32"):
+            return self._cmp(_INTEGER_PREDICATES.get(pred, pred), a, b, "i32")
+        return self._cmp(pred, a, b, dtype)
+
+    def select(self, cond: str, a: str, b: str, dtype: str = "f32") -> str:
+        return super().select(cond, a, b, "i32" if dtype == "f32" else dtype)
+
+
 def _literal(value: float, dtype: str) -> str:
     """The text after `arith.constant` for a scalar of `dtype`."""
     if dtype == "i1":
@@ -176,9 +226,9 @@ class MlirEmitter:
         return v
 
     def generic(self, inputs: Sequence[TValue], maps: Sequence[str], init: TValue, iterators: Sequence[str],
-                body: Callable[[list[str], BodyWriter], str]) -> TValue:
+                body: Callable[[list[str], BodyWriter], str], writer: type[BodyWriter] = BodyWriter) -> TValue:
         out = TValue(self.fresh(), init.shape, init.dtype)
-        w = BodyWriter(self, init.dtype)
+        w = writer(self, init.dtype)
         args = [self.fresh() for _ in inputs] + [self.fresh()]
         result = body(args, w)
         iters = ", ".join(f'"{i}"' for i in iterators)
@@ -215,6 +265,10 @@ class MlirEmitter:
                                        for i, s in enumerate(t.shape)]))
         maps.append(affine_map(rank))
         init = self.empty(out_shape, out_dtype)
+        # integers computed as integers (exact), as soon as one is not a bool (0 / 1: exact in f32 too)
+        integer = (out_dtype == "i32" or result == "i1") and any(t.dtype == "i32" for t in tensors) \
+            and all(t.dtype in ("i32", "i1") for t in tensors) \
+            and all(float(o).is_integer() for o in operands if not isinstance(o, TValue))
 
         def body(args: list[str], w: BodyWriter) -> str:
             it = iter(args)
@@ -229,7 +283,8 @@ class MlirEmitter:
             r = fn(vals, w)
             return w.cast(r, result, out_dtype)
 
-        return self.generic(tensors, maps, init, ["parallel"] * rank, body)
+        return self.generic(tensors, maps, init, ["parallel"] * rank, body,
+                            IntegerBodyWriter if integer else BodyWriter)
 
     def reduce_last(self, x: TValue, kind: str, keepdim: bool) -> TValue:
         """sum or max over the last dim (f32 accumulation)."""
@@ -242,8 +297,12 @@ class MlirEmitter:
         reduced = set(dims)
         kept = [i for i in range(rank) if i not in reduced]
         identity = 0.0 if kind == "sum" else -math.inf
-        init = self.fill(identity, tuple(x.shape[i] for i in kept), "f32")
         op = "arith.addf" if kind == "sum" else "arith.maximumf"
+        slices = math.prod(x.shape[d] for d in reduced)
+        if rank - 1 not in reduced and 1 < slices <= SLICED_REDUCTION_MAX:
+            r = self._sliced_reduce(x, sorted(reduced), identity, op)
+            return self.reshape(r, tuple(1 if i in reduced else s for i, s in enumerate(x.shape))) if keepdim else r
+        init = self.fill(identity, tuple(x.shape[i] for i in kept), "f32")
 
         def body(args: list[str], w: BodyWriter) -> str:
             return w.op(op, w.cast(args[0], x.dtype, "f32"), args[1], dtype="f32")
@@ -251,6 +310,30 @@ class MlirEmitter:
         maps = [affine_map(rank), affine_map(rank, [f"d{i}" for i in kept])]
         r = self.generic([x], maps, init, ["reduction" if i in reduced else "parallel" for i in range(rank)], body)
         return self.reshape(r, tuple(1 if i in reduced else s for i, s in enumerate(x.shape))) if keepdim else r
+
+    def _sliced_reduce(self, x: TValue, reduced: list[int], identity: float, op: str) -> TValue:
+        """A reduction over a few slices along outer dims (a MoE's top-k sum over [T, k, H]): one elementwise
+        op over the slices (strided views), where a reduction would first copy x with the reduced dims
+        innermost, rows of k elements."""
+        kept_shape = tuple(s for i, s in enumerate(x.shape) if i not in reduced)
+        parts = []
+        for at in itertools.product(*(range(x.shape[d]) for d in reduced)):
+            part = TValue(self.fresh(), kept_shape, x.dtype)
+            where = dict(zip(reduced, at, strict=True))
+            offs = ", ".join(str(where.get(i, 0)) for i in range(len(x.shape)))
+            sizes = ", ".join(str(1 if i in where else s) for i, s in enumerate(x.shape))
+            ones = ", ".join("1" for _ in x.shape)
+            self.lines.append(f"{part.name} = tensor.extract_slice {x.name}[{offs}] [{sizes}] [{ones}] : "
+                              f"{x.type} to {part.type}")
+            parts.append(part)
+
+        def combine(v: list[str], w: BodyWriter) -> str:
+            acc = w.const(identity, "f32")  # from the identity, as torch: a sum of -0.0s is +0.0
+            for value in v:
+                acc = w.op(op, acc, value, dtype="f32")
+            return acc
+
+        return self.elementwise(parts, combine, dtype="f32")
 
     def copy_map(self, x: TValue, shape: tuple[int, ...], results: list[str]) -> TValue:
         """out[d...] = x[results(d...)]: permutations and broadcasts, as a fusable copy."""

@@ -369,7 +369,7 @@ def _generic(op: ir.Operation, views: dict[str, View], constants: dict[str, floa
             if isinstance(res, ir.AffineDimExpr):
                 st[res.position] += stride
                 sizes[res.position] = size
-            elif not isinstance(res, ir.AffineConstantExpr):
+            elif not isinstance(res, ir.AffineConstantExpr) or ir.AffineConstantExpr(res).value != 0:
                 raise LoweringError(f"indexing map {amap} is not a projected permutation")
         operands.append(Access(view, tuple(st)))
     if len(op.results) or len(operands) - len(op.regions[0].blocks[0].arguments):

@@ -53,6 +53,20 @@ def test_sum_of_a_transposed_and_broadcast_operand() -> None:
         np.testing.assert_allclose(o, r, rtol=1e-5, atol=5e-5)
 
 
+def test_a_sum_over_a_few_outer_slices_is_one_elementwise_kernel() -> None:
+    """A MoE's combine, `view(T, k, H).sum(1)` (17 tokens, top-2, hidden 1024, on `large`): the slices added
+    elementwise (strided views of x), not x copied with rows of k elements and reduced (127K cycles of the
+    Mixtral block). From 0.0 as torch: a sum of -0.0s is +0.0; inf and NaN propagate."""
+    x = torch.randn(17, 2, 1024)
+    x[0, :, 0], x[1, 0, 1], x[2, 1, 2], x[3, :, 3] = -0.0, math.inf, math.nan, torch.tensor([3e38, 3e38])
+    outs, refs, cg = compile_and_run(lambda x: (x.sum(1), x.amax(1, keepdim=True)), x, config="large")
+    for o, r in zip(outs, refs, strict=True):
+        np.testing.assert_array_equal(o, r)  # two addends: exact
+    assert not np.signbit(outs[0][0, 0])
+    assert [k["kind"] for k in cg.summary["kernels"]] == ["elementwise", "elementwise"]
+    assert cg.last_stats.cycles < 30_000
+
+
 def test_integer_and_bool_sums_keep_torch_dtype() -> None:
     x = torch.randn(5, 7)
     outs, refs, _ = compile_and_run(lambda x: ((x > 0).sum(0).float(), (x > 0).sum().float() / 2), x)
