@@ -683,11 +683,42 @@ def _reduce(e: MlirEmitter, x: TValue, dims: Any, kind: str, keepdim: bool) -> T
 
 @_reg(aten.sum.dim_IntList)
 def _sum(e: MlirEmitter, x: TValue, dims: Any, keepdim: bool = False, dtype: Any = None) -> TValue:
-    """Accumulated in f32 (integers and bools exactly up to 2^24), converted to the result dtype: the
-    input's, i32 for integers and bools (int64 in torch), or `dtype`."""
+    """Accumulated in f32, converted to the result dtype: the input's, i32 for integers and bools (int64 in
+    torch), or `dtype`. Bools count exactly (to 2^24 elements); integers are summed exactly by limbs."""
     target = _creation_dtype(dtype) if dtype is not None else "i32" if x.dtype in ("i1", "i32") else x.dtype
+    if x.dtype == "i32" and target == "i32" and x.shape:
+        count = math.prod(x.shape[d] for d in _reduced_dims(x, dims))
+        return _by_limbs(e, x, count, lambda limb: _reduce(e, limb, dims, "sum", keepdim))
     out = _reduce(e, x, dims, "sum", keepdim)
     return e.elementwise([out], lambda v, w: v[0], dtype=target) if target != out.dtype else out
+
+
+LIMB_BITS = (11, 11, 10)  # an i32 as three limbs: sums of up to 2^24 / 2^11 terms of each are exact in f32
+MAX_LIMB_TERMS = 2 ** (24 - 11)
+
+
+def _by_limbs(e: MlirEmitter, x: TValue, terms: int, total: Callable[[TValue], TValue]) -> TValue:
+    """An exact integer sum (`total`: a sum of at most `terms` elements of its input, in f32) of i32 x: x
+    split into limbs of 11, 11 and 10 bits (the top one signed), each limb's sum exact in f32, recombined in
+    integer arithmetic (i32: it wraps above 2^31, where torch's int64 would not). Through f32 alone an
+    integer above 2^24 lost its low bits."""
+    if terms > MAX_LIMB_TERMS:
+        raise UnsupportedOp(f"an integer sum of {terms} terms (exact up to {MAX_LIMB_TERMS})")
+    acc = None
+    shift = 0
+    for k, bits in enumerate(LIMB_BITS):
+        def limb(v: list[str], w: BodyWriter, shift: int = shift, bits: int = bits, top: bool = k == 2) -> str:
+            r = w.op("arith.shrsi", v[0], w.const_int(shift), dtype="i32") if shift else v[0]
+            return r if top else w.op("arith.andi", r, w.const_int((1 << bits) - 1), dtype="i32")
+        part = total(e.elementwise([x], limb, dtype="i32"))  # f32, exact
+        scaled = e.elementwise([part], lambda v, w: v[0], dtype="i32")
+        if shift:
+            scaled = e.elementwise([scaled, 1 << shift], lambda v, w: w.op("arith.mulf", v[0], v[1]), dtype="i32")
+        acc = scaled if acc is None else e.elementwise([acc, scaled], lambda v, w: w.op("arith.addf", v[0], v[1]),
+                                                       dtype="i32")
+        shift += bits
+    assert acc is not None
+    return acc
 
 
 @_reg(aten.amax.default)
@@ -1037,6 +1068,8 @@ def _cumsum(e: MlirEmitter, x: TValue, dim: int, dtype: Any = None) -> TValue:
     if not rank or _norm_dim(dim, rank) != rank - 1:
         raise UnsupportedOp(f"cumsum over dim {dim} of a rank-{rank} tensor (only the last dim)")
     out_dtype = _creation_dtype(dtype) if dtype is not None else x.dtype if x.dtype in ("f32", "bf16") else "i32"
+    if x.dtype == "i32" and out_dtype == "i32":
+        return _by_limbs(e, x, x.shape[-1], lambda limb: _cumsum(e, limb, dim, torch.float32))
     init = e.fill(0.0, x.shape, "f32")
 
     def body(args: list[str], w: BodyWriter) -> str:

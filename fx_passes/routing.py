@@ -134,8 +134,8 @@ def integer_divide(a: Tensor, d: Any, *, rounding_mode: str | None = None) -> Te
     """a // d and trunc(a / d) of an integer tensor by a nonzero integer constant (an MoE's slot -> token,
     `perm // top_k`), exact: a float quotient (a few ulp off) is corrected by the quotient of the exact integer
     remainder, three times (each shrinks the error by ~2^22: all of int64 on the CPU), then by one to the
-    remainder's range for the rounding. On the CTPU integer arithmetic is f32's, exact for |a| <= 2^24 (an
-    MoE's slot ids are tokens x top-k). A tensor divisor (a zero raises on the CPU) is left to the op."""
+    remainder's range for the rounding. On the CTPU the integer steps are exact integer ops (int32) and the
+    float quotients f32. A tensor divisor (a zero raises on the CPU) is left to the op."""
     if rounding_mode not in ("floor", "trunc") or not isinstance(a, Tensor) or a.dtype not in _INTEGER \
             or isinstance(d, bool) or not isinstance(d, int) or d == 0:
         return NotImplemented  # type: ignore[return-value]

@@ -81,8 +81,9 @@ def test_histc_counts_values_on_bin_boundaries() -> None:
 
 @pytest.mark.parametrize("rounding_mode", ["floor", "trunc"])
 def test_integer_division_by_a_constant(rounding_mode: str) -> None:
-    """Over the integers the CTPU's elementwise arithmetic holds exactly (|a| <= 2^24: it computes in f32)."""
-    a = torch.cat([torch.arange(-20, 20), torch.tensor([2**24, -(2**24), 2**24 - 1, -(2**24) + 3, 1_000_001])])
+    """Exact over int32: the corrections are integer ops on the CTPU (through f32 only to 2^24)."""
+    a = torch.cat([torch.arange(-20, 20), torch.tensor([2**24, -(2**24), 2**24 - 1, -(2**24) + 3, 1_000_001,
+                                                        2**24 + 1, 2**31 - 1, -(2**31) + 1, 987_654_321])])
     fn = lambda v: (torch.div(v, 3, rounding_mode=rounding_mode), torch.div(v, -7, rounding_mode=rounding_mode))
     _same(_on_ctpu(fn, a), fn(a))
 
