@@ -95,13 +95,14 @@ GRAD_CI_OPS = {
 }
 GRAD_CI_SAMPLES = 1
 # The compiled sweep with symbolic sizes (dynamic=True, each dim of the sample padded to its bucket) in CI:
-# elementwise, masked reductions, contractions over a padded dim, views and slices, cat and indexing, a
-# prefix scan, normalisation, and ops that must be refused (sort, topk: the graph runs on the CPU).
+# elementwise, masked reductions, contractions over a padded dim, views and slices (outputs aliasing the
+# input), cat and indexing, a prefix scan, normalisation, and topk (routing's rank-based rule, masked; sort
+# is the same rule at ~60 s of compiles: the full sweep has it).
 DYNAMIC_CI_OPS = {
     "add", "mul", "div", "exp", "tanh", "sigmoid", "neg", "maximum", "where", "sum", "mean", "amax", "var",
     "softmax", "log_softmax", "matmul", "mm", "bmm", "addmm", "nn.functional.linear", "view", "reshape",
     "permute", "transpose", "cat", "narrow", "slice", "select", "index_select", "gather", "__getitem__",
-    "cumsum", "nn.functional.layer_norm", "nn.functional.embedding", "sort", "topk",
+    "cumsum", "nn.functional.layer_norm", "nn.functional.embedding", "topk", "expand", "hsplit",
 }
 DYNAMIC_CI_SAMPLES = 2
 GRAD_MODES = ("grad", "eager-grad")
