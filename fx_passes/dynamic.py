@@ -79,6 +79,37 @@ class DynamicPlan:
     sym_outputs: dict[int, sympy.Expr] = field(default_factory=dict)
     mutated_inputs: list[int] = field(default_factory=list)  # placeholder indices written by a copy_
     dim_exprs: set[sympy.Expr] = field(default_factory=set)  # every symbolic size: none may shrink when padded
+    host_views: dict[int, HostView] = field(default_factory=dict)  # output index -> views the host replays
+
+
+CHAIN = "<the previous value of a view chain>"  # the tensor argument of a HostView step
+
+
+@dataclass(frozen=True)
+class HostView:
+    """An output that is a chain of views of a graph input or of another output, replayed on the host on
+    the real tensor. AOT gives an output aliasing an input (or an intermediate it returns) the storage
+    offset and strides of what the backend returns whenever the views have symbolic arguments
+    (`x.select(0, i)`, `x[:, :n]`, `x.view(s, 4)`); a fresh padded program output has neither.
+
+    root: ("input", placeholder index) or ("output", output index); steps: (op, args, kwargs) in order,
+    CHAIN standing for the previous value and sympy expressions for symbolic sizes."""
+
+    root: tuple[str, int]
+    steps: tuple[tuple[Any, tuple[Any, ...], dict[str, Any]], ...]
+
+    def replay(self, base: torch.Tensor, values: Mapping[sympy.Symbol, int]) -> Any:
+        def concrete(arg: Any, previous: Any) -> Any:
+            if isinstance(arg, (list, tuple)):
+                return type(arg)(concrete(a, previous) for a in arg)
+            if isinstance(arg, str) and arg == CHAIN:
+                return previous
+            return evaluate(arg, values) if isinstance(arg, sympy.Expr) else arg
+
+        value: Any = base
+        for op, args, kwargs in self.steps:
+            value = op(*concrete(args, value), **{k: concrete(v, value) for k, v in kwargs.items()})
+        return value
 
 
 def evaluate(expr: sympy.Expr, values: Mapping[sympy.Symbol, int]) -> int:
@@ -580,6 +611,51 @@ def _groups(src: list[sympy.Expr], out: list[sympy.Expr]) -> list[tuple[list[sym
     return groups
 
 
+def _is_view(node: Node) -> bool:
+    """An ATen op whose result aliases its first argument (its schema says so), or getitem of one."""
+    if is_call(node, operator.getitem):
+        return isinstance(node.args[0], Node) and _is_view(node.args[0])
+    if not is_call(node) or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    returns = node.target._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
+def _host_view(out: Any, placeholders: list[Node], results: Any) -> HostView | None:
+    """out as views of a placeholder or of another output (HostView), or None when it is no such chain."""
+    chain: list[Node] = []
+    node = out
+    while isinstance(node, Node) and _is_view(node):
+        chain.append(node)
+        node = node.args[0]
+    if not chain or not isinstance(val(node), torch.Tensor):
+        return None
+    if node in placeholders:
+        root = ("input", placeholders.index(node))
+    elif node in results:
+        root = ("output", list(results).index(node))
+    else:
+        return None
+
+    def plain(arg: Any, previous: Node) -> Any:
+        if isinstance(arg, (list, tuple)):
+            return type(arg)(plain(a, previous) for a in arg)
+        if arg is previous:
+            return CHAIN
+        if isinstance(arg, Node):
+            if not isinstance(val(arg), torch.SymInt):
+                raise _refuse(arg, "a view of an output with a tensor argument")
+            return expr_of(val(arg))
+        return arg
+
+    steps = []
+    for step in reversed(chain):
+        previous = step.args[0]
+        steps.append((step.target, plain(step.args, previous),
+                      {k: plain(v, previous) for k, v in step.kwargs.items()}))
+    return HostView(root, tuple(steps))
+
+
 def copy_graph_module(gm: GraphModule) -> GraphModule:
     """A copy of gm with its own graph (node metas shared shallowly)."""
     graph = Graph()
@@ -633,6 +709,10 @@ def mask_padding(gm: GraphModule) -> DynamicPlan:
         if isinstance(value, _SYMBOLIC):
             plan.sym_outputs[i] = expr_of(value)
         plan.output_shapes.append(tuple(expr_of(s) for s in value.shape) if isinstance(value, torch.Tensor) else None)
+    for i, r in enumerate(results):
+        view = _host_view(r, placeholders, results) if i not in plan.sym_outputs else None
+        if view is not None:
+            plan.host_views[i] = view
     _Masker(gm, plan).run()
     gm.graph.lint()
     gm.recompile()
@@ -656,7 +736,8 @@ def specialize(gm: GraphModule, plan: DynamicPlan, bounds: Mapping[sympy.Symbol,
     output = next(iter(graph.find_nodes(op="output")))
     results = output.args[0]
     if isinstance(results, (tuple, list)):
-        output.args = (tuple(r for i, r in enumerate(results) if i not in plan.sym_outputs),)
+        output.args = (tuple(r for i, r in enumerate(results) if i not in plan.sym_outputs
+                             and i not in plan.host_views),)
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _DROPPED:
             graph.erase_node(node)

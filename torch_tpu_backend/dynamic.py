@@ -4,6 +4,7 @@ At each call the symbols' values are read from the SymInt inputs and the tensor 
 bucket (fx_passes.dynamic.choose_bounds) names the program variant, compiled on first use and cached.
 Inputs with symbolic dims are copied into zero-padded buffers, the valid lengths are passed as 0-d int64
 inputs, outputs are narrowed to their real sizes, and an input the graph mutates gets its real part back.
+Outputs that are views of an input or of another output are replayed on the real tensors (HostView).
 """
 
 from __future__ import annotations
@@ -87,10 +88,16 @@ class DynamicGraph:
             if j in self.plan.sym_outputs:
                 results.append(evaluate(self.plan.sym_outputs[j], values))
                 continue
+            if j in self.plan.host_views:
+                results.append(None)  # replayed below, once the outputs it may view are there
+                continue
             out, shape = outs.pop(0), self.plan.output_shapes[j]
             if shape is not None and any(e.free_symbols for e in shape):
                 # contiguous, as eager returns it: a narrowed view's strides would fail dynamo's stride
                 # guards when the output comes back as an input (a KV cache), one more graph per model
                 out = out[tuple(slice(0, evaluate(e, values)) for e in shape)].contiguous()
             results.append(out)
+        for j, view in self.plan.host_views.items():
+            kind, index = view.root
+            results[j] = view.replay(args[index] if kind == "input" else results[index], values)
         return results

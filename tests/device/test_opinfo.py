@@ -1,14 +1,17 @@
 """OpInfo sweep: op_db float32 samples against the CPU, eager on ctpu tensors and through torch.compile.
 
 Eager: each sample is made on the CPU and copied to ctpu, the op runs on both (same seed for random ops).
-Compiled: the op runs under torch.compile(backend="ctpu") on the CPU sample. Gradients ("grad", "eager-grad",
-the OpInfos that support autograd): the op compiled, or eager on ctpu tensors, then torch.autograd.grad of its
+Compiled: the op runs under torch.compile(backend="ctpu") on the CPU sample; "dynamic": the same with
+dynamic=True (symbolic sizes: fx_passes.dynamic's padded programs, or a refused graph on the CPU, a fallback;
+a sample that dynamo cannot trace with aot_eager either is skipped). Gradients ("grad", "eager-grad", the
+OpInfos that support autograd): the op compiled, or eager on ctpu tensors, then torch.autograd.grad of its
 float outputs with a seeded random cotangent w.r.t. the sample's float inputs; outputs and gradients are
 compared. The results must agree: an error where the CPU has none is a crash, any difference a mismatch. CI
-runs a representative part of each (CI_OPS, COMPILE_CI_OPS, GRAD_CI_OPS); the whole op_db is marked slow.
+runs a representative part of each (CI_OPS, COMPILE_CI_OPS, GRAD_CI_OPS, DYNAMIC_CI_OPS); the whole op_db is
+marked slow.
 The report (JSON, counts by outcome and why):
 
-    .venv/bin/python tests/device/test_opinfo.py --report opinfo_report.json [--mode compile|grad|eager-grad]
+    .venv/bin/python tests/device/test_opinfo.py --report opinfo_report.json [--mode compile|grad|eager-grad|dynamic]
 """
 
 from __future__ import annotations
@@ -91,7 +94,19 @@ GRAD_CI_OPS = {
     "reshape", "expand", "cumsum", "where", "clamp", "nn.functional.cross_entropy",
 }
 GRAD_CI_SAMPLES = 1
+# The compiled sweep with symbolic sizes (dynamic=True, each dim of the sample padded to its bucket) in CI:
+# elementwise, masked reductions, contractions over a padded dim, views and slices (outputs aliasing the
+# input), cat and indexing, a prefix scan, normalisation, and topk (routing's rank-based rule, masked; sort
+# is the same rule at ~60 s of compiles: the full sweep has it).
+DYNAMIC_CI_OPS = {
+    "add", "mul", "div", "exp", "tanh", "sigmoid", "neg", "maximum", "where", "sum", "mean", "amax", "var",
+    "softmax", "log_softmax", "matmul", "mm", "bmm", "addmm", "nn.functional.linear", "view", "reshape",
+    "permute", "transpose", "cat", "narrow", "slice", "select", "index_select", "gather", "__getitem__",
+    "cumsum", "nn.functional.layer_norm", "nn.functional.embedding", "topk", "expand", "hsplit",
+}
+DYNAMIC_CI_SAMPLES = 2
 GRAD_MODES = ("grad", "eager-grad")
+COMPILED_MODES = ("compile", "grad", "dynamic")  # the op under torch.compile on the CPU sample
 STATUS_ORDER = ("native", "ctpu", "fallback", "skipped", "mismatch", "crash")
 
 
@@ -148,13 +163,13 @@ def _to_device(sample: Any, device: str) -> Any:
     return moved
 
 
-def _compiled(op: Any) -> Callable[..., Any]:
+def _compiled(op: Any, dynamic: bool = False, backend: str = "ctpu") -> Callable[..., Any]:
     torch._dynamo.reset()  # every sample compiles afresh (no recompile limit, no stale guards)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         return op(*args, **kwargs)
 
-    return torch.compile(call, backend="ctpu", dynamic=False)
+    return torch.compile(call, backend=backend, dynamic=dynamic)
 
 
 def check_op(op: Any, device: str, assert_equal: Callable[[Any, Any, str], None], mode: str = "eager",
@@ -163,7 +178,7 @@ def check_op(op: Any, device: str, assert_equal: Callable[[Any, Any, str], None]
     with their gradients in the GRAD_MODES; the outcome and why."""
     result: dict[str, Any] = {"op": op.name, "variant": op.variant_test_name, "samples": 0, "fallback_ops": [],
                               "kernels_launched": 0, "mode": mode}
-    compiled, gradients = mode in ("compile", "grad"), mode in GRAD_MODES
+    compiled, gradients = mode in COMPILED_MODES, mode in GRAD_MODES
     if gradients:
         result.update(backward_kernels_launched=0, backward_fallback_ops=[])
     reason = SKIP.get(op.name) or next((r for p, r in SKIP_PREFIX.items() if op.name.startswith(p)), None)
@@ -178,6 +193,7 @@ def check_op(op: Any, device: str, assert_equal: Callable[[Any, Any, str], None]
     except Exception as err:
         return {**result, "status": "skipped", "reason": f"sample inputs fail on the CPU: {err!r}"[:200]}
     status, reason, fallbacks, backward_fallbacks = "native", "", Counter[str](), Counter[str]()
+    refusals = Counter[str]()  # graphs with symbolic sizes refused as a whole (CtpuDynamicShapeError): why
     for sample in samples:
         cpu_sample = _copy_sample(sample, "cpu")
         try:
@@ -186,7 +202,11 @@ def check_op(op: Any, device: str, assert_equal: Callable[[Any, Any, str], None]
             return {**result, "status": "skipped", "reason": f"sample does not fit in HBM: {err}"[:200]}
         expected, cpu_err = _run(op, cpu_sample)
         stats.reset()
-        actual, dev_err = _run(_compiled(op) if compiled else op, dev_sample)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", CtpuFallbackWarning)
+            actual, dev_err = _run(_compiled(op, mode == "dynamic") if compiled else op, dev_sample)
+        refusals.update(str(w.message).split(": ", 2)[-1][:200] for w in caught
+                        if "CtpuDynamicShapeError" in str(w.message))
         forward = stats.last()
         if gradients:
             expected, cpu_err = _with_grads(cpu_sample, expected, cpu_err)
@@ -200,6 +220,11 @@ def check_op(op: Any, device: str, assert_equal: Callable[[Any, Any, str], None]
             result["backward_kernels_launched"] += run.kernels_launched - forward.kernels_launched
         if isinstance(dev_err, torch.OutOfMemoryError):
             return {**result, "status": "skipped", "reason": f"sample does not fit in HBM: {dev_err}"[:200]}
+        if mode == "dynamic" and cpu_err is None and dev_err is not None:
+            dynamo_err = _run(_compiled(op, True, "aot_eager"), _copy_sample(sample, "cpu"))[1]
+            if dynamo_err is not None:  # PyTorch's own dynamic tracing fails: nothing of ctpu's ran
+                return {**result, "status": "skipped",
+                        "reason": f"dynamo fails with dynamic=True (aot_eager too): {dynamo_err!r}"[:200]}
         if cpu_err is not None or dev_err is not None:
             if cpu_err is None or dev_err is None:
                 kind = "crash" if dev_err is not None else "mismatch"
@@ -227,6 +252,8 @@ def check_op(op: Any, device: str, assert_equal: Callable[[Any, Any, str], None]
         sample_status = "fallback" if run.fallback_ops else "ctpu" if run.kernels_launched else "native"
         status = max(status, sample_status, key=STATUS_ORDER.index)
     result["fallback_ops"] = sorted(fallbacks)
+    if refusals:
+        result["dynamic_refusals"] = sorted(refusals)
     if gradients:
         result["backward_fallback_ops"] = sorted(backward_fallbacks)
     return {**result, "status": status, "reason": reason}
@@ -369,6 +396,19 @@ class TestOpInfoEagerGradFull(_OpInfoCheck):
         self._check(device, op, "eager-grad")
 
 
+class TestOpInfoDynamicCI(_OpInfoCheck):
+    @ops([op for op in op_db if op.name in DYNAMIC_CI_OPS], allowed_dtypes=(torch.float32,))
+    def test_dynamic_matches_cpu(self, device: str, dtype: torch.dtype, op: Any) -> None:
+        self._check(device, op, "dynamic", DYNAMIC_CI_SAMPLES)
+
+
+@pytest.mark.slow
+class TestOpInfoDynamicFull(_OpInfoCheck):
+    @ops(op_db, allowed_dtypes=(torch.float32,))
+    def test_dynamic_matches_cpu(self, device: str, dtype: torch.dtype, op: Any) -> None:
+        self._check(device, op, "dynamic")
+
+
 def test_gradients_compared_with_float64() -> None:
     from torch.testing._internal.opinfo.core import SampleInput
 
@@ -382,7 +422,8 @@ def test_gradients_compared_with_float64() -> None:
 
 
 for _case in (TestOpInfoCI, TestOpInfoFull, TestOpInfoCompileCI, TestOpInfoCompileFull, TestOpInfoGradCI,
-              TestOpInfoGradFull, TestOpInfoEagerGradCI, TestOpInfoEagerGradFull):
+              TestOpInfoGradFull, TestOpInfoEagerGradCI, TestOpInfoEagerGradFull, TestOpInfoDynamicCI,
+              TestOpInfoDynamicFull):
     instantiate_device_type_tests(_case, globals(), only_for="privateuse1")
 
 
@@ -390,21 +431,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report", default="opinfo_report.json", help="where the JSON report goes")
     parser.add_argument("--ci-only", action="store_true", help="only the CI part")
-    parser.add_argument("--mode", choices=["eager", "compile", *GRAD_MODES], default="eager",
+    parser.add_argument("--mode", choices=["eager", "compile", *GRAD_MODES, "dynamic"], default="eager",
                         help="eager ops on ctpu tensors, or each op under torch.compile(backend='ctpu'); the "
-                             "grad modes add the gradients (compiled, or eager on ctpu tensors)")
+                             "grad modes add the gradients (compiled, or eager on ctpu tensors); dynamic: "
+                             "compiled with dynamic=True (symbolic sizes, padded)")
     parser.add_argument("--max-samples", type=int, help="the first samples of each OpInfo only")
     args = parser.parse_args()
-    ci_ops = {"compile": COMPILE_CI_OPS, "grad": GRAD_CI_OPS, "eager-grad": GRAD_CI_OPS}.get(args.mode, CI_OPS)
+    ci_ops = {"compile": COMPILE_CI_OPS, "grad": GRAD_CI_OPS, "eager-grad": GRAD_CI_OPS,
+              "dynamic": DYNAMIC_CI_OPS}.get(args.mode, CI_OPS)
     checker = TestCase()
     warnings.simplefilter("ignore", CtpuFallbackWarning)
     start, outcomes = time.time(), []
     for op in op_db:
         if (torch.float32 in op.supported_dtypes("cpu") and (not args.ci_only or op.name in ci_ops)
                 and (args.mode not in GRAD_MODES or op.supports_autograd)):
-            print(op.name, op.variant_test_name, file=sys.stderr, flush=True)
             outcomes.append(check_op(op, "ctpu", lambda a, e, name: _assert_equal(checker, a, e, name),
                                      args.mode, args.max_samples))
+            print(op.name, op.variant_test_name, outcomes[-1]["status"], outcomes[-1]["reason"][:200],
+                  file=sys.stderr, flush=True)  # the outcomes so far, while the sweep runs
     counts = Counter(o["status"] for o in outcomes)
     fallback_ops = Counter(name for o in outcomes for name in o["fallback_ops"])
     report = {"torch": torch.__version__, "mode": args.mode, "opinfos": len(outcomes), "counts": dict(counts),
@@ -414,7 +458,10 @@ def main() -> None:
               "skipped": {f"{o['op']}.{o['variant']}".rstrip("."): o["reason"] for o in outcomes
                           if o["status"] == "skipped"},
               "failed": [o for o in outcomes if o["status"] in ("crash", "mismatch")],
-              "aten_ops_on_cpu": dict(fallback_ops.most_common()), "outcomes": outcomes}
+              "aten_ops_on_cpu": dict(fallback_ops.most_common()),
+              "dynamic_refusals": Counter(r.split(" (")[0] for o in outcomes for r in o.get("dynamic_refusals", ())
+                                          ).most_common(),
+              "outcomes": outcomes}
     with open(args.report, "w") as f:
         json.dump(report, f, indent=1, default=str)
     print(json.dumps({k: report[k] for k in ("opinfos", "counts", "fallback_with_ctpu_kernels", "seconds")}))
