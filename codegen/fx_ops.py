@@ -198,16 +198,43 @@ def _as_bool(e: MlirEmitter, x: TValue) -> TValue:
                                                    result="i1")
 
 
-_reg(aten.logical_and.default, aten.bitwise_and.Tensor)(_logical("arith.andi"))
-_reg(aten.logical_or.default, aten.bitwise_or.Tensor)(_logical("arith.ori"))
-_reg(aten.logical_xor.default, aten.bitwise_xor.Tensor)(_logical("arith.xori"))
+_reg(aten.logical_and.default)(_logical("arith.andi"))
+_reg(aten.logical_or.default)(_logical("arith.ori"))
+_reg(aten.logical_xor.default)(_logical("arith.xori"))
 
 
-@_reg(aten.logical_not.default, aten.bitwise_not.default)
+def _bitwise(opname: str) -> Lowering:
+    """On bools the logical op; on integers the bits (int32: int64 operands were narrowed at the boundary)."""
+    logical = _logical(opname)
+
+    def lower(e: MlirEmitter, a: Any, b: Any) -> TValue:
+        if _promote(a, b) == "i1":
+            return logical(e, a, b if isinstance(b, TValue) else e.fill(float(bool(b)), (), "i1"))
+        if _promote(a, b) != "i32":
+            raise UnsupportedOp(f"{opname} of floats")
+        return e.elementwise([a, b], lambda v, w: w.op(opname, v[0], v[1], dtype="i32"), dtype="i32")
+    return lower
+
+
+_reg(aten.bitwise_and.Tensor, aten.bitwise_and.Scalar)(_bitwise("arith.andi"))
+_reg(aten.bitwise_or.Tensor, aten.bitwise_or.Scalar)(_bitwise("arith.ori"))
+_reg(aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar)(_bitwise("arith.xori"))
+
+
+@_reg(aten.logical_not.default)
 def _logical_not(e: MlirEmitter, x: TValue) -> TValue:
     x = _as_bool(e, x)
     return e.elementwise([x], lambda v, w: w.op("arith.xori", v[0], w.const_int(1, "i1"), dtype="i1"),
                          dtype="i1", result="i1", keep_bool=True)
+
+
+@_reg(aten.bitwise_not.default)
+def _bitwise_not(e: MlirEmitter, x: TValue) -> TValue:
+    if x.dtype == "i1":
+        return _logical_not(e, x)
+    if x.dtype != "i32":
+        raise UnsupportedOp(f"bitwise_not of {x.type}")
+    return e.elementwise([x], lambda v, w: w.op("arith.xori", v[0], w.const_int(-1), dtype="i32"), dtype="i32")
 
 
 @_reg(aten.where.self)

@@ -467,6 +467,8 @@ class MlirEmitter:
         return acc
 
     def matmul(self, a: TValue, b: TValue, out_dtype: str) -> TValue:
+        if a.dtype not in FLOATS or b.dtype not in FLOATS:
+            raise UnsupportedOp(f"a matmul of {a.type} and {b.type} (the MXU multiplies floats)")
         batch = len(a.shape) == 3
         shape = (*a.shape[:-1], b.shape[-1])
         # the CTPU accumulates in fp32 whatever the result type and rounds once when storing

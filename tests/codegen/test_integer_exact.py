@@ -22,6 +22,7 @@ ELEMENTWISE = {
     "where": lambda a, b: torch.where(b > 1, a, 16777219),
     "min_max": lambda a, b: (torch.maximum(a, b), torch.minimum(a, b)),
     "clamp": lambda a, b: a.clamp(-(2**24) - 2, 2**26 + 1), "relu": lambda a, b: torch.relu(a),
+    "bitwise": lambda a, b: (a & b, a | 12, a ^ b, ~a, (a > 0) & (b > 2), ~(b > 2)),
     "masked_fill": lambda a, b: a.masked_fill(b > 2, 16777217), "positions": lambda a, b: torch.arange(9) + a // 2,
 }
 
@@ -42,6 +43,15 @@ def test_integer_elementwise_is_exact_above_2_to_24(name: str) -> None:
     got, expected = _compiled(fn, BIG, SMALL), fn(BIG, SMALL)
     for g, e in zip(*(x if isinstance(x, tuple) else (x,) for x in (got, expected)), strict=True):
         assert g.dtype == e.dtype and torch.equal(g, e), (name, g, e)
+
+
+def test_an_integer_matmul_runs_on_the_cpu_not_on_the_float_mxu() -> None:
+    """It gave zeros, silently (the MXU multiplies floats)."""
+    a, b = torch.tensor([[3, -5, 7], [0, 1, -9]]), torch.tensor([[2, 4, -8], [6, -1, 5]])
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="MXU multiplies floats"):
+        got = torch.compile(lambda x, y: x @ y.t(), backend="ctpu", options={"cache": False})(a, b)
+    assert torch.equal(got, a @ b.t())
 
 
 def test_integer_sums_and_prefix_sums_are_exact() -> None:
