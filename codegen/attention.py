@@ -86,7 +86,7 @@ def _finite_base(m: str, w: BodyWriter) -> str:
 
 
 def attention(e: MlirEmitter, q: TValue, k: TValue, v: TValue, mask: TValue | None, causal: bool, scale: float,
-              safe: bool = True) -> TValue:
+              safe: bool = True, kv_len: TValue | None = None) -> TValue:
     b, hq, length, d = q.shape
     hkv, keys, dv = k.shape[1], k.shape[2], v.shape[-1]
     if hq % hkv:
@@ -112,13 +112,19 @@ def attention(e: MlirEmitter, q: TValue, k: TValue, v: TValue, mask: TValue | No
         if causal:  # key start + j is kept for query i when start + j <= i + S - L
             operands.append(e.iota((length, end - start), lambda i, w, s=start: w.cmp(
                 "sle", i[1], w.op("arith.addi", i[0], w.const_int(keys - length - s), dtype="i32"), "i32"), "i1"))
-        y = e.elementwise(operands, _masked(mask, causal, scale), dtype="f32", keep_bool=True)
+        present = None if kv_len is None else _present(e, kv_len, start, end)
+        if present is not None:
+            operands.append(present)
+        y = e.elementwise(operands, _masked(mask, causal, scale, present is not None), dtype="f32", keep_bool=True)
         m_tile = e.reduce_last(y, "max", True)
         m_new = m_tile if m is None else e.elementwise([m, m_tile], lambda a, w: w.op("arith.maximumf", a[0], a[1]))
         p = e.elementwise([y, m_new], lambda a, w: w.op("math.exp", w.op("arith.subf", a[0], _finite_base(a[1], w))))
         p_sum = e.reduce_last(p, "sum", True)
-        pv = e.matmul(e.reshape(p, (b * hkv, rep * length, end - start)),
-                      _kv_operand(e, v, start, end, "f32", False), "f32")
+        values = _kv_operand(e, v, start, end, "f32", False)
+        if present is not None:  # absent keys' values are never read (0 * NaN would be NaN)
+            values = e.elementwise([e.reshape(present, (end - start, 1)), values],
+                                   lambda a, w: w.select(a[0], a[1], w.const(0.0)), dtype="f32", keep_bool=True)
+        pv = e.matmul(e.reshape(p, (b * hkv, rep * length, end - start)), values, "f32")
         pv = e.reshape(pv, (*rows5, dv))
         if m is None:
             l_sum, o = p_sum, pv
@@ -137,8 +143,15 @@ def attention(e: MlirEmitter, q: TValue, k: TValue, v: TValue, mask: TValue | No
     return e.reshape(e.elementwise([o, l_sum, m], normalise, dtype=q.dtype), (b, hq, length, dv))
 
 
-def _masked(mask: TValue | None, causal: bool, scale: float) -> Any:
-    """The body of y: [scores, mask?, causal keep?] -> scores * scale, masked."""
+def _present(e: MlirEmitter, kv_len: TValue, start: int, end: int) -> TValue:
+    """[end - start] i1: key start + j < kv_len (integer compare)."""
+    return e.elementwise([kv_len], lambda a, w: w.cmp("slt", w.op("arith.addi", w.index(0), w.const_int(start),
+                                                                 dtype="i32"), a[0], "i32"),
+                         dtype="i1", shape=(end - start,), result="i1")
+
+
+def _masked(mask: TValue | None, causal: bool, scale: float, limited: bool = False) -> Any:
+    """The body of y: [scores, mask?, causal keep?, key present?] -> scores * scale, masked."""
     def body(vals: list[str], w: BodyWriter) -> str:
         y = w.op("arith.mulf", vals[0], w.const(scale))
         rest = vals[1:]
@@ -146,6 +159,8 @@ def _masked(mask: TValue | None, causal: bool, scale: float) -> Any:
             mv, rest = rest[0], rest[1:]
             y = w.select(mv, y, w.const(-math.inf)) if mask.dtype == "i1" else w.op("arith.addf", y, mv)
         if causal:
+            y, rest = w.select(rest[0], y, w.const(-math.inf)), rest[1:]
+        if limited:
             y = w.select(rest[0], y, w.const(-math.inf))
         return y
     return body

@@ -684,6 +684,11 @@ def _copy(e: MlirEmitter, x: TValue, dtype: torch.dtype | None = None, **_: Any)
     return e.elementwise([x], lambda v, w: v[0], dtype=DTYPES[dtype])  # bool arrives as 0.0 / 1.0
 
 
+@_reg(torch.ops.prims.convert_element_type.default)  # what `dynamic=True` traces some casts to
+def _convert_element_type(e: MlirEmitter, x: TValue, dtype: torch.dtype) -> TValue:
+    return _copy(e, x, dtype)
+
+
 # ---- reductions -------------------------------------------------------------------------------------
 def _last_dim_only(x: TValue, dims: Any) -> None:
     dims = [dims] if isinstance(dims, int) else list(dims or range(len(x.shape)))

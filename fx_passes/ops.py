@@ -105,7 +105,8 @@ def rope_ref(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def attention_ref(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float, safe: bool = True
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float, safe: bool = True,
+    kv_len: Tensor | None = None,
 ) -> Tensor:
     """softmax(q @ k^T * scale + mask) @ v in fp32, cast to q.dtype.
 
@@ -117,13 +118,23 @@ def attention_ref(
     True: torch._safe_softmax (what F.scaled_dot_product_attention uses): a query row whose scores are all
     -inf (every key masked, as in a left-padded batch) gives zeros; False: torch.softmax (Hugging Face's
     "eager" attention, a hand-written softmax): that row is NaN. NaN scores give NaN rows either way.
+
+    kv_len (a 0-d integer tensor, or None): only the first kv_len keys are there; the others (a key dim padded
+    to a bucket's size: fx_passes.dynamic) have -inf scores and their values are never read (whatever they
+    hold, inf and NaN included). causal still aligns with S, the padded length.
     """
     n_rep = q.shape[1] // k.shape[1]
     if n_rep > 1:
         k = k.repeat_interleave(n_rep, dim=1)
         v = v.repeat_interleave(n_rep, dim=1)
-    scores = torch.matmul(upcast(q), upcast(k).transpose(-2, -1)) * scale
     length, keys = q.shape[-2], k.shape[-2]
+    present = None if kv_len is None else torch.arange(keys, device=q.device) < kv_len
+    if present is not None:
+        k = torch.where(present[:, None], k, torch.zeros((), dtype=k.dtype))
+        v = torch.where(present[:, None], v, torch.zeros((), dtype=v.dtype))
+    scores = torch.matmul(upcast(q), upcast(k).transpose(-2, -1)) * scale
+    if present is not None:
+        scores = scores.masked_fill(~present, -math.inf)
     if causal:
         keep = causal_keep_mask(length, keys, q.device)
         scores = scores.masked_fill(~keep, -math.inf)
@@ -186,7 +197,8 @@ def _rope_fake(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def _attention_fake(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float, safe: bool = True
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float, safe: bool = True,
+    kv_len: Tensor | None = None,
 ) -> Tensor:
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 

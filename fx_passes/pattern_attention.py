@@ -32,6 +32,7 @@ from .rewrite import Rewrite, RewriteContext, why_no_fuse
 
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten._unsafe_view.default)
+_INTEGERS = (torch.int64, torch.int32)
 
 
 def _unflatten(node: object) -> Node | None:
@@ -76,9 +77,10 @@ def _peel_kv(node: Node) -> Node:
         node = inner
 
 
-def _match_guard(node: Node) -> tuple[Node, Node, set[Node]] | None:
-    """where(logical_not(any(logical_not(eq(s, -inf)), -1, True)), full_like(p, 0), p) -> (p, s, nodes):
-    the decomposition's "a fully masked row gives 0" guard."""
+def _match_guard(node: Node) -> tuple[Node, Node, set[Node], Node | None] | None:
+    """where(logical_not(any(logical_not(eq(s, -inf)) [& present], -1, True)), full_like(p, 0), p) ->
+    (p, s, nodes, kv_len): the decomposition's "a fully masked row gives 0" guard, over the keys that are
+    there when a padded key dim is masked (`present`: `_key_limit`)."""
     if not is_call(node, aten.where.self):
         return None
     condition, zeros, probs = node.args
@@ -87,13 +89,54 @@ def _match_guard(node: Node) -> tuple[Node, Node, set[Node]] | None:
     if not is_call(condition, aten.logical_not.default) or not is_call(condition.args[0], aten.any.dim):
         return None
     any_ = condition.args[0]
-    inner = any_.args[0]
+    inner, limit, nodes = any_.args[0], None, {node, zeros, condition, any_}
+    if is_call(inner, aten.logical_and.default):
+        nodes.add(inner)
+        for a, b in (inner.args, inner.args[::-1]):
+            if is_call(a, aten.logical_not.default) and (limit := _key_limit(b, 1)) is not None \
+                    and shape(b)[0] == (shape(a) or (0,))[-1]:
+                inner = a
+                break
+        else:
+            return None
     if not is_call(inner, aten.logical_not.default) or not is_call(inner.args[0], aten.eq.Scalar):
         return None
     eq = inner.args[0]
     if number(eq.args[1]) != -math.inf or normalize_dims(any_.args[1], 4) != (3,):
         return None
-    return probs, eq.args[0], {node, zeros, condition, any_, inner, eq}  # type: ignore[return-value]
+    return probs, eq.args[0], nodes | {inner, eq}, limit  # type: ignore[return-value]
+
+
+def _key_limit(condition: object, trailing: int) -> Node | None:
+    """n for `arange(S) [viewed [S, 1]] < n` (n a 0-d integer tensor; `trailing` 1s after S): the keys that
+    are there when fx_passes.dynamic masks a key dim padded to its bucket."""
+    if not is_call(condition, aten.lt.Tensor):
+        return None
+    iota, n = condition.args
+    size = shape(iota)
+    if trailing > 1 and is_call(iota, *_VIEWS):
+        iota = iota.args[0]
+    if not is_call(iota, aten.arange.default) or size is None or len(size) != trailing \
+            or any(d != 1 for d in size[1:]):
+        return None
+    if not isinstance(n, Node) or shape(n) != () or dtype(n) not in _INTEGERS:
+        return None
+    return n
+
+
+def _peel_absent(node: Node, ctx: RewriteContext, fill: float, trailing: int) -> tuple[Node, Node] | None:
+    """(x, n) for where(`_key_limit` n, x, fill): the masking of a padded key dim."""
+    if not is_call(node, aten.where.self):
+        return None
+    condition, x, other = node.args
+    limit = _key_limit(condition, trailing)
+    size, keys = shape(x), shape(condition)
+    if size is None or keys is None or size[-trailing] != keys[0]:
+        return None
+    with unset_fake_temporarily():
+        if limit is None or _as_float(ctx.constants.value(other)) != fill:
+            return None
+    return x, limit  # type: ignore[return-value]
 
 
 def _is_causal(value: torch.Tensor, length: int, keys: int) -> bool:
@@ -154,10 +197,21 @@ def attention_rule(node: Node, ctx: RewriteContext) -> Rewrite | None:
     if not is_call(out, *_VIEWS) or not is_call(out.args[0], aten.bmm.default):
         return None
     pv = out.args[0]
-    probs, v = _unflatten(pv.args[0]), _unflatten(pv.args[1])  # type: ignore[union-attr]
+    nodes = {out, pv, *pv.args} | ({node} if down is not None else set())  # type: ignore[misc]
+    # a key dim padded to a bucket (fx_passes.dynamic): p and v masked where the keys are not there
+    p_arg, v_arg, limits = pv.args[0], pv.args[1], []  # type: ignore[union-attr]
+    for side, fill, trailing in (("p", 0.0, 1), ("v", 0.0, 2)):
+        peeled = _peel_absent(p_arg if side == "p" else v_arg, ctx, fill, trailing)
+        if peeled is not None:
+            limits.append(peeled[1])
+            if side == "p":
+                p_arg = peeled[0]
+            else:
+                v_arg = peeled[0]
+            nodes.add(peeled[0])
+    probs, v = _unflatten(p_arg), _unflatten(v_arg)
     if probs is None or v is None:
         return None
-    nodes = {out, pv, *pv.args} | ({node} if down is not None else set())  # type: ignore[misc]
     if is_call(probs, aten.clone.default):  # dropout(p=0) of eval mode
         nodes.add(probs)
         probs = probs.args[0]  # type: ignore[assignment]
@@ -166,27 +220,38 @@ def attention_rule(node: Node, ctx: RewriteContext) -> Rewrite | None:
         nodes.add(probs)  # type: ignore[arg-type]
     guard = _match_guard(inner)
     if guard is not None:
-        inner, guarded_scores, guard_nodes = guard
+        inner, guarded_scores, guard_nodes, guard_limit = guard
         nodes |= guard_nodes
+        if guard_limit is not None:
+            limits.append(guard_limit)
     softmax = match_softmax(inner)
     if softmax is None:
         return why_no_fuse("attention", node, "the probabilities are not a softmax")
     if softmax.dim % 4 != 3:
         return why_no_fuse("attention", node, "softmax over dim %d, not over the keys", softmax.dim % 4)
-    if guard is not None and guarded_scores is not softmax.input:
-        return why_no_fuse("attention", node, "the fully-masked-row guard reads other scores")
     nodes |= softmax.nodes
     scores = softmax.input
+    peeled = _peel_absent(scores, ctx, -math.inf, 1)
+    if peeled is not None:
+        nodes.add(scores)
+        scores, limit = peeled
+        limits.append(limit)
+    if guard is not None and guarded_scores is not scores:
+        return why_no_fuse("attention", node, "the fully-masked-row guard reads other scores")
+    expected = 4 if guard is not None and limits else 3
+    if limits and (len(limits) != expected or any(n is not limits[0] for n in limits)):
+        return why_no_fuse("attention", node, "a padded key dim masked in some places only")
+    kv_len = limits[0] if limits else None
     if is_upcast(scores):  # softmax(..., dtype=float32) of a 16-bit model
         nodes.add(scores)
         scores = scores.args[0]  # type: ignore[assignment]
     # The guard makes it torch._safe_softmax (a row of -inf scores gives 0); without it the row is NaN.
-    return _match_scores(node, ctx, scores, v, down, nodes, safe=guard is not None)
+    return _match_scores(node, ctx, scores, v, down, nodes, safe=guard is not None, kv_len=kv_len)
 
 
 def _match_scores(
     node: Node, ctx: RewriteContext, scores: Node, v: Node, down: torch.dtype | None, nodes: set[Node],
-    safe: bool,
+    safe: bool, kv_len: Node | None = None,
 ) -> Rewrite | None:
     """scores = [mask +] [c *] view(bmm(view([a *] q), view([b *] permute(k, [0, 1, 3, 2]))))."""
     mask = None
@@ -232,7 +297,8 @@ def _match_scores(
     query = strip_casts(q, down)
     if query is None:
         return why_no_fuse("attention", node, "output cast to %s but q was not upcast from it", down)
-    return _build(node, ctx, nodes, query, _peel_kv(k), _peel_kv(v), mask, scale, safe)  # type: ignore[arg-type]
+    return _build(node, ctx, nodes, query, _peel_kv(k), _peel_kv(v), mask, scale, safe,  # type: ignore[arg-type]
+                  kv_len=kv_len)
 
 
 def _is_qk(node: object) -> bool:
@@ -250,6 +316,7 @@ def _build(
     scale: float,
     safe: bool,
     causal: bool = False,
+    kv_len: Node | None = None,
 ) -> Rewrite | None:
     """Check shapes, classify the mask and make the Rewrite."""
     sq, sk, sv = shape(q), shape(k), shape(v)
@@ -264,7 +331,7 @@ def _build(
     mask, mask_is_causal = classified
     if causal and mask is not None:
         return why_no_fuse("attention", node, "both a mask and is_causal")
-    args = (q, k, v, mask, causal or mask_is_causal, scale, safe)
+    args = (q, k, v, mask, causal or mask_is_causal, scale, safe) + ((kv_len,) if kv_len is not None else ())
     return Rewrite("attention", node, nodes, ctpu_op("attention"), args)
 
 

@@ -73,7 +73,7 @@ def _builders() -> dict[str, Any]:
         "softmax": lambda s, d, a: rowwise.softmax(tuple(s[0]), d[0], int(a.get("dim", -1))),
         "swiglu": lambda s, d, a: _swiglu(s, d, a),
         "rope": lambda s, d, a: elementwise.rope(tuple(s[0]), d[0], tuple(s[1]), tuple(s[2]), d[1]),
-        "attention": lambda s, d, a: attention.attention(
+        "attention": lambda s, d, a: _no_kv_len(s) or attention.attention(
             tuple(s[0]),
             tuple(s[1]),
             d[0],
@@ -87,6 +87,11 @@ def _builders() -> dict[str, Any]:
         "mm": _mm,
         "bmm": _mm,
     }
+
+
+def _no_kv_len(shapes) -> None:
+    if len(shapes) > 4 and shapes[4] is not None:
+        raise NotImplementedError("ptx attention: kv_len (a key dim padded for dynamic shapes)")
 
 
 def _swiglu(shapes, dtypes, attrs) -> PtxKernel:

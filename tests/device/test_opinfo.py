@@ -106,7 +106,13 @@ DYNAMIC_CI_OPS = {
 }
 DYNAMIC_CI_SAMPLES = 2
 GRAD_MODES = ("grad", "eager-grad")
-COMPILED_MODES = ("compile", "grad", "dynamic")  # the op under torch.compile on the CPU sample
+COMPILED_MODES = ("compile", "grad", "dynamic", "integer")  # the op under torch.compile on the CPU sample
+# "integer": the int64 samples compiled, compared exactly (integer arithmetic on the CTPU must be exact)
+INTEGER_CI_OPS = {
+    "add", "sub", "mul", "neg", "abs", "eq", "ne", "lt", "ge", "maximum", "minimum", "clamp", "where", "sum",
+    "cumsum", "masked_fill", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "mm", "cat",
+    "index_select", "gather", "amax", "floor_divide",
+}
 STATUS_ORDER = ("native", "ctpu", "fallback", "skipped", "mismatch", "crash")
 
 
@@ -189,7 +195,8 @@ def check_op(op: Any, device: str, assert_equal: Callable[[Any, Any, str], None]
     if reason:
         return {**result, "status": "skipped", "reason": reason}
     try:
-        samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=gradients))[:max_samples]
+        dtype = torch.int64 if mode == "integer" else torch.float32
+        samples = list(op.sample_inputs("cpu", dtype, requires_grad=gradients))[:max_samples]
     except Exception as err:
         return {**result, "status": "skipped", "reason": f"sample inputs fail on the CPU: {err!r}"[:200]}
     status, reason, fallbacks, backward_fallbacks = "native", "", Counter[str](), Counter[str]()
@@ -409,6 +416,19 @@ class TestOpInfoDynamicFull(_OpInfoCheck):
         self._check(device, op, "dynamic")
 
 
+class TestOpInfoIntegerCI(_OpInfoCheck):
+    @ops([op for op in op_db if op.name in INTEGER_CI_OPS], allowed_dtypes=(torch.int64,))
+    def test_integer_compiled_matches_cpu(self, device: str, dtype: torch.dtype, op: Any) -> None:
+        self._check(device, op, "integer", COMPILE_CI_SAMPLES)
+
+
+@pytest.mark.slow
+class TestOpInfoIntegerFull(_OpInfoCheck):
+    @ops(op_db, allowed_dtypes=(torch.int64,))
+    def test_integer_compiled_matches_cpu(self, device: str, dtype: torch.dtype, op: Any) -> None:
+        self._check(device, op, "integer")
+
+
 def test_gradients_compared_with_float64() -> None:
     from torch.testing._internal.opinfo.core import SampleInput
 
@@ -423,7 +443,7 @@ def test_gradients_compared_with_float64() -> None:
 
 for _case in (TestOpInfoCI, TestOpInfoFull, TestOpInfoCompileCI, TestOpInfoCompileFull, TestOpInfoGradCI,
               TestOpInfoGradFull, TestOpInfoEagerGradCI, TestOpInfoEagerGradFull, TestOpInfoDynamicCI,
-              TestOpInfoDynamicFull):
+              TestOpInfoDynamicFull, TestOpInfoIntegerCI, TestOpInfoIntegerFull):
     instantiate_device_type_tests(_case, globals(), only_for="privateuse1")
 
 
@@ -431,19 +451,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report", default="opinfo_report.json", help="where the JSON report goes")
     parser.add_argument("--ci-only", action="store_true", help="only the CI part")
-    parser.add_argument("--mode", choices=["eager", "compile", *GRAD_MODES, "dynamic"], default="eager",
+    parser.add_argument("--mode", choices=["eager", "compile", *GRAD_MODES, "dynamic", "integer"], default="eager",
                         help="eager ops on ctpu tensors, or each op under torch.compile(backend='ctpu'); the "
                              "grad modes add the gradients (compiled, or eager on ctpu tensors); dynamic: "
-                             "compiled with dynamic=True (symbolic sizes, padded)")
+                             "compiled with dynamic=True (symbolic sizes, padded); integer: the int64 samples "
+                             "compiled")
     parser.add_argument("--max-samples", type=int, help="the first samples of each OpInfo only")
     args = parser.parse_args()
     ci_ops = {"compile": COMPILE_CI_OPS, "grad": GRAD_CI_OPS, "eager-grad": GRAD_CI_OPS,
-              "dynamic": DYNAMIC_CI_OPS}.get(args.mode, CI_OPS)
+              "dynamic": DYNAMIC_CI_OPS, "integer": INTEGER_CI_OPS}.get(args.mode, CI_OPS)
     checker = TestCase()
     warnings.simplefilter("ignore", CtpuFallbackWarning)
     start, outcomes = time.time(), []
     for op in op_db:
-        if (torch.float32 in op.supported_dtypes("cpu") and (not args.ci_only or op.name in ci_ops)
+        dtype = torch.int64 if args.mode == "integer" else torch.float32
+        if (dtype in op.supported_dtypes("cpu") and (not args.ci_only or op.name in ci_ops)
                 and (args.mode not in GRAD_MODES or op.supports_autograd)):
             outcomes.append(check_op(op, "ctpu", lambda a, e, name: _assert_equal(checker, a, e, name),
                                      args.mode, args.max_samples))

@@ -96,6 +96,14 @@ def _attention_cases() -> list[Case]:
         q[0, 0, 4, 0], k[0, 0, 2, 0] = 1.0, INF
         return q, k, v, None, True, 0.35, True
 
+    def padded_keys(causal: bool, mask: bool) -> Callable[[], tuple]:
+        def make() -> tuple:  # keys past kv_len hold NaN and inf (a bucket's padding): never read
+            q, k, v = _qkv(6, 6)
+            k[:, :, 4:], v[:, :, 4], v[:, :, 5] = NAN, INF, NAN
+            keep = _padded_keep(6, 6, pad=1) if mask else None
+            return q, k, v, keep, causal, 0.35, True, torch.tensor(4)
+        return make
+
     def nan_q() -> tuple:
         q, k, v = _qkv()
         q[0, 3, 1, 13] = NAN
@@ -115,6 +123,8 @@ def _attention_cases() -> list[Case]:
         Case("attention", "nan-key-keep-mask", nan_key(False)),
         Case("attention", "nan-key-additive", nan_key(True)),
         Case("attention", "nan-query", nan_q),
+        Case("attention", "padded-keys", padded_keys(False, False)),
+        Case("attention", "padded-keys-causal-keep-mask", padded_keys(True, True)),
         Case("attention", "plus-inf-score", plus_inf_score),
         Case("attention", "bf16-causal-gqa", lambda: (*_qkv(6, 6, BF16), None, True, 0.35, True)),
         Case("attention", "no-queries", lambda: (*_qkv(0, 6), None, False, 0.35, True), EMPTY),
@@ -195,7 +205,8 @@ def _fused_graph(op: str, args: tuple) -> torch.fx.GraphModule:
 
 def _run_ctpu(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> torch.Tensor:
     exe = compile_graph(gm, inputs, "small", matmul_precision="highest")
-    (out,), _ = run_fresh(exe, [x.float().numpy() for x in inputs], SimulatorRunner("small"))
+    (out,), _ = run_fresh(exe, [x.float().numpy() if x.is_floating_point() else x.numpy() for x in inputs],
+                          SimulatorRunner("small"))
     return torch.from_numpy(np.asarray(out, dtype=np.float32))
 
 
