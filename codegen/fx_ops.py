@@ -1189,9 +1189,7 @@ def emit_module(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]
     args = e.arguments
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, example in zip(placeholders, example_inputs, strict=True):
-        if example.dtype not in DTYPES:
-            raise UnsupportedOp(f"input {node.name}: dtype {example.dtype} (supported: {', '.join(map(str, DTYPES))})")
-        v = TValue(f"%arg{len(args)}", tuple(example.shape), DTYPES[example.dtype])
+        v = TValue(f"%arg{len(args)}", tuple(example.shape), _input_dtype(node.name, example.dtype, example.dim()))
         args.append(v)
         env[node] = v
     results: list[TValue] = []
@@ -1266,6 +1264,8 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
         return None
     if lowering_of(node) is None:
         return f"{node.target} has no CTPU lowering"
+    if _float64(node) or (any(_float64(n) for n in node.all_input_nodes) and not _cast(node)):
+        return "float64 arithmetic (the CTPU computes in float32)"
     e = MlirEmitter()
     try:
         env = {n: _standin(e, n) for n in node.all_input_nodes}
@@ -1278,13 +1278,35 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
     return None
 
 
+def _float64(node: torch.fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dtype == torch.float64
+
+
+def _cast(node: torch.fx.Node) -> bool:
+    """A cast to a float dtype of the CTPU: of a float64 0-d input (dynamo's `dynamic=True` passes a model's
+    float attributes, eps, as such), the one use of float64 that rounds the same when the input is narrowed
+    to float32 at the launch."""
+    return node.target in (aten._to_copy.default, torch.ops.prims.convert_element_type.default) \
+        and not _float64(node) and DTYPES.get(node.meta["val"].dtype) in ("f32", "bf16") \
+        and all(n.meta["val"].dim() == 0 for n in node.all_input_nodes if _float64(n))
+
+
+def _input_dtype(name: str, dtype: torch.dtype, dims: int) -> str:
+    """The CTPU dtype of a graph input: a float64 0-d input is narrowed to float32 at the launch (read only
+    by casts to float32 or bf16: `unsupported_reason`)."""
+    if dtype == torch.float64 and dims == 0:
+        return "f32"
+    if dtype not in DTYPES:
+        raise UnsupportedOp(f"input {name}: dtype {dtype} (supported: {', '.join(map(str, DTYPES))})")
+    return DTYPES[dtype]
+
+
 def _standin(e: MlirEmitter, node: torch.fx.Node) -> object:
     """The emitter's value for an input node, from its fake value (tensors, tuples of them, scalars)."""
     def one(val: object) -> object:
         if isinstance(val, torch.Tensor):
-            if val.dtype not in DTYPES:
-                raise UnsupportedOp(f"input {node.name}: dtype {val.dtype}")
-            return TValue(e.fresh(), tuple(int(s) for s in val.shape), DTYPES[val.dtype])
+            return TValue(e.fresh(), tuple(int(s) for s in val.shape), _input_dtype(node.name, val.dtype, val.dim()))
         return val
     value = node.meta.get("val")
     if isinstance(value, (tuple, list)):

@@ -30,7 +30,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .errors import CtpuDynamicShapeError, CtpuPassError
-from .graph_utils import is_call, number, op_arg, refresh_meta, shape, tensor_val, val
+from .graph_utils import dtype, is_call, number, op_arg, refresh_meta, shape, tensor_val, val
 from .op_sets import VIEW_OPS
 from .rewrite import Rewrite, RewriteContext, RewritePass
 
@@ -106,6 +106,14 @@ def drop_copy(node: Node, ctx: RewriteContext) -> Rewrite | None:
     if _aliases_input_at_output(node, source):
         return None
     return _forward("copy", node, source)
+
+
+def drop_identity_cast(node: Node, ctx: RewriteContext) -> Rewrite | None:
+    """convert_element_type(x, x's dtype) -> x (dynamic=True casts a float64 scalar input to float64)."""
+    if is_call(node, torch.ops.prims.convert_element_type.default) and isinstance(node.args[0], Node) \
+            and dtype(node.args[0]) == node.args[1]:
+        return _forward("copy", node, node.args[0])
+    return None
 
 
 def drop_noop_view(node: Node, ctx: RewriteContext) -> Rewrite | None:
@@ -205,6 +213,7 @@ NORMALIZE = RewritePass(
     (
         drop_alias,
         drop_copy,
+        drop_identity_cast,
         drop_noop_view,
         fold_permute_chain,
         drop_empty_cat_operands,

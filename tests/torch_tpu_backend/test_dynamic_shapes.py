@@ -109,6 +109,31 @@ def test_attention_over_a_padded_key_dim_is_one_fused_op(tmp_path) -> None:
     assert cycles["dynamic"] <= 1.05 * cycles["static"], cycles
 
 
+def test_dynamic_true_on_a_hugging_face_model_runs_on_the_ctpu() -> None:
+    """dynamic=True passes the model's float attributes (RMSNorm's eps, RoPE's attention scaling) as float64
+    0-d inputs read through casts to float32: narrowed at the launch, they run on the CTPU (9 casts ran on
+    the CPU and split the graph into 6 launches)."""
+    model = tiny_llama(layers=1)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="ctpu", dynamic=True, options={"cache": False})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        for n in (9, 20):
+            ids = torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(n))
+            ctpu_stats.reset()
+            with torch.no_grad():
+                torch.testing.assert_close(compiled(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-5)
+            assert ctpu_stats.last().kernels_launched == 1 and not ctpu_stats.last().fallback_ops
+
+
+def test_float64_arithmetic_stays_on_the_cpu() -> None:
+    x, s = torch.randn(8, dtype=torch.float64), torch.tensor(1.0 + 2**-40, dtype=torch.float64)
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="float64 arithmetic"):
+        got = torch.compile(lambda a, b: ((a * b) - a).float() * 2, backend="ctpu", options={"cache": False})(x, s)
+    assert torch.equal(got, ((x * s) - x).float() * 2)  # 2^-40 x survives only in float64
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mark", [True, False], ids=["mark_dynamic", "automatic"])
 def test_llama_at_lengths_that_are_not_multiples_of_a_tile(mark: bool) -> None:
