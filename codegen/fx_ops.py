@@ -846,20 +846,21 @@ def _square(x: str, w: BodyWriter) -> str:
 
 @_reg(aten._softmax.default)
 def _softmax(e: MlirEmitter, x: TValue, dim: int, half_to_float: bool = False) -> TValue:
-    if _norm_dim(dim, len(x.shape)) != len(x.shape) - 1:
-        raise UnsupportedOp("softmax over a dim other than the last")
-    return _softmax_last(e, x, safe=False)
+    if not x.shape:
+        raise UnsupportedOp("softmax of a 0-d tensor")
+    return _softmax_over(e, x, _norm_dim(dim, len(x.shape)), safe=False)
 
 
 @_reg(aten._log_softmax.default)
 def _log_softmax(e: MlirEmitter, x: TValue, dim: int, half_to_float: bool = False) -> TValue:
-    """x - max - log(sum(exp(x - max))) over the last dim: a -inf entry stays -inf, a row of -inf only is NaN
-    (as in torch); the largest entry's term is exp(0) = 1, so the log's argument is >= 1."""
-    if _norm_dim(dim, len(x.shape)) != len(x.shape) - 1 or not x.shape:
-        raise UnsupportedOp("log_softmax over a dim other than the last")
-    m = e.reduce_last(x, "max", True)
+    """x - max - log(sum(exp(x - max))) over `dim` (any: a reduction over it): a -inf entry stays -inf, a row
+    of -inf only is NaN (as in torch); the largest entry's term is exp(0) = 1, so the log's argument is >= 1."""
+    if not x.shape:
+        raise UnsupportedOp("log_softmax of a 0-d tensor")
+    d = _norm_dim(dim, len(x.shape))
+    m = e.reduce(x, [d], "max", True)
     shifted = e.elementwise([x, m], lambda v, w: w.op("arith.subf", v[0], v[1]), dtype="f32")
-    s = e.reduce_last(e.elementwise([shifted], lambda v, w: w.op("math.exp", v[0]), dtype="f32"), "sum", True)
+    s = e.reduce(e.elementwise([shifted], lambda v, w: w.op("math.exp", v[0]), dtype="f32"), [d], "sum", True)
     return e.elementwise([shifted, s], lambda v, w: w.op("arith.subf", v[0], w.op("math.log", v[1])), dtype=x.dtype)
 
 
@@ -872,13 +873,13 @@ def _log_softmax_backward(e: MlirEmitter, grad: TValue, out: TValue, dim: int, i
         "arith.subf", v[0], w.op("arith.mulf", w.op("math.exp", v[1]), v[2])), dtype=_creation_dtype(input_dtype))
 
 
-def _softmax_last(e: MlirEmitter, x: TValue, safe: bool) -> TValue:
-    """Max-subtracted softmax over the last dim. A row of -inf only is NaN (-inf - -inf), as torch.softmax
-    gives; with `safe` it is 0, as torch._safe_softmax (SDPA) gives. The row max is -inf exactly for such
-    a row: vmax.f propagates NaN, so a row holding a NaN stays NaN, as in torch."""
-    m = e.reduce_last(x, "max", True)
+def _softmax_over(e: MlirEmitter, x: TValue, d: int, safe: bool) -> TValue:
+    """Max-subtracted softmax over dim `d` (the last, or any: a reduction over it). A row of -inf only is NaN
+    (-inf - -inf), as torch.softmax gives; with `safe` it is 0, as torch._safe_softmax (SDPA) gives. The row
+    max is -inf exactly for such a row: vmax.f propagates NaN, so a row holding a NaN stays NaN, as in torch."""
+    m = e.reduce(x, [d], "max", True)
     ex = e.elementwise([x, m], lambda v, w: w.op("math.exp", w.op("arith.subf", v[0], v[1])), dtype="f32")
-    s = e.reduce_last(ex, "sum", True)
+    s = e.reduce(ex, [d], "sum", True)
     if not safe:
         return e.elementwise([ex, s], lambda v, w: w.op("arith.divf", v[0], v[1]), dtype=x.dtype)
     return e.elementwise([ex, s, m], lambda v, w: w.select(w.cmp("oeq", v[2], w.const(-math.inf)), w.const(0.0),

@@ -187,6 +187,10 @@ def _memref(t: ir.Type) -> tuple[tuple[int, ...], str, tuple[int, ...], int]:
     dtype = str(mt.element_type)
     if dtype not in ESIZE:
         raise LoweringError(f"element type {dtype} is not supported")
+    if 0 in mt.shape:  # no element is addressed: MLIR leaves the strides outside a size-0 dim dynamic
+        dense = [math.prod(max(d, 1) for d in mt.shape[i + 1:]) for i in range(mt.rank)]
+        strides = [s if abs(s) <= 1 << 40 else dense[i] for i, s in enumerate(strides)]
+        offset = offset if abs(offset) <= 1 << 40 else 0
     if any(abs(s) > 1 << 40 for s in [*strides, offset]):
         raise LoweringError(f"dynamic layout in {t}")
     return tuple(mt.shape), dtype, tuple(strides), offset
