@@ -125,6 +125,19 @@ _reg(aten.sigmoid.default)(_unary(_sigmoid))
 _reg(aten.silu.default)(_unary(lambda x, w: w.op("arith.mulf", x, _sigmoid(x, w))))
 
 
+def _sign(x: str, w: BodyWriter) -> str:
+    """1, -1 or 0 as torch (ordered compares: NaN gives 0, -0.0 gives +0.0); integers exactly."""
+    zero = w.const(0.0)
+    return w.select(w.cmp("ogt", x, zero), w.const(1.0), w.select(w.cmp("olt", x, zero), w.const(-1.0), zero))
+
+
+@_reg(aten.sign.default, aten.sgn.default)
+def _sign_op(e: MlirEmitter, x: TValue) -> TValue:
+    if x.dtype == "i1":
+        raise UnsupportedOp("sign of a bool tensor")
+    return e.elementwise([x], lambda v, w: _sign(v[0], w))
+
+
 def _gelu_erf(x: str, w: BodyWriter) -> str:
     t = w.op("math.erf", w.op("arith.mulf", x, w.const(1.0 / math.sqrt(2.0))))
     return w.op("arith.mulf", w.op("arith.mulf", w.const(0.5), x), w.op("arith.addf", w.const(1.0), t))
@@ -316,6 +329,18 @@ def _index(e: MlirEmitter, x: TValue, indices: Any) -> TValue:
         raise UnsupportedOp("index with other than one integer index tensor")
     d, idx = given[0]
     return _gather_rows_at(e, x, d, idx, wrap=True)
+
+
+@_reg(aten.index_select.default)
+def _index_select(e: MlirEmitter, x: TValue, dim: int, index: TValue) -> TValue:
+    """x's slices at `index` along dim (one of the last two): index.Tensor's row gather; a 0-d index keeps the
+    dim (size 1). No wrapping: a negative index traps, and the call runs on the CPU, where eager raises.
+    Slices of two or more dims are refused: the row gather's reshape folds into its load (a LoweringError)."""
+    d = _norm_dim(dim, len(x.shape)) if x.shape else 0
+    if not x.shape or index.dtype != "i32" or len(index.shape) > 1 or len(x.shape) - d > 2:
+        raise UnsupportedOp(f"index_select of a {x.type} at a {index.type} along dim {dim} (one of the last two)")
+    index = index if index.shape else e.reshape(index, (1,))
+    return _gather_rows_at(e, x, d, index, wrap=False)
 
 
 def _gather_rows_at(e: MlirEmitter, x: TValue, d: int, idx: TValue, wrap: bool) -> TValue:
@@ -725,6 +750,20 @@ def _by_limbs(e: MlirEmitter, x: TValue, terms: int, total: Callable[[TValue], T
 def _amax(e: MlirEmitter, x: TValue, dims: Any = (), keepdim: bool = False) -> TValue:
     out = _reduce(e, x, dims, "max", keepdim)
     return e.elementwise([out], lambda v, w: v[0], dtype=x.dtype) if x.dtype != out.dtype else out
+
+
+@_reg(aten.amin.default)
+def _amin(e: MlirEmitter, x: TValue, dims: Any = (), keepdim: bool = False) -> TValue:
+    """-amax(-x): negation is exact and keeps NaN, so the minimum and its NaN propagation are amax's."""
+    if x.dtype not in ("f32", "bf16"):
+        raise UnsupportedOp(f"amin of a {x.type}")
+    neg = e.elementwise([x], lambda v, w: w.op("arith.negf", v[0]))
+    return e.elementwise([_amax(e, neg, dims, keepdim)], lambda v, w: w.op("arith.negf", v[0]))
+
+
+@_reg(aten.mean.default)
+def _mean_all(e: MlirEmitter, x: TValue, dtype: Any = None) -> TValue:
+    return _mean(e, x, None, False, dtype)
 
 
 @_reg(aten.mean.dim)

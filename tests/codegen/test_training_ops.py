@@ -176,3 +176,26 @@ def test_softmax_and_log_softmax_over_any_dim(dim: int) -> None:
     outs, refs, _ = compile_and_run(fn, x, g)
     for o, r in zip(outs, refs, strict=True):
         np.testing.assert_allclose(o, r, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def test_sign_amin_mean_and_index_select() -> None:
+    """sign (NaN and -0.0 give +0.0, as torch), amin (-amax(-x): NaN propagates, -inf), mean over every dim,
+    index_select along the last two dims (a 0-d index keeps the dim): backward ops that ran on the CPU."""
+    x = torch.randn(4, 6, 5)
+    x.view(-1)[:8] = torch.tensor([math.nan, -0.0, 0.0, 1e-45, -1e-45, math.inf, -math.inf, -3.0])
+    y = torch.randn(3, 7)
+    y[1, 2] = -math.inf
+    i = torch.tensor([2, 0, 2, 3], dtype=torch.int32)
+    outs, refs, _ = compile_and_run(lambda x, y, i: (
+        torch.sign(x), torch.sgn(x), torch.amin(x, (0, 2)), torch.amin(y, 1, keepdim=True), torch.amin(y, 0),
+        torch.mean(y), torch.mean(x), torch.index_select(y, 1, i), torch.index_select(x, 1, i[:3]),
+        torch.index_select(x, 2, i), torch.index_select(y, 0, i[1])), x, y, i)
+    for o, r in zip(outs, refs, strict=True):
+        assert o.shape == r.shape
+        np.testing.assert_allclose(o, r, rtol=1e-6, atol=0, equal_nan=True)
+    assert not np.signbit(outs[0]).reshape(-1)[:3].any()  # sign(NaN), sign(-0.0), sign(0.0) are +0.0
+
+
+def test_integer_sign_is_exact() -> None:
+    x = torch.tensor([-(2**30) - 1, -1, 0, 1, 2**24 + 1, 7], dtype=torch.int32)
+    check(lambda x: (torch.sign(x), torch.sign(x) * x), x, rtol=0, atol=0)

@@ -39,11 +39,11 @@ def assert_grads_close(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]
 
 def grads_of(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], grad: torch.Tensor
              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """fn(*inputs) and the gradients of <fn(*inputs), grad> with respect to the inputs."""
-    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    """fn(*inputs) and the gradients of <fn(*inputs), grad> with respect to the float inputs."""
+    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
     out = fn(*leaves)
     out.backward(grad)
-    return out.detach(), [t.grad for t in leaves]  # type: ignore[misc]
+    return out.detach(), [t.grad for t in leaves if t.is_floating_point()]  # type: ignore[misc]
 
 
 def repeat_kv(kv: torch.Tensor, times: int) -> torch.Tensor:
@@ -336,7 +336,7 @@ def assert_compiled_grads_on_the_ctpu(fn: Callable[..., torch.Tensor], *inputs: 
     assert not ctpu_stats.last().fallback_ops, ctpu_stats.last().as_dict()
     torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-6, equal_nan=True)
     if want_out.numel():
-        assert_grads_close(got, want, [f"input {i}" for i in range(len(inputs))])
+        assert_grads_close(got, want, [f"input {i}" for i in range(len(got))])
     else:
         assert [g.shape for g in got] == [w.shape for w in want]
 
@@ -346,6 +346,9 @@ BACKWARD_CASES: dict[str, tuple[Callable[..., torch.Tensor], Callable[[], tuple[
     "empty_inner_dim": (lambda x, y: x.exp() * y - x.cos(), lambda: (torch.randn(1, 0, 3), torch.randn(1, 0, 3))),
     "softmin_dim0": (lambda x: F.softmin(x, 0), lambda: (torch.randn(5, 7),)),
     "log_softmax_dim1_of_3d": (lambda x: F.log_softmax(x, 1), lambda: (torch.randn(3, 5, 4),)),
+    "abs_and_softsign": (lambda x: x.abs() * F.softsign(x), lambda: (torch.randn(4, 9),)),  # sign
+    "amin_and_mean": (lambda x: torch.amin(x, 1, keepdim=True) * x.mean(), lambda: (torch.randn(4, 9),)),
+    "index_select": (lambda x, i: x.index_select(1, i) * 2.0, lambda: (torch.randn(4, 9), torch.tensor([3, 0, 3, 8]))),
 }
 
 
