@@ -584,6 +584,39 @@ def _scatter_value(e: MlirEmitter, x: TValue, dim: int, index: TValue, value: fl
     return e.generic([x, index], maps, e.empty(x.shape, x.dtype), ["parallel"] * rank, body)
 
 
+@_reg(aten.scatter_add.default)
+def _scatter_add(e: MlirEmitter, x: TValue, dim: int, index: TValue, src: TValue) -> TValue:
+    """x with src[p] added at p with p_dim = index[p] (gather's backward), duplicates summed: out[o] = x[o] +
+    sum over k < index.shape[dim] of (index[o; dim=k] == o_dim ? src[o; dim=k] : -0.0), one reduction generic
+    whose output starts as x (as index_put's accumulate). For an index of x's size off dim (src at least as
+    large); float x and src. An index outside [0, size) traps (`_checked_index`), and the call runs on the
+    CPU, where eager raises."""
+    rank = len(x.shape)
+    d = _norm_dim(dim, rank) if rank else 0
+    if not rank or x.dtype not in ("f32", "bf16") or src.dtype not in ("f32", "bf16") or index.dtype != "i32" \
+            or len(index.shape) != rank or len(src.shape) != rank \
+            or any(index.shape[k] != x.shape[k] for k in range(rank) if k != d) \
+            or any(src.shape[k] < index.shape[k] for k in range(rank)):
+        raise UnsupportedOp(f"scatter_add into a {x.type} with a {index.type} index (x's size off dim {d} is "
+                            "supported)")
+    for k in range(rank):  # src's leading part of the index's shape
+        src = e.extract_slice(src, k, 0, index.shape[k]) if src.shape[k] != index.shape[k] else src
+    index = _checked_index(e, index, x.shape[d], wrap=False)
+    it = rank + 1  # x's dims, then k
+    at_k = affine_map(it, [f"d{rank}" if k == d else f"d{k}" for k in range(rank)])
+    maps = [at_k, at_k, affine_map(it, [f"d{k}" for k in range(rank)])]
+    init = e.elementwise([x], lambda v, w: v[0], dtype="f32") if x.dtype != "f32" else x
+
+    def body(a: list[str], w: BodyWriter) -> str:
+        w.dtype = "f32"
+        hit = w.cmp("eq", w.index(d), a[1], "i32")
+        # a miss adds -0.0, the identity of + (x + 0.0 would turn a -0 of x into +0)
+        return w.op("arith.addf", w.select(hit, w.cast(a[0], src.dtype, "f32"), w.const(-0.0)), a[2])
+
+    out = e.generic([src, index], maps, init, ["parallel"] * rank + ["reduction"], body)
+    return e.elementwise([out], lambda v, w: v[0], dtype=x.dtype) if x.dtype != "f32" else out
+
+
 def _index_put_accumulate(e: MlirEmitter, x: TValue, d: int, idx: TValue, values: TValue) -> TValue:
     """x[.., idx, ..] += values with duplicates summed (embedding's backward): out[.., v, ..] = x + sum over n
     of (idx[n] == v ? values[.., n, ..] : 0), one reduction generic whose output starts as x, exact in the

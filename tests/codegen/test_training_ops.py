@@ -199,3 +199,20 @@ def test_sign_amin_mean_and_index_select() -> None:
 def test_integer_sign_is_exact() -> None:
     x = torch.tensor([-(2**30) - 1, -1, 0, 1, 2**24 + 1, 7], dtype=torch.int32)
     check(lambda x: (torch.sign(x), torch.sign(x) * x), x, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_scatter_add_along_any_dim(dim: int) -> None:
+    """gather's backward: duplicates summed, -0.0 of x kept where nothing lands, inf + -inf = NaN, NaN added;
+    src larger than the index (its leading part is read)."""
+    x = torch.randn(5, 6)
+    x[0, 0], x[4, 5] = -0.0, math.inf
+    n = 4
+    shape = (n, 6) if dim == 0 else (5, n)
+    index = torch.randint(0, x.shape[dim], shape, dtype=torch.int32)
+    index.view(-1)[:3] = 0  # duplicates
+    src = torch.randn(shape[0] + 1, shape[1] + 2)
+    src[1, 1], src[2, 0] = -math.inf, math.nan
+    outs, refs, _ = compile_and_run(lambda x, i, s: torch.scatter_add(x, dim, i, s) * 1.0, x, index, src)
+    np.testing.assert_allclose(outs[0], refs[0], rtol=1e-6, atol=1e-6, equal_nan=True)
+    assert (np.signbit(outs[0]) == np.signbit(refs[0])).all()

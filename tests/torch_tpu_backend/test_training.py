@@ -348,6 +348,8 @@ BACKWARD_CASES: dict[str, tuple[Callable[..., torch.Tensor], Callable[[], tuple[
     "log_softmax_dim1_of_3d": (lambda x: F.log_softmax(x, 1), lambda: (torch.randn(3, 5, 4),)),
     "abs_and_softsign": (lambda x: x.abs() * F.softsign(x), lambda: (torch.randn(4, 9),)),  # sign
     "amin_and_mean": (lambda x: torch.amin(x, 1, keepdim=True) * x.mean(), lambda: (torch.randn(4, 9),)),
+    "gather": (lambda x, i: torch.gather(x, 1, i) * 2.0,  # scatter_add, duplicates summed
+               lambda: (torch.randn(4, 9), torch.tensor([[0, 0, 8], [1, 2, 1], [5, 5, 5], [3, 7, 0]]))),
     "index_select": (lambda x, i: x.index_select(1, i) * 2.0, lambda: (torch.randn(4, 9), torch.tensor([3, 0, 3, 8]))),
 }
 
