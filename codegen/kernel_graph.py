@@ -421,11 +421,25 @@ def _generic(op: ir.Operation, views: dict[str, View], constants: dict[str, floa
             prelude.append(IotaKernel(view, f"linalg.index {dim} (iota of {sizes[dim]})"))
             st = tuple(1 if d == dim else 0 for d in range(rank))
             inputs.append((res, Access(view, st)))
+    if any(reduction):
+        ops = _subtraction_as_addition(ops, yields, out_arg)
     body = ScalarProgram([a for a, _ in inputs] + [out_arg], ops, yields, consts)
     accesses, output = [o for _, o in inputs], operands[-1]
     if any(reduction[:-1]):
         sizes, accesses, output = _reductions_innermost(sizes, reduction, accesses, output, g, prelude)
     return [*prelude, GenericKernel(tuple(sizes), any(reduction), accesses, output, body, _text(op, state))]
+
+
+def _subtraction_as_addition(ops: list[tuple[str, str, list[str]]], yields: list[str], out_arg: str
+                             ) -> list[tuple[str, str, list[str]]]:
+    """A reduction yielding `out - v` (the elementwise fusion of sum(-x)) as `out + (-v)`: the same value in
+    IEEE arithmetic (signed zeros included), with + the combiner the vector unit reduces with."""
+    yielded = [o for o in ops if o[0] == yields[0]]
+    if not yielded or yielded[0][1] != "arith.subf" or yielded[0][2][0] != out_arg or yielded[0][2][1] == out_arg:
+        return ops
+    res, _, (_, v) = yielded[0]
+    neg = f"{res}_neg"
+    return [o for o in ops if o[0] != res] + [(neg, "arith.negf", [v]), (res, "arith.addf", [neg, out_arg])]
 
 
 def _reductions_innermost(sizes: list[int], reduction: list[bool], inputs: list[Access], output: Access,

@@ -216,3 +216,11 @@ def test_scatter_add_along_any_dim(dim: int) -> None:
     outs, refs, _ = compile_and_run(lambda x, i, s: torch.scatter_add(x, dim, i, s) * 1.0, x, index, src)
     np.testing.assert_allclose(outs[0], refs[0], rtol=1e-6, atol=1e-6, equal_nan=True)
     assert (np.signbit(outs[0]) == np.signbit(refs[0])).all()
+
+
+def test_sum_of_a_negation() -> None:
+    """sub's backward sums -grad over the broadcast dims: the elementwise fusion yields `out - x` from the
+    reduction, a combiner the vector unit lacked (the node ran on the CPU); -0.0 sums stay as torch's."""
+    x = _edges(4, 6, 9)
+    x[0, 0, :] = -0.0
+    check(lambda x: ((-x).sum(0), (-x).sum((0, 1)), (-x).sum(2), (-x).sum(2)[0, 0] * 1.0), x, atol=2e-5)
