@@ -221,6 +221,6 @@ def test_scatter_add_along_any_dim(dim: int) -> None:
 def test_sum_of_a_negation() -> None:
     """sub's backward sums -grad over the broadcast dims: the elementwise fusion yields `out - x` from the
     reduction, a combiner the vector unit lacked (the node ran on the CPU); -0.0 sums stay as torch's."""
-    x = _edges(4, 6, 9)
+    x, v = _edges(4, 6, 9), _edges(37)
     x[0, 0, :] = -0.0
-    check(lambda x: ((-x).sum(0), (-x).sum((0, 1)), (-x).sum(2), (-x).sum(2)[0, 0] * 1.0), x, atol=2e-5)
+    check(lambda x, v: ((-x).sum(0), (-x).sum((0, 1)), (-x).sum(2), (-v).sum(0), (-v).sum()), x, v, atol=2e-5)
