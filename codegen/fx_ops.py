@@ -125,6 +125,19 @@ _reg(aten.sigmoid.default)(_unary(_sigmoid))
 _reg(aten.silu.default)(_unary(lambda x, w: w.op("arith.mulf", x, _sigmoid(x, w))))
 
 
+def _sign(x: str, w: BodyWriter) -> str:
+    """1, -1 or 0 as torch (ordered compares: NaN gives 0, -0.0 gives +0.0); integers exactly."""
+    zero = w.const(0.0)
+    return w.select(w.cmp("ogt", x, zero), w.const(1.0), w.select(w.cmp("olt", x, zero), w.const(-1.0), zero))
+
+
+@_reg(aten.sign.default, aten.sgn.default)
+def _sign_op(e: MlirEmitter, x: TValue) -> TValue:
+    if x.dtype == "i1":
+        raise UnsupportedOp("sign of a bool tensor")
+    return e.elementwise([x], lambda v, w: _sign(v[0], w))
+
+
 def _gelu_erf(x: str, w: BodyWriter) -> str:
     t = w.op("math.erf", w.op("arith.mulf", x, w.const(1.0 / math.sqrt(2.0))))
     return w.op("arith.mulf", w.op("arith.mulf", w.const(0.5), x), w.op("arith.addf", w.const(1.0), t))
@@ -343,6 +356,18 @@ def _index(e: MlirEmitter, x: TValue, indices: Any) -> TValue:
         raise UnsupportedOp("index with other than one integer index tensor")
     d, idx = given[0]
     return _gather_rows_at(e, x, d, idx, wrap=True)
+
+
+@_reg(aten.index_select.default)
+def _index_select(e: MlirEmitter, x: TValue, dim: int, index: TValue) -> TValue:
+    """x's slices at `index` along dim (one of the last two): index.Tensor's row gather; a 0-d index keeps the
+    dim (size 1). No wrapping: a negative index traps, and the call runs on the CPU, where eager raises.
+    Slices of two or more dims are refused: the row gather's reshape folds into its load (a LoweringError)."""
+    d = _norm_dim(dim, len(x.shape)) if x.shape else 0
+    if not x.shape or index.dtype != "i32" or len(index.shape) > 1 or len(x.shape) - d > 2:
+        raise UnsupportedOp(f"index_select of a {x.type} at a {index.type} along dim {dim} (one of the last two)")
+    index = index if index.shape else e.reshape(index, (1,))
+    return _gather_rows_at(e, x, d, index, wrap=False)
 
 
 def _gather_rows_at(e: MlirEmitter, x: TValue, d: int, idx: TValue, wrap: bool) -> TValue:
@@ -586,6 +611,39 @@ def _scatter_value(e: MlirEmitter, x: TValue, dim: int, index: TValue, value: fl
     return e.generic([x, index], maps, e.empty(x.shape, x.dtype), ["parallel"] * rank, body)
 
 
+@_reg(aten.scatter_add.default)
+def _scatter_add(e: MlirEmitter, x: TValue, dim: int, index: TValue, src: TValue) -> TValue:
+    """x with src[p] added at p with p_dim = index[p] (gather's backward), duplicates summed: out[o] = x[o] +
+    sum over k < index.shape[dim] of (index[o; dim=k] == o_dim ? src[o; dim=k] : -0.0), one reduction generic
+    whose output starts as x (as index_put's accumulate). For an index of x's size off dim (src at least as
+    large); float x and src. An index outside [0, size) traps (`_checked_index`), and the call runs on the
+    CPU, where eager raises."""
+    rank = len(x.shape)
+    d = _norm_dim(dim, rank) if rank else 0
+    if not rank or x.dtype not in ("f32", "bf16") or src.dtype not in ("f32", "bf16") or index.dtype != "i32" \
+            or len(index.shape) != rank or len(src.shape) != rank \
+            or any(index.shape[k] != x.shape[k] for k in range(rank) if k != d) \
+            or any(src.shape[k] < index.shape[k] for k in range(rank)):
+        raise UnsupportedOp(f"scatter_add into a {x.type} with a {index.type} index (x's size off dim {d} is "
+                            "supported)")
+    for k in range(rank):  # src's leading part of the index's shape
+        src = e.extract_slice(src, k, 0, index.shape[k]) if src.shape[k] != index.shape[k] else src
+    index = _checked_index(e, index, x.shape[d], wrap=False)
+    it = rank + 1  # x's dims, then k
+    at_k = affine_map(it, [f"d{rank}" if k == d else f"d{k}" for k in range(rank)])
+    maps = [at_k, at_k, affine_map(it, [f"d{k}" for k in range(rank)])]
+    init = e.elementwise([x], lambda v, w: v[0], dtype="f32") if x.dtype != "f32" else x
+
+    def body(a: list[str], w: BodyWriter) -> str:
+        w.dtype = "f32"
+        hit = w.cmp("eq", w.index(d), a[1], "i32")
+        # a miss adds -0.0, the identity of + (x + 0.0 would turn a -0 of x into +0)
+        return w.op("arith.addf", w.select(hit, w.cast(a[0], src.dtype, "f32"), w.const(-0.0)), a[2])
+
+    out = e.generic([src, index], maps, init, ["parallel"] * rank + ["reduction"], body)
+    return e.elementwise([out], lambda v, w: v[0], dtype=x.dtype) if x.dtype != "f32" else out
+
+
 def _index_put_accumulate(e: MlirEmitter, x: TValue, d: int, idx: TValue, values: TValue) -> TValue:
     """x[.., idx, ..] += values with duplicates summed (embedding's backward): out[.., v, ..] = x + sum over n
     of (idx[n] == v ? values[.., n, ..] : 0), one reduction generic whose output starts as x, exact in the
@@ -759,6 +817,20 @@ def _amax(e: MlirEmitter, x: TValue, dims: Any = (), keepdim: bool = False) -> T
     return e.elementwise([out], lambda v, w: v[0], dtype=x.dtype) if x.dtype != out.dtype else out
 
 
+@_reg(aten.amin.default)
+def _amin(e: MlirEmitter, x: TValue, dims: Any = (), keepdim: bool = False) -> TValue:
+    """-amax(-x): negation is exact and keeps NaN, so the minimum and its NaN propagation are amax's."""
+    if x.dtype not in ("f32", "bf16"):
+        raise UnsupportedOp(f"amin of a {x.type}")
+    neg = e.elementwise([x], lambda v, w: w.op("arith.negf", v[0]))
+    return e.elementwise([_amax(e, neg, dims, keepdim)], lambda v, w: w.op("arith.negf", v[0]))
+
+
+@_reg(aten.mean.default)
+def _mean_all(e: MlirEmitter, x: TValue, dtype: Any = None) -> TValue:
+    return _mean(e, x, None, False, dtype)
+
+
 @_reg(aten.mean.dim)
 def _mean(e: MlirEmitter, x: TValue, dims: Any, keepdim: bool = False, dtype: Any = None) -> TValue:
     if (dtype is not None and DTYPES.get(dtype) != "f32") or x.dtype not in ("f32", "bf16"):
@@ -878,20 +950,21 @@ def _square(x: str, w: BodyWriter) -> str:
 
 @_reg(aten._softmax.default)
 def _softmax(e: MlirEmitter, x: TValue, dim: int, half_to_float: bool = False) -> TValue:
-    if _norm_dim(dim, len(x.shape)) != len(x.shape) - 1:
-        raise UnsupportedOp("softmax over a dim other than the last")
-    return _softmax_last(e, x, safe=False)
+    if not x.shape:
+        raise UnsupportedOp("softmax of a 0-d tensor")
+    return _softmax_over(e, x, _norm_dim(dim, len(x.shape)), safe=False)
 
 
 @_reg(aten._log_softmax.default)
 def _log_softmax(e: MlirEmitter, x: TValue, dim: int, half_to_float: bool = False) -> TValue:
-    """x - max - log(sum(exp(x - max))) over the last dim: a -inf entry stays -inf, a row of -inf only is NaN
-    (as in torch); the largest entry's term is exp(0) = 1, so the log's argument is >= 1."""
-    if _norm_dim(dim, len(x.shape)) != len(x.shape) - 1 or not x.shape:
-        raise UnsupportedOp("log_softmax over a dim other than the last")
-    m = e.reduce_last(x, "max", True)
+    """x - max - log(sum(exp(x - max))) over `dim` (any: a reduction over it): a -inf entry stays -inf, a row
+    of -inf only is NaN (as in torch); the largest entry's term is exp(0) = 1, so the log's argument is >= 1."""
+    if not x.shape:
+        raise UnsupportedOp("log_softmax of a 0-d tensor")
+    d = _norm_dim(dim, len(x.shape))
+    m = e.reduce(x, [d], "max", True)
     shifted = e.elementwise([x, m], lambda v, w: w.op("arith.subf", v[0], v[1]), dtype="f32")
-    s = e.reduce_last(e.elementwise([shifted], lambda v, w: w.op("math.exp", v[0]), dtype="f32"), "sum", True)
+    s = e.reduce(e.elementwise([shifted], lambda v, w: w.op("math.exp", v[0]), dtype="f32"), [d], "sum", True)
     return e.elementwise([shifted, s], lambda v, w: w.op("arith.subf", v[0], w.op("math.log", v[1])), dtype=x.dtype)
 
 
@@ -904,13 +977,13 @@ def _log_softmax_backward(e: MlirEmitter, grad: TValue, out: TValue, dim: int, i
         "arith.subf", v[0], w.op("arith.mulf", w.op("math.exp", v[1]), v[2])), dtype=_creation_dtype(input_dtype))
 
 
-def _softmax_last(e: MlirEmitter, x: TValue, safe: bool) -> TValue:
-    """Max-subtracted softmax over the last dim. A row of -inf only is NaN (-inf - -inf), as torch.softmax
-    gives; with `safe` it is 0, as torch._safe_softmax (SDPA) gives. The row max is -inf exactly for such
-    a row: vmax.f propagates NaN, so a row holding a NaN stays NaN, as in torch."""
-    m = e.reduce_last(x, "max", True)
+def _softmax_over(e: MlirEmitter, x: TValue, d: int, safe: bool) -> TValue:
+    """Max-subtracted softmax over dim `d` (the last, or any: a reduction over it). A row of -inf only is NaN
+    (-inf - -inf), as torch.softmax gives; with `safe` it is 0, as torch._safe_softmax (SDPA) gives. The row
+    max is -inf exactly for such a row: vmax.f propagates NaN, so a row holding a NaN stays NaN, as in torch."""
+    m = e.reduce(x, [d], "max", True)
     ex = e.elementwise([x, m], lambda v, w: w.op("math.exp", w.op("arith.subf", v[0], v[1])), dtype="f32")
-    s = e.reduce_last(ex, "sum", True)
+    s = e.reduce(ex, [d], "sum", True)
     if not safe:
         return e.elementwise([ex, s], lambda v, w: w.op("arith.divf", v[0], v[1]), dtype=x.dtype)
     return e.elementwise([ex, s, m], lambda v, w: w.select(w.cmp("oeq", v[2], w.const(-math.inf)), w.const(0.0),

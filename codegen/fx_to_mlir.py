@@ -299,6 +299,9 @@ class MlirEmitter:
         identity = 0.0 if kind == "sum" else -math.inf
         op = "arith.addf" if kind == "sum" else "arith.maximumf"
         slices = math.prod(x.shape[d] for d in reduced)
+        if 0 in x.shape:  # nothing to read: an empty result, or the identity (a sum over an empty dim is +0.0)
+            r = self.fill(identity, tuple(x.shape[i] for i in kept), "f32")
+            return self.reshape(r, tuple(1 if i in reduced else s for i, s in enumerate(x.shape))) if keepdim else r
         if rank - 1 not in reduced and 1 < slices <= SLICED_REDUCTION_MAX:
             r = self._sliced_reduce(x, sorted(reduced), identity, op)
             return self.reshape(r, tuple(1 if i in reduced else s for i, s in enumerate(x.shape))) if keepdim else r

@@ -187,6 +187,10 @@ def _memref(t: ir.Type) -> tuple[tuple[int, ...], str, tuple[int, ...], int]:
     dtype = str(mt.element_type)
     if dtype not in ESIZE:
         raise LoweringError(f"element type {dtype} is not supported")
+    if 0 in mt.shape:  # no element is addressed: MLIR leaves the strides outside a size-0 dim dynamic
+        dense = [math.prod(max(d, 1) for d in mt.shape[i + 1:]) for i in range(mt.rank)]
+        strides = [s if abs(s) <= 1 << 40 else dense[i] for i, s in enumerate(strides)]
+        offset = offset if abs(offset) <= 1 << 40 else 0
     if any(abs(s) > 1 << 40 for s in [*strides, offset]):
         raise LoweringError(f"dynamic layout in {t}")
     return tuple(mt.shape), dtype, tuple(strides), offset
@@ -417,11 +421,25 @@ def _generic(op: ir.Operation, views: dict[str, View], constants: dict[str, floa
             prelude.append(IotaKernel(view, f"linalg.index {dim} (iota of {sizes[dim]})"))
             st = tuple(1 if d == dim else 0 for d in range(rank))
             inputs.append((res, Access(view, st)))
+    if any(reduction):
+        ops = _subtraction_as_addition(ops, yields, out_arg)
     body = ScalarProgram([a for a, _ in inputs] + [out_arg], ops, yields, consts)
     accesses, output = [o for _, o in inputs], operands[-1]
     if any(reduction[:-1]):
         sizes, accesses, output = _reductions_innermost(sizes, reduction, accesses, output, g, prelude)
     return [*prelude, GenericKernel(tuple(sizes), any(reduction), accesses, output, body, _text(op, state))]
+
+
+def _subtraction_as_addition(ops: list[tuple[str, str, list[str]]], yields: list[str], out_arg: str
+                             ) -> list[tuple[str, str, list[str]]]:
+    """A reduction yielding `out - v` (the elementwise fusion of sum(-x)) as `out + (-v)`: the same value in
+    IEEE arithmetic (signed zeros included), with + the combiner the vector unit reduces with."""
+    yielded = [o for o in ops if o[0] == yields[0]]
+    if not yielded or yielded[0][1] != "arith.subf" or yielded[0][2][0] != out_arg or yielded[0][2][1] == out_arg:
+        return ops
+    res, _, (_, v) = yielded[0]
+    neg = f"{res}_neg"
+    return [o for o in ops if o[0] != res] + [(neg, "arith.negf", [v]), (res, "arith.addf", [neg, out_arg])]
 
 
 def _reductions_innermost(sizes: list[int], reduction: list[bool], inputs: list[Access], output: Access,

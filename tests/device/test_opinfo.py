@@ -91,7 +91,8 @@ GRAD_CI_OPS = {
     "add", "mul", "div", "exp", "tanh", "sigmoid", "pow", "sum", "mean", "amax", "var", "prod", "matmul",
     "addmm", "nn.functional.linear", "softmax", "log_softmax", "nn.functional.layer_norm", "nn.functional.gelu",
     "nn.functional.silu", "nn.functional.embedding", "gather", "index_select", "scatter_add", "cat", "transpose",
-    "reshape", "expand", "cumsum", "where", "clamp", "nn.functional.cross_entropy",
+    "reshape", "expand", "cumsum", "where", "clamp", "nn.functional.cross_entropy", "abs", "sign", "amin",
+    "nn.functional.softmin",
 }
 GRAD_CI_SAMPLES = 1
 # The compiled sweep with symbolic sizes (dynamic=True, each dim of the sample padded to its bucket) in CI:

@@ -39,11 +39,11 @@ def assert_grads_close(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]
 
 def grads_of(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], grad: torch.Tensor
              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """fn(*inputs) and the gradients of <fn(*inputs), grad> with respect to the inputs."""
-    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    """fn(*inputs) and the gradients of <fn(*inputs), grad> with respect to the float inputs."""
+    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
     out = fn(*leaves)
     out.backward(grad)
-    return out.detach(), [t.grad for t in leaves]  # type: ignore[misc]
+    return out.detach(), [t.grad for t in leaves if t.is_floating_point()]  # type: ignore[misc]
 
 
 def repeat_kv(kv: torch.Tensor, times: int) -> torch.Tensor:
@@ -323,3 +323,39 @@ def test_ctpu_bench_train_reports_each_phase(train_cache: Path, monkeypatch: pyt
     assert all(p["kernels"] >= 1 and p["cpu_ops"] == 0 and p["cycles"] > 0 for p in phases.values()), phases
     assert 0 < phases["backward"]["mxu_utilization"] < 1 and phases["optimizer"]["mxu_utilization"] == 0
     assert step["cycles"] == sum(p["cycles"] for p in phases.values())
+
+
+def assert_compiled_grads_on_the_ctpu(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> None:
+    """fn's output and gradients under torch.compile(backend="ctpu") are eager's, and the backward graph ran
+    no op on the CPU."""
+    grad = torch.randn_like(fn(*inputs))
+    want_out, want = grads_of(fn, inputs, grad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CtpuFallbackWarning)
+        got_out, got = grads_of(torch.compile(fn, backend="ctpu", dynamic=False), inputs, grad)
+    assert not ctpu_stats.last().fallback_ops, ctpu_stats.last().as_dict()
+    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-6, equal_nan=True)
+    if want_out.numel():
+        assert_grads_close(got, want, [f"input {i}" for i in range(len(got))])
+    else:
+        assert [g.shape for g in got] == [w.shape for w in want]
+
+
+BACKWARD_CASES: dict[str, tuple[Callable[..., torch.Tensor], Callable[[], tuple[torch.Tensor, ...]]]] = {
+    # OpInfo's empty sample: a graph input of 1 x 0 x 3 was a "dynamic layout" error (every elementwise op)
+    "empty_inner_dim": (lambda x, y: x.exp() * y - x.cos(), lambda: (torch.randn(1, 0, 3), torch.randn(1, 0, 3))),
+    "softmin_dim0": (lambda x: F.softmin(x, 0), lambda: (torch.randn(5, 7),)),
+    "log_softmax_dim1_of_3d": (lambda x: F.log_softmax(x, 1), lambda: (torch.randn(3, 5, 4),)),
+    "abs_and_softsign": (lambda x: x.abs() * F.softsign(x), lambda: (torch.randn(4, 9),)),  # sign
+    "amin_and_mean": (lambda x: torch.amin(x, 1, keepdim=True) * x.mean(), lambda: (torch.randn(4, 9),)),
+    "gather": (lambda x, i: torch.gather(x, 1, i) * 2.0,  # scatter_add, duplicates summed
+               lambda: (torch.randn(4, 9), torch.tensor([[0, 0, 8], [1, 2, 1], [5, 5, 5], [3, 7, 0]]))),
+    "index_select": (lambda x, i: x.index_select(1, i) * 2.0, lambda: (torch.randn(4, 9), torch.tensor([3, 0, 3, 8]))),
+}
+
+
+@pytest.mark.parametrize("case", list(BACKWARD_CASES))
+def test_backward_runs_on_the_ctpu(case: str) -> None:
+    torch.manual_seed(0)
+    fn, make = BACKWARD_CASES[case]
+    assert_compiled_grads_on_the_ctpu(fn, *make())
