@@ -266,7 +266,7 @@ class MlirEmitter:
         maps.append(affine_map(rank))
         init = self.empty(out_shape, out_dtype)
         # integers computed as integers (exact), as soon as one is not a bool (0 / 1: exact in f32 too)
-        integer = (out_dtype == "i32" or result == "i1") and any(t.dtype == "i32" for t in tensors) \
+        integer = out_dtype in ("i32", "i1") and any(t.dtype == "i32" for t in tensors) \
             and all(t.dtype in ("i32", "i1") for t in tensors) \
             and all(float(o).is_integer() for o in operands if not isinstance(o, TValue))
 

@@ -57,6 +57,7 @@ UNARY: dict[str, tuple[object, Callable[[torch.Tensor], torch.Tensor]]] = {
     "mean": (aten.mean.dim, lambda x: x.view(8, 8).mean(-1)),
     "var": (aten.var.correction, lambda x: x.view(8, 8).var(-1)),
     "amax": (aten.amax.default, lambda x: x.view(8, 8).amax(-1)),
+    "amin": (aten.amin.default, lambda x: x.view(8, 8).amin(-1)), "sign": (aten.sign.default, torch.sign),
     "any": (aten.any.dim, lambda x: x.view(8, 8).any(-1)),
     "any_all": (aten.any.default, lambda x: (x > 1e30).any()),
     "any_dims": (aten.any.dims, lambda x: aten.any.dims(x.view(8, 8), [1])),
@@ -131,7 +132,7 @@ def _check(name: str, got: np.ndarray, want: torch.Tensor, want64: torch.Tensor,
     ok = _ok(name, got, want_np, dtype)
     if name in KNOWN_ABS:
         ok |= np.isfinite(want_np) & (np.abs(got - want_np) <= KNOWN_ABS[name])
-    if name == "amax":  # a tie of +0 and -0: eager's sign depends on its order of comparison
+    if name in ("amax", "amin"):  # a tie of +0 and -0: eager's sign depends on its order of comparison
         ok |= (got == 0) & (want_np == 0)
     if name in ULPS:
         ok |= _ok(name, got, want64.to(want.dtype).float().numpy(), dtype)
