@@ -629,18 +629,26 @@ def _scatter_add(e: MlirEmitter, x: TValue, dim: int, index: TValue, src: TValue
     for k in range(rank):  # src's leading part of the index's shape
         src = e.extract_slice(src, k, 0, index.shape[k]) if src.shape[k] != index.shape[k] else src
     index = _checked_index(e, index, x.shape[d], wrap=False)
-    it = rank + 1  # x's dims, then k
-    at_k = affine_map(it, [f"d{rank}" if k == d else f"d{k}" for k in range(rank)])
-    maps = [at_k, at_k, affine_map(it, [f"d{k}" for k in range(rank)])]
+    at_k = [f"d{rank}" if k == d else f"d{k}" for k in range(rank)]  # x's dims, then k
+    return _accumulate_where_hit(e, x, d, src, at_k, index, at_k)
+
+
+def _accumulate_where_hit(e: MlirEmitter, x: TValue, d: int, updates: TValue, updates_map: list[str],
+                          index: TValue, index_map: list[str]) -> TValue:
+    """out[o] = x[o] + sum over n of (index[..n..] == o_d ? updates[..n..] : -0.0): one reduction generic over
+    x's dims and n (iteration dim rank), whose output starts as x; the maps place updates and index in it."""
+    rank = len(x.shape)
+    maps = [affine_map(rank + 1, updates_map), affine_map(rank + 1, index_map),
+            affine_map(rank + 1, [f"d{k}" for k in range(rank)])]
     init = e.elementwise([x], lambda v, w: v[0], dtype="f32") if x.dtype != "f32" else x
 
     def body(a: list[str], w: BodyWriter) -> str:
         w.dtype = "f32"
         hit = w.cmp("eq", w.index(d), a[1], "i32")
         # a miss adds -0.0, the identity of + (x + 0.0 would turn a -0 of x into +0)
-        return w.op("arith.addf", w.select(hit, w.cast(a[0], src.dtype, "f32"), w.const(-0.0)), a[2])
+        return w.op("arith.addf", w.select(hit, w.cast(a[0], updates.dtype, "f32"), w.const(-0.0)), a[2])
 
-    out = e.generic([src, index], maps, init, ["parallel"] * rank + ["reduction"], body)
+    out = e.generic([updates, index], maps, init, ["parallel"] * rank + ["reduction"], body)
     return e.elementwise([out], lambda v, w: v[0], dtype=x.dtype) if x.dtype != "f32" else out
 
 
@@ -651,19 +659,8 @@ def _index_put_accumulate(e: MlirEmitter, x: TValue, d: int, idx: TValue, values
     index outside [-size, size) traps (`_checked_index`), and the call runs on the CPU, where eager raises."""
     rank = len(x.shape)
     idx = _checked_index(e, idx, x.shape[d], wrap=True)
-    it = rank + 1  # x's dims, then n
-    vals_map = [f"d{rank}" if k == d else f"d{k}" for k in range(rank)]
-    maps = [affine_map(it, vals_map), affine_map(it, [f"d{rank}"]), affine_map(it, [f"d{k}" for k in range(rank)])]
-    init = e.elementwise([x], lambda v, w: v[0], dtype="f32") if x.dtype != "f32" else x
-
-    def body(a: list[str], w: BodyWriter) -> str:
-        w.dtype = "f32"
-        hit = w.cmp("eq", w.index(d), a[1], "i32")
-        # a miss adds -0.0, the identity of + (x + 0.0 would turn a -0 of x into +0)
-        return w.op("arith.addf", w.select(hit, w.cast(a[0], values.dtype, "f32"), w.const(-0.0)), a[2])
-
-    out = e.generic([values, idx], maps, init, ["parallel"] * rank + ["reduction"], body)
-    return e.elementwise([out], lambda v, w: v[0], dtype=x.dtype) if x.dtype != "f32" else out
+    vals_map = [f"d{rank}" if k == d else f"d{k}" for k in range(rank)]  # x's dims, then n
+    return _accumulate_where_hit(e, x, d, values, vals_map, idx, [f"d{rank}"])
 
 
 @_reg(aten.pow.Tensor_Scalar)
