@@ -221,9 +221,10 @@ def _bitwise(opname: str) -> Lowering:
     logical = _logical(opname)
 
     def lower(e: MlirEmitter, a: Any, b: Any) -> TValue:
-        if _promote(a, b) == "i1":
+        promoted = _promote(a, b)
+        if promoted == "i1":
             return logical(e, a, b if isinstance(b, TValue) else e.fill(float(bool(b)), (), "i1"))
-        if _promote(a, b) != "i32":
+        if promoted != "i32":
             raise UnsupportedOp(f"{opname} of floats")
         return e.elementwise([a, b], lambda v, w: w.op(opname, v[0], v[1], dtype="i32"), dtype="i32")
     return lower
@@ -794,7 +795,8 @@ def _by_limbs(e: MlirEmitter, x: TValue, terms: int, total: Callable[[TValue], T
     acc = None
     shift = 0
     for k, bits in enumerate(LIMB_BITS):
-        def limb(v: list[str], w: BodyWriter, shift: int = shift, bits: int = bits, top: bool = k == 2) -> str:
+        def limb(v: list[str], w: BodyWriter, shift: int = shift, bits: int = bits,
+                 top: bool = k == len(LIMB_BITS) - 1) -> str:
             r = w.op("arith.shrsi", v[0], w.const_int(shift), dtype="i32") if shift else v[0]
             return r if top else w.op("arith.andi", r, w.const_int((1 << bits) - 1), dtype="i32")
         part = total(e.elementwise([x], limb, dtype="i32"))  # f32, exact

@@ -301,17 +301,16 @@ class MlirEmitter:
         slices = math.prod(x.shape[d] for d in reduced)
         if 0 in x.shape:  # nothing to read: an empty result, or the identity (a sum over an empty dim is +0.0)
             r = self.fill(identity, tuple(x.shape[i] for i in kept), "f32")
-            return self.reshape(r, tuple(1 if i in reduced else s for i, s in enumerate(x.shape))) if keepdim else r
-        if rank - 1 not in reduced and 1 < slices <= SLICED_REDUCTION_MAX:
+        elif rank - 1 not in reduced and 1 < slices <= SLICED_REDUCTION_MAX:
             r = self._sliced_reduce(x, sorted(reduced), identity, op)
-            return self.reshape(r, tuple(1 if i in reduced else s for i, s in enumerate(x.shape))) if keepdim else r
-        init = self.fill(identity, tuple(x.shape[i] for i in kept), "f32")
+        else:
+            def body(args: list[str], w: BodyWriter) -> str:
+                return w.op(op, w.cast(args[0], x.dtype, "f32"), args[1], dtype="f32")
 
-        def body(args: list[str], w: BodyWriter) -> str:
-            return w.op(op, w.cast(args[0], x.dtype, "f32"), args[1], dtype="f32")
-
-        maps = [affine_map(rank), affine_map(rank, [f"d{i}" for i in kept])]
-        r = self.generic([x], maps, init, ["reduction" if i in reduced else "parallel" for i in range(rank)], body)
+            init = self.fill(identity, tuple(x.shape[i] for i in kept), "f32")
+            maps = [affine_map(rank), affine_map(rank, [f"d{i}" for i in kept])]
+            r = self.generic([x], maps, init, ["reduction" if i in reduced else "parallel" for i in range(rank)],
+                             body)
         return self.reshape(r, tuple(1 if i in reduced else s for i, s in enumerate(x.shape))) if keepdim else r
 
     def _sliced_reduce(self, x: TValue, reduced: list[int], identity: float, op: str) -> TValue:

@@ -70,7 +70,7 @@ def _gather_chunk(ctx: KernelContext, k: GatherKernel, id_at: list[int], ids_reg
     table_base = ctx.hbm_addr(k.table, k.table.offset)
     stride_reg, table_rows = b.const(k.table.strides[0] * ESIZE[k.table.dtype]), b.const(k.table.shape[0])
 
-    def gather_rows(first: int, count: int, at: Reg = ZERO, data_at: Reg = ZERO) -> None:
+    def gather_rows(first: int, count: int, at: Reg, data_at: Reg) -> None:
         """Rows first .. first + count (<= 8), `at` rows further (a loop's offset; `data_at` = at * P)."""
         v = b.vld(at, ids_region.row + first, row_mem(ids_region, at, first, 8))
         for j in range(count):
