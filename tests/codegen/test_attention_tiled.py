@@ -201,3 +201,23 @@ def test_causal_gqa_33_positions_compiles_with_no_cpu_op() -> None:
     out = torch.compile(f, backend="ctpu")(q, k, v)
     assert dict(ctpu_stats.last().fallback_ops) == {}
     np.testing.assert_allclose(out.numpy(), f(q, k, v).numpy(), **TOL[F32])
+
+
+@pytest.mark.parametrize(("config", "keys", "kv_len", "head_dim"), [("small", 300, 233, 64), ("large", 301, 257, 128)])
+def test_kv_len_keys_past_it_are_never_read(config: str, keys: int, kv_len: int, head_dim: int) -> None:
+    """kv_len (a key dim padded to a dynamic-shape bucket): keys past it hold NaN in K and inf / NaN in V, over
+    several key tiles on `small` (the last partial), GQA 8 query heads over 2, a causal mask; the result is
+    attention over the first kv_len keys, computed by eager."""
+    _ctpu()
+    g = torch.Generator().manual_seed(keys)
+    q = torch.randn(1, 8, 3, head_dim, generator=g)
+    k, v = torch.randn(1, 2, keys, head_dim, generator=g), torch.randn(1, 2, keys, head_dim, generator=g)
+    k[:, :, kv_len:], v[:, :, kv_len:: 2], v[:, :, kv_len + 1:: 2] = math.nan, math.inf, math.nan
+    n = torch.tensor(kv_len, dtype=torch.int32)
+    fn = lambda q, k, v, n: torch.ops.ctpu.attention(q, k, v, None, True, 0.125, True, n)
+    exe = compile_graph(trace(fn, q, k, v, n), [q, k, v, n], config)
+    (out,), _ = run_fresh(exe, [q.numpy(), k.numpy(), v.numpy(), n.numpy()], SimulatorRunner(config))
+    keep = torch.arange(kv_len) <= torch.arange(3)[:, None] + keys - 3  # causal aligns with the padded length
+    ref = F.scaled_dot_product_attention(q, k[:, :, :kv_len].repeat_interleave(4, 1),
+                                         v[:, :, :kv_len].repeat_interleave(4, 1), attn_mask=keep, scale=0.125)
+    np.testing.assert_allclose(out, ref.numpy(), **TOL[F32])
