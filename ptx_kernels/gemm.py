@@ -40,6 +40,7 @@ from ptx_kernels.core import (
     TmaSpec,
     ceil_div,
     ctaid,
+    fimm,
     fresh_label,
     kernel_name,
     setp,
@@ -158,12 +159,17 @@ def gemm(
         ptx.label(consumer)
         ptx.setmaxnreg(CONSUMER_REGS, inc=True)
         acc = reg.array(f32, bn // 2)
+        # Zeroed once, and every wgmma accumulates (scale-d = 1): K == 0 then stores zeros. (Found on an
+        # H200: a scale-d of `kt != 0` on all four k16 wgmmas of a K tile kept only the 4th k16 of K tile 0.)
+        for r in acc:
+            ptx.inst.mov.f32(r, fimm(0.0))
+        accumulate = setp("eq", wg, wg)  # an always-true predicate register (scale-d is a predicate)
         row0 = reg.scalar(u32)  # first row of this consumer's 64
         ptx.inst.mad.lo.u32(row0, wg, 64, -64)
         _k_loop(
             k_tiles,
             lambda kt, stage_sel, phase: _consume(
-                kt, stage_sel, phase, base, full, empty, acc, row0, tid, bn, trans_b, stage_bytes, a_bytes
+                stage_sel, phase, base, full, empty, acc, accumulate, row0, tid, bn, trans_b, stage_bytes, a_bytes
             ),
         )
         _epilogue(acc, tid, row0, m0, n0, bz, m_, n_, bn, out_dtype, bias_dtype, act, residual_dtype)
@@ -289,12 +295,13 @@ def _descriptor(addr: Reg, lbo: int, sbo: int) -> Reg:
     return desc
 
 
-def _consume(kt, stage, phase, base, full, empty, acc, row0, tid, bn, trans_b, stage_bytes, a_bytes) -> None:
+def _consume(
+    stage, phase, base, full, empty, acc, accumulate, row0, tid, bn, trans_b, stage_bytes, a_bytes
+) -> None:
     _wait(_stage_addr(full, stage), phase)
     a_tile = _mad(stage, stage_bytes, base)
     a_rows = _mad(row0, BK * 2, a_tile)  # this consumer's 64 rows: 64 * 128 bytes, 1024-aligned
     b_tile = _add(a_tile, a_bytes)
-    accumulate = setp("ne", kt, 0)  # scale-d = 0 on the first K tile zeroes the accumulators
     ptx.inst.wgmma.fence.sync.aligned()
     for kk in range(BK // 16):
         a_desc = _descriptor(_add(a_rows, kk * 32), 16, 1024)
