@@ -40,6 +40,11 @@ class CtpuTarget:
 
         return codegen.unsupported_reason(node)
 
+    def refusal_reason(self, error: Exception) -> str | None:
+        import codegen
+
+        return str(error) if isinstance(error, codegen.UnsupportedError) else None
+
     def compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str,
                 dump: GraphDump) -> Executable:
         import codegen

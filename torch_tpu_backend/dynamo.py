@@ -184,7 +184,7 @@ class GraphCompiler:
                 cuts.add(cut)
                 continue
             if len(forced) >= MAX_FALLBACK_SEARCHES:
-                culprits = dict.fromkeys(nodes, _reason(err))
+                culprits = dict.fromkeys(nodes, _reason(self.target, err))
             else:
                 culprits = self._culprit(gm, nodes, err, dump, compiled)
             forced.update(culprits)
@@ -217,7 +217,7 @@ class GraphCompiler:
         culprit = nodes[lo - 1]
         log.info("ctpu: %s (%s) cannot run on the %s: %s", culprit.name, culprit.target, self.target.name,
                  last_error)
-        return {culprit: _reason(last_error)}
+        return {culprit: _reason(self.target, last_error)}
 
 
 _NO_DUMP = GraphDump(None, "")
@@ -234,11 +234,12 @@ def _bumped_by_caller(gm: torch.fx.GraphModule) -> set[str]:
     return {placeholders[i].name for i in indices if i < len(placeholders)}
 
 
-def _reason(err: Exception) -> str:
-    import codegen
-
-    if isinstance(err, codegen.UnsupportedError):
-        return str(err)[:300]
+def _reason(target: Target, err: Exception) -> str:
+    """Why a node that failed to compile runs on the CPU. The target classifies its own errors (the PTX target
+    needs no CTPU compiler): a refusal (an op or shape it does not lower) or else an internal error."""
+    refusal = target.refusal_reason(err)
+    if refusal is not None:
+        return refusal[:300]
     log.error("ctpu: internal compiler error", exc_info=err)
     return f"internal compiler error, please report: {type(err).__name__}: {str(err)[:300]}"
 

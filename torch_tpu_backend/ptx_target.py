@@ -161,6 +161,11 @@ class PtxTarget:
     def unsupported_reason(self, node: torch.fx.Node) -> str | None:
         return None  # a node without a kernel still runs on the GPU, as a torch CUDA op
 
+    def refusal_reason(self, error: Exception) -> str | None:
+        """ptx_kernels refuses an op, dtype or shape with NotImplementedError (SubgraphError is one); anything
+        else (a PtxasError, a bad shape) is an internal error."""
+        return str(error) if isinstance(error, NotImplementedError) else None
+
     def compile(self, gm: torch.fx.GraphModule, example_inputs: Any, name: str, dump: GraphDump) -> PtxGraph:
         import fx_passes
 

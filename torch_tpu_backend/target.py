@@ -3,6 +3,7 @@
     target = dynamo.make_target(options)      # CtpuTarget (sim, rtl) or PtxTarget
     target.fuse_elementwise                   # does it want fx_passes' FusedGroups (PTX), or fuse itself?
     target.unsupported_reason(node)           # None, or why this FX node cannot run there (-> CPU)
+    target.refusal_reason(error)              # a compile error that is a refusal: why; None: an internal error
     exe = target.compile(gm, examples, name, dump)      # an executable (plain data for the CTPU)
     outs = target.launch(exe, args, outputs, name)      # list of tensors
 
@@ -34,6 +35,11 @@ class Target(Protocol):
     fuse_elementwise: bool
 
     def unsupported_reason(self, node: torch.fx.Node) -> str | None: ...
+
+    def refusal_reason(self, error: Exception) -> str | None:
+        """`error` (raised by `compile`) as a refusal to lower something: the reason; None when it is an
+        internal error."""
+        ...
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str, dump: GraphDump) -> Any:
         """An executable for `gm`; raises codegen.UnsupportedError (or anything else, an internal error)
