@@ -106,9 +106,11 @@ def kernel_for(
     arg_dtypes: Sequence[torch.dtype | None],
     attrs: dict[str, Any] | None = None,
 ) -> PtxKernel:
-    """The kernel for `op_name` ('ctpu::rms_norm', 'rms_norm', 'aten::mm', 'bmm', ...) at these shapes."""
+    """The kernel for `op_name` ('ctpu::rms_norm', 'rms_norm', 'aten::mm', 'bmm', 'aten.bmm.default' (an
+    OpOverload's str), ...) at these shapes."""
     attrs = dict(attrs or {})
-    short = op_name.split("::")[-1].split(".")[0]
+    parts = op_name.split("::")[-1].split(".")
+    short = parts[1] if len(parts) > 1 and parts[0] in ("aten", "ctpu") else parts[0]
     builders = _builders()
     if short not in builders:
         raise NotImplementedError(f"no PTX kernel for op {op_name!r} (have {sorted(builders)})")

@@ -110,6 +110,9 @@ GRAPHS: dict[str, Callable[[torch.dtype], tuple[Callable[..., Any], list[torch.T
     "softmax": lambda dt: (lambda x: torch.softmax(x, -1), [_x(4, 100, dtype=dt)]),
     "rms_norm": lambda dt: (torch.nn.RMSNorm(96, eps=1e-6).to(dt), [_x(3, 96, dtype=dt)]),
     "layer_norm": lambda dt: (torch.nn.LayerNorm(80).to(dt), [_x(3, 80, dtype=dt)]),
+    # Hugging Face's rotary frequencies, inv_freq[None, :, None] @ position_ids[:, None, :] in fp32: a
+    # standalone aten.bmm node with K = 1 (the tiny Llama's graph holds one under torch 2.11)
+    "rope_freqs": lambda dt: (lambda f, p: f.float() @ p.float(), [_x(1, 32, 1, dtype=dt), _x(1, 1, 8, dtype=dt)]),
 }
 
 

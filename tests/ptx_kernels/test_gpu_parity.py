@@ -1,5 +1,8 @@
 """Each kernel kind against eager PyTorch on CUDA; marked `gpu`, skipped with a reason without Hopper."""
 
+import copy
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -134,7 +137,9 @@ def test_gemm_simt_fp32(m, n, k, layout):
     w = cuda(n, k).t() if layout == "nk" else cuda(k, n)
     (out,) = run(kernel_for("aten::mm", [a.shape, w.shape], [F32, F32], {"w_layout": layout}), a, w)
     ref = torch.matmul(a.double(), w.double()).float()
-    torch.testing.assert_close(out.view(m, n), ref, atol=1e-4, rtol=1e-5)
+    # One fp32 FMA chain per output along K: for unit-normal operands its rounding error grows like
+    # eps * K (seen on an H200: 1.4e-4 at K = 4096, one element in 264), so the bound scales with K.
+    torch.testing.assert_close(out.view(m, n), ref, atol=max(1e-4, 2e-7 * k), rtol=1e-5)
 
 
 @pytest.mark.parametrize("act", ["none", "silu", "gelu"])
@@ -181,30 +186,40 @@ def test_generated_indexing_subgraphs():
         for s, d in zip(shapes, dtypes, strict=True):
             t = torch.randint(0, 8, s, device="cuda") if d in (torch.int64, torch.int32) else cuda(*s)
             args.append(t.to(d))
-        gm = make_fx(fn)(*[a.cpu() for a in args])
+        host = [a.cpu() for a in args]
+        gm = make_fx(fn)(*host)
         outs = run(kernel_for_subgraph(gm, [tuple(s) for s in shapes], dtypes), *args)
-        want = fn(*args)
+        want = fn(*host)  # on the CPU: some cases make tensors (torch.arange) without naming a device
         for got, ref in zip(outs, want if isinstance(want, tuple) else (want,), strict=True):
-            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, msg=fn.__name__)
+            torch.testing.assert_close(got.cpu(), ref, atol=1e-5, rtol=1e-5, msg=fn.__name__)
 
 
+@pytest.mark.parametrize("home", ["cpu", "cuda"])
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_tiny_llama_end_to_end(dtype):
-    """The whole tiny Llama through torch.compile(target="ptx") against eager CUDA."""
+def test_tiny_llama_end_to_end(dtype, home):
+    """The whole tiny Llama through torch.compile(target="ptx") against eager CUDA.
+
+    home "cpu": the model lives on the CPU and is traced there, so its SDPA is the flash-for-CPU op that
+    fx_passes matches: every compute node is a PTX kernel (no uncovered-node warning), run on CUDA.
+    home "cuda": traced on CUDA, SDPA is `_scaled_dot_product_efficient_attention` (fp32) or
+    `_scaled_dot_product_cudnn_attention` (bf16), which no pattern matches yet: it runs as a torch CUDA op."""
     from test_compile_ptx import tiny_llama
 
     model, ids = tiny_llama(dtype)
-    model, ids = model.cuda(), ids.cuda()
     with torch.no_grad():
-        ref = model(ids).logits
+        ref = copy.deepcopy(model).cuda()(ids.cuda()).logits.cpu()
+        model, ids = model.to(home), ids.to(home)
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="ctpu", options={"target": "ptx", "cache": False})
-        got = compiled(ids).logits
+        with warnings.catch_warnings():
+            if home == "cpu":
+                warnings.simplefilter("error", UserWarning)  # an uncovered node would warn
+            got = compiled(ids).logits.cpu()
     tol = dict(atol=2e-4, rtol=2e-4) if dtype == F32 else dict(atol=6e-2, rtol=5e-2)
     torch.testing.assert_close(got, ref, **tol)
 
 
-@pytest.mark.parametrize("name", ["mlp", "softmax", "rms_norm", "layer_norm"])
+@pytest.mark.parametrize("name", ["mlp", "softmax", "rms_norm", "layer_norm", "rope_freqs"])
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_small_graphs_end_to_end(name, dtype):
     from test_compile_ptx import GRAPHS
