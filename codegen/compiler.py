@@ -22,17 +22,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.fx
 
 from codegen import isel_scalar_ops  # noqa: F401  (registers the extra body-op lowerings)
 from codegen.builder import Builder
-from codegen.errors import ProgramTooLargeError
+from codegen.errors import CapacityError, ProgramTooLargeError
 from codegen.fx_ops import emit_module
-from codegen.isel_common import SPILL_ROWS, Flag, KernelContext, Region, table_rows
+from codegen.isel_common import SPILL_ROWS, Flag, KernelContext, Region, table_rows, wait_for_stores
+from codegen.isel_decode import issue_prefetch, plan_prefetches
 from codegen.isel_gather import lower_gather, lower_iota, lower_scatter
 from codegen.isel_matmul import lower_matmul
-from codegen.isel_vector import lower_fill, lower_generic
+from codegen.isel_vector import KernelChain, form_chains, lower_chain, lower_fill, lower_generic
 from codegen.kernel_graph import (
     FillKernel,
     GatherKernel,
@@ -65,6 +67,7 @@ from codegen.mir import Function, Reg
 from codegen.mlir_pipeline import run_pipeline
 from device_sim.config import HardwareConfig, get_config
 from device_sim.executable import ALIGN, ARENA_REGISTER, ArgSpec, Executable, OutputView
+from device_sim.numerics import round_to_bf16
 
 ARENA_REG = Reg("s", ARENA_REGISTER, True)  # the one launch register
 
@@ -114,18 +117,48 @@ def plan_memory(g: KernelGraph, extra_words: int = 0) -> tuple[dict[str, BufferP
     return placements, arena
 
 
-def _drop_matmul_fills(kernels: list[Kernel]) -> list[Kernel]:
-    """A zero fill of a buffer whose next reader or writer is a matmul writing all of it is implied by
-    `mxu.mms` (the first pass overwrites C)."""
+def _fold_fills(kernels: list[Kernel]) -> list[Kernel]:
+    """A fill whose buffer's next reader or writer overwrites all of it without reading it first costs a
+    kernel (a DMA latency) for nothing: a zero fill before a matmul writing all of C is implied by `mxu.mms`
+    (the first pass overwrites C); a fill before a reduction into exactly its view becomes the reduction's
+    initial value (`GenericKernel.init`), a vector constant instead of a load."""
     out: list[Kernel] = []
+    folded: dict[int, float] = {}
     for i, k in enumerate(kernels):
-        if isinstance(k, FillKernel) and k.value == 0.0:
-            nxt = next((n for n in kernels[i + 1:] if any(v.buffer == k.output.buffer for v in views_of(n))), None)
-            if isinstance(nxt, MatmulKernel) and nxt.c.buffer == k.output.buffer and nxt.c.offset == k.output.offset \
-                    and math.prod(nxt.c.shape) == math.prod(k.output.shape) and _dense(nxt.c) and _dense(k.output):
+        if i in folded:
+            assert isinstance(k, GenericKernel)
+            out.append(dataclasses.replace(k, init=folded[i]))
+            continue
+        if isinstance(k, FillKernel):
+            j, nxt = next(((j, n) for j, n in enumerate(kernels[i + 1:], i + 1)
+                           if any(v.buffer == k.output.buffer for v in views_of(n))), (None, None))
+            if isinstance(nxt, MatmulKernel) and k.value == 0.0 and nxt.c.buffer == k.output.buffer \
+                    and nxt.c.offset == k.output.offset and math.prod(nxt.c.shape) == math.prod(k.output.shape) \
+                    and _dense(nxt.c) and _dense(k.output):
+                continue
+            if isinstance(nxt, GenericKernel) and nxt.reduction and nxt.init is None and _same_elements(
+                    nxt.output.view, k.output) and all(a.view.buffer != k.output.buffer for a in nxt.inputs) \
+                    and _exact_in(k.value, k.output.dtype):
+                assert j is not None
+                folded[j] = k.value
                 continue
         out.append(k)
     return out
+
+
+def _same_elements(a: View, b: View) -> bool:
+    """Whether two views of one buffer cover the same elements (both dense, same offset and size)."""
+    return a.buffer == b.buffer and a.offset == b.offset and math.prod(a.shape) == math.prod(b.shape) \
+        and _dense(a) and _dense(b)
+
+
+def _exact_in(value: float, dtype: str) -> bool:
+    """A float fill value the reduction can start from in f32 exactly as the fill would have stored it."""
+    if dtype == "f32":
+        return True
+    if dtype == "bf16":
+        return bool(np.isnan(value)) or float(round_to_bf16(np.float32(value))) == float(np.float32(value))
+    return False
 
 
 def _dense(v: View) -> bool:
@@ -167,7 +200,7 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
     with mlir.context:
         graph = read_function(mlir.module)
     mutated = _mutated_inputs(graph, len(user_results))
-    graph.kernels = sink_fills(_drop_matmul_fills(graph.kernels))
+    graph.kernels = _fold_fills(sink_fills(graph.kernels))
     loops = find_loops(graph) if layer_loops else []
     stages["kernels.txt"] = describe(graph) + "".join(
         f"loop: kernels {lp.first}..{lp.first + lp.period - 1} run {lp.repeats} times over {len(lp.slots[0])} "
@@ -175,19 +208,30 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
     placements, arena_bytes = plan_memory(graph, sum(lp.repeats * len(lp.slots[0]) for lp in loops))
     address_table = _address_table(graph, placements, loops)
     clock.lap("kernels_and_memory_plan")
-    funcs, per_kernel, scratch, table_entries = _select(graph, placements, arena_bytes, cfg, precision, loops)
+    chains_undone: list[str] = []
+    for chains in (True, False):
+        funcs, per_kernel, scratch, table_entries = _select(graph, placements, arena_bytes, cfg, precision, loops,
+                                                            chains)
+        machine_ir = "".join(f"# {f.name}\n{f.dump()}" for f in funcs)
+        clock.lap("instruction_selection")
+        instructions = sum(len(b.instrs) for f in funcs for b in f.blocks)
+        if instructions * BUNDLES_PER_INSTRUCTION > IMEM_MARGIN * cfg.imem_bundles:
+            # clearly too large: the backend splits the graph without paying for this program's back end first
+            raise ProgramTooLargeError(f"{instructions} machine instructions make about "
+                                       f"{int(instructions * BUNDLES_PER_INSTRUCTION)} bundles, more than imem's "
+                                       f"{cfg.imem_bundles}")
+        try:
+            mc: MachineCode = compile_functions(funcs, next_id=max(f.max_reg_id() for f in funcs) + 1,
+                                                source_name="<compiled graph>", pipeline=pipeline, verify=verify,
+                                                progress=progress, max_bundles=cfg.imem_bundles)
+            break
+        except CapacityError as e:
+            # a chain's members share one block, where the list scheduler may interleave them past what
+            # registers hold (two sin/cos range reductions): the members compile as kernels of their own
+            if not chains or isinstance(e, ProgramTooLargeError) or not any("chained_into" in k for k in per_kernel):
+                raise
+            chains_undone.append(str(e))
     arena_bytes += scratch
-    machine_ir = "".join(f"# {f.name}\n{f.dump()}" for f in funcs)
-    clock.lap("instruction_selection")
-    instructions = sum(len(b.instrs) for f in funcs for b in f.blocks)
-    if instructions * BUNDLES_PER_INSTRUCTION > IMEM_MARGIN * cfg.imem_bundles:
-        # clearly too large: the backend splits the graph without paying for this program's back end first
-        raise ProgramTooLargeError(f"{instructions} machine instructions make about "
-                                   f"{int(instructions * BUNDLES_PER_INSTRUCTION)} bundles, more than imem's "
-                                   f"{cfg.imem_bundles}")
-    mc: MachineCode = compile_functions(funcs, next_id=max(f.max_reg_id() for f in funcs) + 1,
-                                        source_name="<compiled graph>", pipeline=pipeline, verify=verify,
-                                        progress=progress, max_bundles=cfg.imem_bundles)
     clock.lap("schedule_regalloc_assemble")
     starts = [sum(mc.function_bundles[:i]) for i in range(len(funcs))]
     for info in per_kernel:
@@ -210,6 +254,7 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
     summary["mutated_inputs"] = [graph.arguments[i] for i in mutated]
     summary["pipelined_loops"] = len(mc.pipelined)
     summary["pipelining_undone"] = [line for line in mc.log if "trace check" in line]  # a compiler bug
+    summary["chains_undone"] = chains_undone
     summary["loops"] = [{"kernels": [lp.first, lp.first + lp.period - 1], "runs": lp.repeats,
                          "slots": len(lp.slots[0])} for lp in loops]
     summary["vmem_table_rows"] = [SPILL_ROWS, SPILL_ROWS + table_rows(table_entries, cfg.lanes)]
@@ -262,12 +307,14 @@ class _Clock:
 
 
 def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_bytes: int, cfg: HardwareConfig,
-            precision: str, loops: list[Loop]) -> tuple[list[Function], list[dict[str, Any]], int, int]:
+            precision: str, loops: list[Loop], chains: bool = True
+            ) -> tuple[list[Function], list[dict[str, Any]], int, int]:
     """Instruction selection into one machine-IR function per kernel, in order: the entry copies the
     argument table to vmem, then the kernels, then the exit halts. A loop's body kernels are selected once,
     between the loop's init + header and its footer; its other repetitions emit nothing. Returns the
     functions, per-kernel information (`function`: the index of its function, None for a repetition),
-    the HBM scratch bytes the kernels need beyond the arena and the argument-table entries reserved in vmem."""
+    the HBM scratch bytes the kernels need beyond the arena and the argument-table entries reserved in vmem.
+    chains: lower runs of small generics as one kernel each (`isel_vector.form_chains`)."""
     n_in = len(graph.arguments)
     arena = n_in  # the arena's entry in the argument table
     buffers = {name: (i, 0) for i, name in enumerate(graph.arguments)}
@@ -294,6 +341,11 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
 
     per_kernel: list[dict[str, Any]] = []
     starts = {lp.first: lp for lp in loops}
+    free_rows = cfg.vmem_rows - ctx.base_row
+    emitted = _emitted_kernels(graph, loops)
+    if chains:  # runs of small generics lowered as one kernel (isel_vector.KernelChain)
+        emitted = form_chains(emitted, cfg.lanes, free_rows // 2)
+    prefetches = plan_prefetches(cfg, emitted, free_rows)
     table_word = n_in + 1  # the next loop's address table, in words from the arena's start
     loop: Loop | None = None
     for i, k in enumerate(graph.kernels):
@@ -303,7 +355,6 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
         if i in starts:
             loop = starts[i]
             assert layout is not None
-            slots, first_slot = occurrence_slots(loop, graph), 0
             ctx.buffers = {slot_name(j): (layout.window + j, 0) for j in range(len(loop.slots[0]))}
             function(f"loop at kernel {i}: init", "loop_init", lambda: emit_init(ctx, layout, table))
             header = function(f"loop at kernel {i}: header", "loop", lambda lp=loop, at=4 * table_word: emit_header(
@@ -311,28 +362,63 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
             table_word += loop.repeats * len(loop.slots[0])
         if loop is not None and i >= loop.first + loop.period * loop.repeats:
             loop, ctx.buffers = None, buffers
-        if loop is not None and i >= loop.first + loop.period:
+        lowered = emitted[i][0]
+        if lowered is None:
+            assert loop is not None
             info |= {"function": None, "bundles": 0, "same_code_as": loop.first + (i - loop.first) % loop.period}
             continue
         if loop is not None:
-            n = len(views_of(k))
-            k = rename_to_slots(k, slots[first_slot:first_slot + n])
-            first_slot += n
             info["runs"] = loop.repeats
-        func = function(f"kernel {i} ({type(k).__name__})", f"k{i}", lambda k=k: _lower(ctx, k))
-        info["function"] = len(funcs) - 1
-        info["instructions"] = sum(len(blk.instrs) for blk in func.blocks)
-        if loop is not None and i == loop.first + loop.period - 1:
+        if isinstance(lowered, KernelChain) and lowered.first != i:
+            info |= {"function": None, "bundles": 0, "chained_into": lowered.first}
+        else:
+            ctx.prefetch = prefetches.get(i)
+            func = function(f"kernel {i} ({type(lowered).__name__})", f"k{i}", lambda k=lowered: _lower(ctx, k))
+            if ctx.prefetch is not None and ctx.prefetch.reserved:
+                info["vmem_carried"] = list(ctx.prefetch.reserved)
+            ctx.prefetch = None
+            info["function"] = len(funcs) - 1
+            info["instructions"] = sum(len(blk.instrs) for blk in func.blocks)
+        if loop is not None and i == loop.first + loop.period - 1:  # also after a chain's last member
             function(f"loop at kernel {loop.first}: footer", "loop_next",
                      lambda lp=loop, h=header.blocks[0].label: emit_footer(ctx, layout, table, lp, h))
     funcs.append(Function(name="exit"))
     b.start_function(funcs[-1], "exit")
+    funcs[-1].blocks[0].instrs.extend(wait_for_stores())  # the outputs are in HBM when the program halts
     b.emit("halt")
     return funcs, per_kernel, ctx.scratch_peak, entries
 
 
+def _emitted_kernels(graph: KernelGraph, loops: list[Loop]) -> list[tuple[Kernel | None, int]]:
+    """For each kernel: what is lowered for it (a loop body's kernels renamed to the loop's slots; None for a
+    repetition of a body, which emits nothing) and its segment, a run of kernels no loop init, header or
+    footer interrupts (code in one segment runs in order, once per run of the segment)."""
+    out: list[tuple[Kernel | None, int]] = []
+    segment = 0
+    loop: Loop | None = None
+    slots: list[int] = []
+    for i, k in enumerate(graph.kernels):
+        starting = next((lp for lp in loops if lp.first == i), None)
+        if starting is not None:
+            loop, slots, segment = starting, occurrence_slots(starting, graph), segment + 1
+        if loop is not None and i >= loop.first + loop.period * loop.repeats:
+            loop, segment = None, segment + 1
+        if loop is None:
+            out.append((k, segment))
+        elif i >= loop.first + loop.period:
+            out.append((None, segment))
+        else:
+            first = sum(len(views_of(b)) for b in graph.kernels[loop.first:i])
+            out.append((rename_to_slots(k, slots[first:first + len(views_of(k))]), segment))
+            if i == loop.first + loop.period - 1:
+                segment += 1  # the footer
+    return out
+
+
 def _lower(ctx: KernelContext, k: Kernel) -> None:
-    if isinstance(k, GenericKernel):
+    if isinstance(k, KernelChain):
+        lower_chain(ctx, k)
+    elif isinstance(k, GenericKernel):
         lower_generic(ctx, k)
     elif isinstance(k, FillKernel):
         lower_fill(ctx, k)
@@ -344,6 +430,8 @@ def _lower(ctx: KernelContext, k: Kernel) -> None:
         lower_scatter(ctx, k)
     else:
         lower_matmul(ctx, k)
+    if ctx.prefetch is not None and ctx.prefetch.issue is not None:
+        issue_prefetch(ctx)
 
 
 def _kind(k: Kernel) -> str:

@@ -1,9 +1,11 @@
 """What every kernel's instruction selection shares: vmem regions, flags, HBM addresses, DMA commands.
 
 A kernel runs with vmem to itself: `KernelContext.begin` resets the region allocator (above the spill
-area and the argument table), and `end` waits on every flag the kernel used, so no command of a kernel is
-in flight when the next one starts. HBM order between kernels needs nothing: DMA commands execute in order
-on one channel.
+area and the argument table), and `end` waits on every flag the kernel used but its stores' (STORE_FLAGS):
+its last stores drain while the next kernel starts, whose first loads queue behind them on the one DMA
+channel. HBM order between kernels needs nothing: DMA commands execute in order on one channel. What the
+next kernel must not do is write vmem rows those stores still read: `guard_stores_in_flight` makes it wait
+on STORE_FLAGS before its first vmem write, unless a wait on its own DMA comes first (that covers them).
 
 HBM addresses: the program's entry copies the launch's argument table (the HBM addresses of the graph's
 inputs and of its arena) into vmem rows `args_row`..; a kernel loads the entries it uses (`vld` + `vext`)
@@ -16,14 +18,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 from codegen.builder import Builder
 from codegen.errors import CapacityError
 from codegen.kernel_graph import ESIZE, View
-from codegen.mir import ZERO, Mem, MInstr, Reg
+from codegen.mir import ZERO, Function, Mem, MInstr, Reg
 from codegen.regalloc import SPILL_SLOTS
 from device_sim.config import HardwareConfig
-from device_sim.isa import DMA_SHAPE_COLS_MASK, DMA_SHAPE_ROWS_SHIFT, NUM_FLAGS
+from device_sim.isa import DMA_SHAPE_COLS_MASK, DMA_SHAPE_ROWS_SHIFT, NUM_FLAGS, Unit
 
 SPILL_ROWS = SPILL_SLOTS * 8
 
@@ -37,6 +40,7 @@ class Flag(IntEnum):
     STORE = 2  # width 2: tiles out; matmul C tiles out
     MATMUL_A = 4  # width 2: matmul A panels (and, in a pipelined start, the first B panel's k-tiles by group)
     COPY = 6  # a strided copy through HBM scratch (transposes)
+    PREFETCH = 7  # a decode stream's first weight groups, issued by the small kernels before it (isel_decode)
     MXU = 8  # width 2: matmul passes done
     INDEX = 10  # gather ids / scatter index rows in
     ROWS = 11  # gathered rows in / scatter update rows in
@@ -44,6 +48,7 @@ class Flag(IntEnum):
     WEIGHTS = 13  # width 2: matmul weight loads (`mxu.lw*`) done: their B panel may be overwritten
 
 
+STORE_FLAGS = (Flag.STORE, Flag.STORE + 1, Flag.OUT)  # a kernel leaves these DMA stores in flight
 FLAG_WIDTH = {Flag.LOAD: 2, Flag.STORE: 2, Flag.MATMUL_A: 2, Flag.MXU: 2, Flag.WEIGHTS: 2}
 assert all(f + FLAG_WIDTH.get(f, 1) <= nxt for f, nxt in zip(Flag, [*list(Flag)[1:], NUM_FLAGS], strict=True))
 MAX_SPILL_ROW = 1 << 13  # spill loads / stores address vmem through s0 + imm14 (signed)
@@ -57,6 +62,34 @@ class Region:
 
     def mem(self, lo: int = 0, hi: int | None = None, write: bool = False) -> Mem:
         return Mem(self.name, lo, self.rows if hi is None else hi, write)
+
+
+def wait_for_stores() -> list[MInstr]:
+    return [MInstr("wait", flag=f) for f in STORE_FLAGS]
+
+
+def _writes_vmem(ins: MInstr) -> bool:
+    return ins.unit is Unit.VSTORE or (ins.unit is Unit.MXU and ins.op.startswith("mxu.mm")) \
+        or any(m.write for m in ins.mem)
+
+
+def guard_stores_in_flight(func: Function) -> None:
+    """Make `func` (a kernel) safe to start while the previous kernel's stores still read their vmem rows:
+    wait on STORE_FLAGS before its first instruction that writes vmem by any unit but the DMA channel (which
+    orders itself), unless a wait on one of its own DMA commands comes first: the channel completes commands
+    in issue order, so that wait covers the earlier stores. Only the entry block (the straight-line code
+    before any loop) is searched; when it ends uncovered, the waits go at its end."""
+    entry = func.blocks[0]
+    dma_flags: set[int | None] = set()
+    for i, ins in enumerate(entry.instrs):
+        if ins.op == "wait" and ins.flag in dma_flags:
+            return
+        if ins.unit is Unit.DMA:
+            dma_flags.add(ins.flag)
+        elif _writes_vmem(ins) or ins.is_control:
+            entry.instrs[i:i] = wait_for_stores()
+            return
+    entry.instrs.extend(wait_for_stores())
 
 
 def table_rows(entries: int, lanes: int) -> int:
@@ -73,9 +106,11 @@ class KernelContext:
     args_row: int  # first vmem row of the argument table
     matmul_precision: str = "highest"
     table_entries: int = 0  # vmem argument-table entries to reserve beyond those `buffers` names (layer loops)
+    prefetch: Any = None  # the kernel's part in a decode stream's prefetch (isel_decode.Prefetch), set per kernel
     hbm_base: dict[str, tuple[Reg, int]] = field(default_factory=dict)  # this kernel's scratch views
     _base_row: int = SPILL_ROWS
     _next_row: int = SPILL_ROWS
+    _ceiling: int = 0  # the first vmem row the kernel may not use (rows above hold a prefetch)
     _regions: int = 0
     _flags_used: set[int] = field(default_factory=set)
     _args: dict[int, Reg] = field(default_factory=dict)
@@ -90,7 +125,13 @@ class KernelContext:
     def lanes(self) -> int:
         return self.config.lanes
 
+    @property
+    def base_row(self) -> int:
+        """The first vmem row a kernel's regions take (above the spill area and the argument table)."""
+        return self._base_row
+
     def begin(self, kernel: str) -> None:
+        self._ceiling = self.prefetch.reserved[0] if self.prefetch is not None else self.config.vmem_rows
         self._next_row = self._base_row
         self._flags_used = set()
         self._scratch_used = 0
@@ -99,25 +140,26 @@ class KernelContext:
         self.kernel = kernel
 
     def end(self) -> None:
-        for f in sorted(self._flags_used):
+        guard_stores_in_flight(self.b.func)
+        for f in sorted(self._flags_used - set(STORE_FLAGS)):
             self.b.emit("wait", flag=f)
         # the kernel's spill slots: the reserved area at the bottom of vmem, then the rows above its regions
-        top = min(self.config.vmem_rows, MAX_SPILL_ROW) // 8 * 8
+        top = min(self._ceiling, MAX_SPILL_ROW) // 8 * 8
         self.b.func.spill_rows = (tuple(range(0, SPILL_ROWS, 8))
                                   + tuple(range(top - 8, -(-self._next_row // 8) * 8 - 1, -8)))
 
     def region(self, rows: int, hint: str) -> Region:
         rows = max(8, -(-rows // 8) * 8)
-        if self._next_row + rows > self.config.vmem_rows:
+        if self._next_row + rows > self._ceiling:
             need = self._next_row + rows
-            raise CapacityError(f"{self.kernel}: vmem exhausted ({need} > {self.config.vmem_rows} rows)")
+            raise CapacityError(f"{self.kernel}: vmem exhausted ({need} > {self._ceiling} rows)")
         self._regions += 1
         r = Region(f"{hint}{self._regions}", self._next_row, rows)
         self._next_row += rows
         return r
 
     def vmem_free(self) -> int:
-        return self.config.vmem_rows - self._next_row
+        return self._ceiling - self._next_row
 
     def flag(self, role: Flag, parity: int = 0) -> int:
         """The flag number of `role` (of tile parity `parity` for width-2 roles), marked used by this kernel."""

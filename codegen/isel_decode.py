@@ -19,11 +19,13 @@ at the end.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from codegen.isel_common import Flag, KernelContext
-from codegen.kernel_graph import MatmulKernel
-from codegen.mir import Reg
+from codegen.isel_common import Flag, KernelContext, Region
+from codegen.isel_vector import KernelChain
+from codegen.kernel_graph import FillKernel, GenericKernel, IotaKernel, Kernel, MatmulKernel
+from codegen.mir import Block, Reg
 from device_sim.config import HardwareConfig
 from device_sim.isa import DMA_SHAPE_ROWS_SHIFT
 
@@ -54,19 +56,110 @@ def plan(config: HardwareConfig, k: MatmulKernel, free_rows: int) -> DecodePlan 
         return None  # not W.T with W row-major, or partial tiles
     KT, NT = K // L, Nn // L
     tile = max(config.mxu_weight_cycles, -(-L * L * 2 // config.hbm_bytes_per_cycle), -(-L // config.vmem_port_rows))
-    g_min = -(-(config.dma_latency + tile) // tile) + 1  # a group's work covers its last DMA's latency
     budget = min(MAX_RING_ROWS, free_rows - KT - NT - 16)
-    if KT >= g_min:  # a group is a whole n-tile's k-tiles, or half of them
-        G = KT // 2 if KT % 2 == 0 and KT // 2 >= g_min else KT
-        U = 2 * G // KT
-    else:  # a group is gn whole n-tiles
-        gn = -(-g_min // KT)
-        while gn <= NT and NT % (2 * gn):
-            gn += 1
-        G, U = gn * KT, 2 * gn
-    if NT % U or 4 * G * L > budget:
+    # an iteration is U whole n-tiles in two groups of G = U * KT / 2 tiles; the fastest that fits
+    shapes = [(U, U * KT // 2) for U in range(1, NT + 1) if NT % U == 0 and U * KT % 2 == 0]
+    shapes = [(U, G) for U, G in shapes if 4 * G * L <= budget]
+    if not shapes:
         return None
+    U, G = min(shapes, key=lambda s: _estimate(config, KT * NT, s[1], tile))
     return DecodePlan(KT, NT, U, G)
+
+
+def _estimate(config: HardwareConfig, tiles: int, G: int, tile: int) -> int:
+    """Cycles of a stream of `tiles` tiles in groups of G. The MXU starts when group 0 has landed and the
+    code has issued the first iteration's two groups (issue stalls while the DMA queue is full: a large G
+    blocks the MXU behind it); then a tile every `tile` cycles, plus a bubble at each later group whose
+    last DMA, issued a group's work ahead, has not landed (G too small to cover the latency)."""
+    lat = config.dma_latency
+    start = max(G * tile + lat, (2 * G - config.dma_queue) * tile)
+    bubble = max(0, lat + tile - G * tile)
+    return start + tiles * tile + bubble * max(0, tiles // G - 2)
+
+
+def _tile_dma(ctx: KernelContext, p: DecodePlan, ws: int, h: Reg, row: Reg, j: int, flag: int, mem: tuple) -> None:
+    """Tile j (n-tile j // KT, k-tile j % KT) of the iteration whose W starts at h, to ring row `row`."""
+    b, L = ctx.b, ctx.lanes
+    u, kt = divmod(j, p.KT)
+    at = b.offset_reg(h, (u * L * ws + kt * L) * 2)
+    shape = b.const(L << DMA_SHAPE_ROWS_SHIFT | L)
+    b.emit("dma.ld.bf16", None, (at, b.offset_reg(row, j * L), shape, b.const(ws)), flag=flag, mem=mem)
+
+
+def _first_groups(ctx: KernelContext, k: MatmulKernel, p: DecodePlan, half: Region, groups: range,
+                  flag: Callable[[int], int], mem: tuple) -> None:
+    """The DMAs of the first iteration's groups `groups` (of 0 and 1) into the ring half `half`."""
+    b = ctx.b
+    w0 = ctx.hbm_addr(k.b, k.b.offset)
+    row = b.sreg()
+    b.emit("li", row, imm=half.row)
+    for j in range(groups.start * p.G, groups.stop * p.G):
+        _tile_dma(ctx, p, k.b.strides[1], w0, row, j, flag(j // p.G), mem)
+
+
+# ---- cross-kernel prefetch ----------------------------------------------------------------------------
+# A stream starts when its first group has landed: G tiles and a DMA latency after its first DMA (~1,000
+# cycles on `large`), while the small kernels before it (a norm, rope, the softmax pieces) leave the DMA
+# channel idle most of the time, each waiting a latency for its own few loads. So they load the stream's
+# first ring half: each issues one group right after its own first loads (behind them on the in-order
+# channel, so they are not delayed), on flag PREFETCH, which no kernel but the stream waits on; the ring
+# half's rows, at the top of vmem, are theirs to leave alone (`KernelContext` ceiling).
+PREFETCH_KERNELS = (GenericKernel, FillKernel, IotaKernel, KernelChain)  # they fit their tiles to the vmem they get
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """A kernel's part in a stream's prefetch: `reserved` is the vmem rows [lo, hi) of the stream's first
+    ring half (every kernel from the first issuer to the stream leaves them alone); an issuer has `issue`
+    (the stream's kernel and plan, the group it loads); the stream has `prefetched` (groups loaded for it)
+    and `stream`, the plan they followed (planned again under the reserved rows, it could group differently)."""
+
+    reserved: tuple[int, int]
+    issue: tuple[MatmulKernel, DecodePlan, int] | None = None
+    prefetched: int = 0
+    stream: DecodePlan | None = None  # the stream's plan, which laid out the prefetched rows: it must use it
+
+
+def plan_prefetches(config: HardwareConfig, kernels: list[tuple[Kernel | None, int]], free_rows: int
+                    ) -> dict[int, Prefetch]:
+    """Which kernels prefetch for which stream. `kernels`: what each kernel lowers to (None: nothing) and its
+    segment (a prefetch never crosses a loop's init, header or footer). The issuers are the first two of the
+    run of small kernels just before a stream kernel, one group each."""
+    out: dict[int, Prefetch] = {}
+    for j, (k, segment) in enumerate(kernels):
+        p = plan(config, k, free_rows) if isinstance(k, MatmulKernel) else None
+        if p is None or 2 * p.G * config.lanes > config.vmem_rows // 4:
+            continue
+        i = j
+        while i > 0 and isinstance(kernels[i - 1][0], PREFETCH_KERNELS) and kernels[i - 1][1] == segment:
+            i -= 1
+        if i == j:
+            continue
+        reserved = (config.vmem_rows - 2 * p.G * config.lanes, config.vmem_rows)
+        units = [m for m in range(i, j) if m == i or kernels[m][0] is not kernels[m - 1][0]]  # a chain is one
+        issuers = units[:2]
+        for m in range(i, j):
+            out[m] = Prefetch(reserved, (k, p, issuers.index(m)) if m in issuers else None)
+        out[j] = Prefetch(reserved, prefetched=len(issuers), stream=p)
+    return out
+
+
+def issue_prefetch(ctx: KernelContext) -> None:
+    """In a small kernel already lowered: its group of the stream's prefetch, spliced in after its first
+    loads (before the entry block's first wait, or at its end)."""
+    assert ctx.prefetch is not None and ctx.prefetch.issue is not None
+    k, p, group = ctx.prefetch.issue
+    b = ctx.b
+    entry, current = b.func.blocks[0], b.block
+    scratch = Block("prefetch")
+    b.new_scope()  # constants cached for the current block are not defined in the entry block
+    b.block = scratch
+    half = Region("ring_prefetched", ctx.prefetch.reserved[0], 2 * p.G * ctx.lanes)
+    _first_groups(ctx, k, p, half, range(group, group + 1), lambda _: Flag.PREFETCH, (half.mem(write=True),))
+    b.block = current
+    b.new_scope()
+    at = next((n for n, ins in enumerate(entry.instrs) if ins.op == "wait" or ins.is_control), len(entry.instrs))
+    entry.instrs[at:at] = scratch.instrs
 
 
 def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> None:
@@ -74,28 +167,26 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
     a, bm, c = k.a, k.b, k.c
     ws = bm.strides[1]  # W's row stride in elements
     half = 2 * p.G * L  # vmem rows of a half of the ring
-    ring = [ctx.region(half, "ring"), ctx.region(half, "ring")]
+    pre = ctx.prefetch  # the first half may be loaded already, by the kernels before this one
+    prefetched = pre.prefetched if pre is not None else 0
+    assert pre is None or pre.reserved[1] - pre.reserved[0] == half, (pre, p)  # the rows the issuers loaded
+    first_half = Region("ring_prefetched", pre.reserved[0], half) if pre is not None else ctx.region(half, "ring")
+    ring = [first_half, ctx.region(half, "ring")]
     a_reg, c_reg = ctx.region(p.KT, "a"), ctx.region(p.NT, "c")
     ring_mem = tuple(r.mem(write=True) for r in ring)
     ring_read = tuple(r.mem() for r in ring)
-    shape = b.const(L << DMA_SHAPE_ROWS_SHIFT | L)
-    stride = b.const(ws)
     step_bytes = p.U * L * ws * 2  # HBM bytes of one iteration's n-tiles
     ctx.dma(True, "bf16", ctx.hbm_addr(a, a.offset), a_reg, 0, 1, p.KT * L, p.KT * L, Flag.MATMUL_A)
     w0 = ctx.hbm_addr(bm, bm.offset)
 
     def tile_dma(h: Reg, row: Reg, j: int, q: int) -> None:
-        """Tile j (n-tile j // KT, k-tile j % KT) of the iteration whose W starts at h, to ring row `row`."""
-        u, kt = divmod(j, p.KT)
-        at = b.offset_reg(h, (u * L * ws + kt * L) * 2)
-        b.emit("dma.ld.bf16", None, (at, b.offset_reg(row, j * L), shape, stride), flag=ctx.flag(Flag.LOAD, q),
-               mem=ring_mem)
+        _tile_dma(ctx, p, ws, h, row, j, ctx.flag(Flag.LOAD, q), ring_mem)
 
-    # the first iteration's two groups, then (below) each iteration issues the next one's along its commands
-    first = b.sreg()
-    b.emit("li", first, imm=ring[0].row)
-    for j in range(2 * p.G):
-        tile_dma(w0, first, j, j // p.G)
+    # the first iteration's two groups (those the kernels before did not prefetch), then (below) each
+    # iteration issues the next one's along its commands
+    _first_groups(ctx, k, p, ring[0], range(prefetched, 2), lambda q: ctx.flag(Flag.LOAD, q), ring_mem)
+    if prefetched:
+        b.emit("wait", flag=ctx.flag(Flag.PREFETCH))
     b.emit("wait", flag=ctx.flag(Flag.MATMUL_A))
     cur, nxt, h_next, c_row = b.sreg(), b.sreg(), b.sreg(), b.sreg()
     b.emit("li", cur, imm=ring[0].row)
@@ -131,4 +222,3 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
     iteration(False)
     b.emit("wait", flag=ctx.flag(Flag.MXU))
     ctx.dma(False, c.dtype, ctx.hbm_addr(c, c.offset), c_reg, 0, 1, p.NT * L, c.strides[-2], Flag.STORE)
-    ctx.end()

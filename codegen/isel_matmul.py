@@ -57,6 +57,7 @@ HEAD_GROUP_ROWS = 640  # DMA rows per load group of a pipelined first n-tile (mo
 HEAD_MAX_K_TILES = 64  # first n-tiles of up to this many k-tiles are pipelined (unrolled by group)
 MAX_M_TILE = 1024  # rows of A and C per m-tile: each m-tile pays a pipeline fill and drain
 UNROLL_BATCHES = 2  # batched matmuls of more batches run a batch loop
+MAX_RESIDENT_BATCHES = 32  # `_resident_batches` unrolls its batches
 MIN_N_TILE_PAIRS = 2  # n loops of fewer pairs of n-tiles are unrolled
 UNROLL_K_TILES = 4  # k loops up to this many tiles are unrolled, longer ones run as loops (more unrolled
 # tiles x up to 6 bf16 passes keep too many row constants live: allocation did not converge)
@@ -75,12 +76,15 @@ def lower_matmul(ctx: KernelContext, k: MatmulKernel) -> None:
     if trans_b and bm.strides[-2] != 1 and K > 1:
         raise LoweringError(f"matmul operand B is contiguous along neither dim: {bm.strides}")
     precision = "medium" if a.dtype == "bf16" and bm.dtype == "bf16" else ctx.matmul_precision
-    stream = isel_decode.plan(ctx.config, k, ctx.vmem_free())
+    prefetched = ctx.prefetch.stream if ctx.prefetch is not None else None  # planned with its prefetch
+    stream = prefetched or isel_decode.plan(ctx.config, k, ctx.vmem_free())
     if stream is not None:  # one row against a weight: streamed at HBM speed
         isel_decode.lower_decode_matmul(ctx, k, stream)
         return
     L = ctx.lanes
     KT, NT = -(-K // L), -(-Nn // L)
+    if _resident_batches(ctx, k, B, batched, KT, NT, trans_b, precision):
+        return
     plan = _layout(precision, M, KT, L, ctx.vmem_free())
     if plan is None:
         raise LoweringError(f"matmul {M}x{K}x{Nn} does not fit vmem (not even 8 rows and one k-tile)")
@@ -134,6 +138,67 @@ def lower_matmul(ctx: KernelContext, k: MatmulKernel) -> None:
         for m0, rows in rest:
             _m_tile(ctx, k, t, rows, _At(None, a0 + m0 * a.strides[-2]), _At(None, b0),
                     _At(None, c0 + m0 * c.strides[-2]))
+
+
+def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool, KT: int, NT: int,
+                      trans_b: bool, precision: str) -> bool:
+    """Many small matmuls (decode attention: q @ K^T and P @ V for each KV head) with every batch's A, B
+    and C in vmem at once: all loads issued back to back, one wait, the splits (fp32 parts), every batch's
+    MXU commands, one wait, all stores. The batch loop pays a DMA latency in and one out per batch; a
+    batch whose MXU work is shorter than a latency is worth that. False (nothing emitted) when it does not
+    apply or fit."""
+    a, bm, c = k.a, k.b, k.c
+    L, b = ctx.lanes, ctx.b
+    M, K = a.shape[-2:]
+    mt = -(-M // 8) * 8
+    names = ["hi_full", *RESIDUALS[precision]]  # hi in place, carrying nothing non-finite (`_layout`)
+    parts = len(names)
+    passes = [(names.index(pa if pa in names else "hi_full"), names.index(pb if pb in names else "hi_full"))
+              for pa, pb in PASSES[precision]]
+    need = B * parts * (KT * mt + 8 + NT * (KT * L + 8)) + B * NT * (mt + 8)
+    if not 1 < B <= MAX_RESIDENT_BATCHES or mt > MAX_M_TILE or len(passes) * NT * KT * mt > ctx.config.dma_latency \
+            or need > ctx.vmem_free():
+        return False
+    a_parts = [[ctx.region(KT * mt, f"a{q}_") for q in range(parts)] for _ in range(B)]
+    panels = [[[ctx.region(KT * L, f"b{q}_") for q in range(parts)] for _ in range(NT)] for _ in range(B)]
+    c_tiles = [[ctx.region(mt, "c") for _ in range(NT)] for _ in range(B)]
+    t = _Tiling(a_sets=[], b_sets=[], c_tiles=[], passes=passes, mt=mt, KT=KT, KC=KT, NT=NT, hi_full=False,
+                trans_b=trans_b, a_chunked=False)
+    if K % L and not trans_b:  # weight rows past K must be zero (0 x stale NaN / inf is NaN)
+        _zero_rows(ctx, [p[0] for row in panels for p in row], K // 8 * 8, KT * L)
+
+    def at(v: View, batch: int) -> int:
+        return v.offset + (v.strides[0] * batch if batched else 0)
+
+    def cols(nt: int) -> int:
+        return min(L, bm.shape[-1] - nt * L)
+
+    for i in range(B):
+        _dma_tiles(ctx, a, ctx.hbm_addr(a, at(a, i)), a_parts[i][0], mt, KT, M, K, Flag.LOAD, 0)
+        for nt in range(NT):
+            if trans_b:
+                hbm = ctx.hbm_addr(bm, at(bm, i) + nt * L * bm.strides[-1])
+                _dma_tiles(ctx, bm, hbm, panels[i][nt][0], L, KT, cols(nt), K, Flag.LOAD, 0)
+            else:
+                ctx.dma(True, bm.dtype, ctx.hbm_addr(bm, at(bm, i) + nt * L), panels[i][nt][0], 0, K, cols(nt),
+                        bm.strides[-2], Flag.LOAD, 0)
+    b.emit("wait", flag=ctx.flag(Flag.LOAD, 0))
+    if parts > 1:
+        for i in range(B):
+            _split(ctx, a_parts[i], KT * mt, False)
+            for nt in range(NT):
+                _split(ctx, panels[i][nt], KT * L, False)
+    commands = [(qa, qb, kt, kt) for qa, qb in passes for kt in range(KT)]
+    for i in range(B):
+        for nt in range(NT):
+            _mxu(ctx, t, a_parts[i], panels[i][nt], c_tiles[i][nt], commands, M, first=True, overwrite=True,
+                 parity=0)
+    b.emit("wait", flag=ctx.flag(Flag.MXU, 0))
+    for i in range(B):
+        for nt in range(NT):
+            ctx.dma(False, c.dtype, ctx.hbm_addr(c, at(c, i) + nt * L), c_tiles[i][nt], 0, M, cols(nt),
+                    c.strides[-2], Flag.STORE, 0)
+    return True
 
 
 @dataclass(frozen=True)
@@ -291,7 +356,6 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
         static_tile(nt)
     last = (NT - 1) % 2
     _store_c(ctx, t, t.c_tiles[last], c_addr((NT - 1) * L), rows, cols(NT - 1), c, last)
-    ctx.end()
 
 
 def _load_panel(ctx: KernelContext, k: MatmulKernel, t: _Tiling, a_at: _At, rows: int, at: _At, ncols: int, kc: int,

@@ -65,7 +65,8 @@ def lower_fill(ctx: KernelContext, k: FillKernel) -> None:
     lower_generic(ctx, gk)
 
 
-def lower_generic(ctx: KernelContext, k: GenericKernel) -> None:
+def _iteration(k: GenericKernel) -> tuple[list[int], list[list[int]]]:
+    """The iteration sizes and every operand's strides (inputs, then the output), size-1 outer dims dropped."""
     sizes = list(k.sizes) or [1]
     operands = [*k.inputs, k.output]
     strides = [list(o.iter_strides) or [0] for o in operands]
@@ -77,9 +78,22 @@ def lower_generic(ctx: KernelContext, k: GenericKernel) -> None:
     # around it from merging into rows ([1, H, 1, D] by [*, D, *, 1] is H rows, not H groups of one row,
     # each paying a DMA latency: a decode step's per-head permutes and rope)
     keep = [d for d in range(len(sizes) - 1) if sizes[d] != 1] + [len(sizes) - 1]
-    sizes = [sizes[d] for d in keep]
-    strides = [[st[d] for d in keep] for st in strides]
-    views = [o.view for o in operands]
+    return [sizes[d] for d in keep], [[st[d] for d in keep] for st in strides]
+
+
+def _merge_rows(outer: list[int], strides: list[list[int]]) -> tuple[int, int, list[int]]:
+    """(split, rows, row strides): the longest uniformly strided suffix of the outer dims merged into one
+    row dim; the dims before `split` stay groups."""
+    split = len(outer)
+    while split > 0 and (split == len(outer) or all(st[split - 1] == st[split] * outer[split] for st in strides)):
+        split -= 1
+    rows = math.prod(outer[split:]) if outer else 1
+    return split, rows, [st[len(outer) - 1] if len(outer) > split else 0 for st in strides]
+
+
+def lower_generic(ctx: KernelContext, k: GenericKernel) -> None:
+    sizes, strides = _iteration(k)
+    views = [o.view for o in [*k.inputs, k.output]]
     # transposed operands (stride along the row neither 0 nor 1) are copied into row order first
     for i, st in enumerate(strides[:-1]):
         if st[-1] not in (0, 1):
@@ -88,12 +102,7 @@ def lower_generic(ctx: KernelContext, k: GenericKernel) -> None:
         raise LoweringError("generic whose output is not laid out along the innermost iteration dim")
     C = sizes[-1]
     outer = sizes[:-1]
-    # merge the longest uniformly strided suffix of the outer dims into one row dim
-    split = len(outer)
-    while split > 0 and (split == len(outer) or all(st[split - 1] == st[split] * outer[split] for st in strides)):
-        split -= 1
-    rows = math.prod(outer[split:]) if outer else 1
-    row_strides = [st[len(outer) - 1] if len(outer) > split else 0 for st in strides]
+    split, rows, row_strides = _merge_rows(outer, strides)
     groups = outer[:split]
     N = ctx.lanes
     P = -(-C // N)
@@ -188,6 +197,11 @@ def _materialize(ctx: KernelContext, view: View, st: list[int], sizes: list[int]
     return View(name, 0, tuple(sizes), tuple(dense), view.dtype), dense
 
 
+def _reads_output(k: GenericKernel) -> bool:
+    """A reduction reads its output's initial value, unless a folded fill gave it (`GenericKernel.init`)."""
+    return k.reduction and k.init is None
+
+
 def _round8(rows: int) -> int:
     return max(8, -(-rows // 8) * 8)
 
@@ -196,7 +210,7 @@ def _choose_tile_rows(ctx: KernelContext, k: GenericKernel, streams: list[Stream
     """The most rows per tile (<= MAX_TILE_VMEM_ROWS vmem rows per operand) whose double-buffered tiles fit
     the free vmem."""
     out = streams[-1]
-    loads = streams[:-1] + ([out] if k.reduction else [])
+    loads = streams[:-1] + ([out] if _reads_output(k) else [])
 
     def need(t: int) -> int:
         total = 2 * _round8(t * (1 if k.reduction else P) + 8)
@@ -233,7 +247,7 @@ def _tile_buffers(ctx: KernelContext, k: GenericKernel, streams: list[Stream], r
     expanded: list[Region | None] = []
     for s in streams:
         per_row = P if s.kind == "row" else 1
-        loaded = s is not out or k.reduction  # a reduction reads its output's initial value
+        loaded = s is not out or _reads_output(k)
         tiles.append((ctx.region(tile_rows * per_row + 8, "in"), ctx.region(tile_rows * per_row + 8, "in"))
                      if loaded else None)
         expanded.append(ctx.region(tile_rows * P + 8, "bcast") if s.kind == "col" and s is not out else None)
@@ -248,7 +262,7 @@ def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buff
     run in a runtime loop; the last one or two tiles follow it (the last tile may be partial)."""
     b = ctx.b
     out = streams[-1]
-    loads = streams[:-1] + ([out] if k.reduction else [])  # a reduction reads its output's initial value
+    loads = streams[:-1] + ([out] if _reads_output(k) else [])  # a reduction reads its output's initial value
     tile_rows, out_tiles = buffers.tile_rows, buffers.out
     for s, tiles, expanded in zip(streams, buffers.tiles, buffers.expanded, strict=True):
         s.tiles, s.expanded = tiles, expanded
@@ -277,7 +291,7 @@ def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buff
                 _broadcast_rows(b, s.tiles[p], s.expanded, n, P, s.view.dtype in ("i32", "i1"))
         b.emit("wait", flag=ctx.flag(Flag.STORE, p))
         if k.reduction:
-            _reduce_tile(ctx, k.body, streams, p, out_tiles[p], n, C, P)
+            _reduce_tile(ctx, k.body, streams, p, out_tiles[p], n, C, P, k.init)
         else:
             _map_tile(ctx, k.body, streams, p, out_tiles[p], n, P)
         cols = 1 if k.reduction else C
@@ -363,12 +377,21 @@ def _map_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream], p:
 
 
 def _reduce_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream], p: int, out: Region, n: int,
-                 C: int, P: int) -> None:
+                 C: int, P: int, init_value: float | None) -> None:
     b = ctx.b
     out_arg = body.args[-1]
     combine_name, value = _split_reduction(body, out_arg)
     vop, red_l, red_s, identity = COMBINERS[combine_name]
-    init = streams[-1]
+
+    def initial(base: Reg, one_row: bool = False) -> Reg:
+        """The output's initial value at `base`: a folded fill's constant, else what the tile loaded."""
+        if init_value is not None:
+            return b.vconst_bits(int(np.float32(init_value).view(np.uint32)))
+        assert streams[-1].tiles is not None
+        if not one_row:
+            return _load(b, streams[-1], p, base)
+        region = streams[-1].tiles[p]
+        return b.vld(base, region.row, row_mem(region, base, 0, 1), "vld.row")
     if P == 1:
         def chunk(off: Reg) -> None:
             env = {s.arg: _load(b, s, p, off) for s in streams[:-1]}
@@ -376,7 +399,7 @@ def _reduce_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream],
             if C < ctx.lanes:
                 mask = b.vop("vcmp.lt.i", b.vop_imm("viota", 0), b.vconst_bits(C))
                 f = b.vop("vsel", mask, f, b.vconst_bits(identity))
-            _store(b, b.vop(vop, b.vop(red_l, f), _load(b, init, p, off)), out, off)
+            _store(b, b.vop(vop, b.vop(red_l, f), initial(off)), out, off)
 
         chunk_loop(b, -(-n // 8), chunk, "reduce")
         return
@@ -402,10 +425,7 @@ def _reduce_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream],
             f = b.vop("vsel", mask, f_at(row_base, 8 * plain), b.vconst_bits(identity))
             b.emit(vop, acc, (acc, f))
         total = b.vop(red_s, b.vop(red_l, acc))
-        assert init.tiles is not None
-        region = init.tiles[p]
-        iv = b.vld(t, region.row, row_mem(region, t, 0, 1), "vld.row")
-        _store(b, b.vop(vop, total, iv), out, t)
+        _store(b, b.vop(vop, total, initial(t, one_row=True)), out, t)
         b.emit("addi", row_base, (row_base,), imm=P)
 
     chunk_loop(b, n, row, "reduce_rows", step=1, ivs={row_base: P})
@@ -487,3 +507,165 @@ def evaluate(b: Builder, body: ScalarProgram, env: dict[str, Reg], result: str) 
         return values[name]
 
     return get(result)
+
+
+# ---- chains: consecutive small generics in one kernel -------------------------------------------------
+# At one token most kernels are a few KiB: each waits a DMA latency for loads of what the kernel before it
+# stored (a decode step's norms, rope and softmax pieces; 500 cycles each on `large`). A chain lowers a run
+# of them in one context: every load of the run is issued at its start and waited for once, and a member
+# reads what an earlier member wrote from that member's output tile in vmem (the tile holds exactly what
+# the store writes, and a load would bring back: bf16 values are bf16-exact, other types are raw words).
+# Every member still stores its output, so HBM ends as it would have.
+CHAIN_MAX_TILE_ROWS = 64  # vmem rows of one operand's single tile: chains are for small kernels
+CHAIN_MAX_MEMBERS = 16
+
+
+@dataclass
+class ChainMember:
+    """A generic that runs as one tile: every outer dim merged into `rows` rows of C elements (P vmem rows
+    a row), no operand to copy into row order first."""
+
+    kernel: GenericKernel
+    streams: list[Stream]
+    rows: int
+    C: int
+    P: int
+    out_tile: Region | None = None
+
+    def pitch(self, s: Stream) -> tuple[int, int]:
+        """(vmem rows, elements) a row of stream s takes in its tile."""
+        return (self.P, self.C) if s.kind == "row" else (1, 1)
+
+    def reads(self) -> list[Stream]:
+        return self.streams[:-1] + ([self.streams[-1]] if _reads_output(self.kernel) else [])
+
+
+@dataclass(eq=False)
+class KernelChain:
+    """Consecutive generics lowered as one kernel (`lower_chain`); `first` is the first member's index."""
+
+    first: int
+    members: list[ChainMember]
+
+
+def chain_member(k: object, lanes: int) -> ChainMember | None:
+    if not isinstance(k, GenericKernel):
+        return None
+    sizes, strides = _iteration(k)
+    if any(st[-1] not in (0, 1) for st in strides[:-1]) or strides[-1][-1] not in (0, 1) \
+            or (strides[-1][-1] == 0) != k.reduction:
+        return None
+    split, rows, row_strides = _merge_rows(sizes[:-1], strides)
+    C, P = sizes[-1], -(-sizes[-1] // lanes)
+    if split or rows * P > CHAIN_MAX_TILE_ROWS:
+        return None
+    operands = [*k.inputs, k.output]
+    streams = [Stream(o.view, rs, o.view.offset, "row" if st[-1] == 1 else "col", arg)
+               for o, rs, st, arg in zip(operands, row_strides, strides, k.body.args, strict=True)]
+    return ChainMember(k, streams, rows, C, P)
+
+
+def _forwards(writer: ChainMember, reader: ChainMember, s: Stream) -> bool:
+    """Whether `reader`'s stream s can read `writer`'s output tile as its own: the same rows of the buffer
+    at the same vmem pitch, s reading a row's first element or all of them."""
+    out = writer.streams[-1]
+    if out.view.buffer != s.view.buffer or out.base != s.base or writer.rows != reader.rows:
+        return False
+    if reader.rows > 1 and out.row_stride != s.row_stride:
+        return False
+    (pw, ew), (pr, er) = writer.pitch(out), reader.pitch(s)
+    return (pw, ew) == (pr, er) or (er == 1 and pw == 1)
+
+
+def _tile_rows_needed(m: ChainMember, forwarded: set[int]) -> int:
+    rows = _round8(m.rows * m.pitch(m.streams[-1])[0] + 8)
+    for s in m.reads():
+        if id(s) not in forwarded:
+            rows += _round8(m.rows * m.pitch(s)[0] + 8)
+    return rows + sum(_round8(m.rows * m.P + 8) for s in m.streams[:-1] if s.kind == "col")
+
+
+def form_chains(kernels: list[tuple[object, int]], lanes: int, vmem_rows: int) -> list[tuple[object, int]]:
+    """`kernels` (what each kernel lowers to, its segment: compiler._emitted_kernels) with every run of two or
+    more chainable generics of one segment replaced by one KernelChain (at each member's index). A run
+    ends where a member would read a buffer an earlier member wrote other than as that member's output
+    tile holds it, or where the members' tiles would take more than `vmem_rows`."""
+    out = list(kernels)
+    i = 0
+    while i < len(kernels):
+        members: list[ChainMember] = []
+        written: dict[str, ChainMember] = {}
+        rows = 0
+        j = i
+        while j < len(kernels) and len(members) < CHAIN_MAX_MEMBERS and kernels[j][1] == kernels[i][1]:
+            m = chain_member(kernels[j][0], lanes)
+            if m is None:
+                break
+            forwarded = set()
+            for s in m.reads():
+                w = written.get(s.view.buffer)
+                if w is not None and not _forwards(w, m, s):
+                    break
+                if w is not None:
+                    forwarded.add(id(s))
+            else:
+                need = _tile_rows_needed(m, forwarded)
+                if rows + need <= vmem_rows:
+                    rows += need
+                    members.append(m)
+                    written[m.streams[-1].view.buffer] = m
+                    j += 1
+                    continue
+            break
+        if len(members) >= 2:
+            chain = KernelChain(i, members)
+            for n in range(i, j):
+                out[n] = (chain, kernels[n][1])
+            i = j
+        else:
+            i += 1
+    return out
+
+
+def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
+    """Every member's loads (but what an earlier member's output tile holds) at once, one wait, then each
+    member computes into its output tile and stores it."""
+    b = ctx.b
+    written: dict[str, ChainMember] = {}
+    loads: list[tuple[Stream, ChainMember]] = []
+    for m in chain.members:
+        for s in m.reads():
+            w = written.get(s.view.buffer)
+            if w is not None:
+                assert w.out_tile is not None and _forwards(w, m, s)
+                s.tiles = (w.out_tile, w.out_tile)
+            else:
+                tile = ctx.region(m.rows * m.pitch(s)[0] + 8, "in")
+                s.tiles = (tile, tile)
+                loads.append((s, m))
+        for s in m.streams[:-1]:
+            s.expanded = ctx.region(m.rows * m.P + 8, "bcast") if s.kind == "col" else None
+        m.out_tile = ctx.region(m.rows * m.pitch(m.streams[-1])[0] + 8, "out")
+        written[m.streams[-1].view.buffer] = m
+    for s, m in loads:
+        assert s.tiles is not None
+        ctx.dma(True, s.view.dtype, ctx.hbm_addr(s.view, s.base), s.tiles[0], 0, m.rows, m.pitch(s)[1],
+                s.row_stride, Flag.LOAD)
+    if loads:
+        b.emit("wait", flag=ctx.flag(Flag.LOAD))
+    for m in chain.members:
+        # a block per member: the list scheduler, which works per block, keeps each member's register
+        # pressure its own (two sin / cos range reductions interleaved did not fit the registers)
+        b.new_block("chain_member")
+        k, out = m.kernel, m.streams[-1]
+        assert m.out_tile is not None
+        for s in m.streams[:-1]:
+            if s.expanded is not None:
+                assert s.tiles is not None
+                _broadcast_rows(b, s.tiles[0], s.expanded, m.rows, m.P, s.view.dtype in ("i32", "i1"))
+        if k.reduction:
+            _reduce_tile(ctx, k.body, m.streams, 0, m.out_tile, m.rows, m.C, m.P, k.init)
+        else:
+            _map_tile(ctx, k.body, m.streams, 0, m.out_tile, m.rows, m.P)
+        ctx.dma(False, out.view.dtype, ctx.hbm_addr(out.view, out.base), m.out_tile, 0, m.rows, m.pitch(out)[1],
+                out.row_stride, Flag.STORE)

@@ -85,6 +85,7 @@ class GenericKernel:
     body: ScalarProgram
     text: str = ""
     origin: tuple[str, str] = ("", "")  # (FX node, nn.Module path) from its MLIR location
+    init: float | None = None  # a reduction's initial output value, from a fill folded into it (not loaded)
 
 
 @dataclass
@@ -273,11 +274,11 @@ def _read_op(op: ir.Operation, g: KernelGraph, views: dict[str, View], constants
 
 
 def _fold_transposed_weights(g: KernelGraph) -> None:
-    """`x @ W.T` (nn.Linear's weight [out, in]) reaches the reader as a copy of W transposed into a dense
-    temporary, read only as a matmul's B: the matmul reads W itself instead, as a B view contiguous along
-    K (isel_matmul loads its rows with `mxu.lwt`), and the copy goes. Only when nothing writes W between
-    the copy and the matmul and the temporary has no other reader."""
-    for mm in [k for k in g.kernels if isinstance(k, MatmulKernel) and len(k.b.shape) == 2]:
+    """`x @ W.T` (nn.Linear's weight [out, in]; per batch, `q @ k.transpose(-1, -2)`) reaches the reader as
+    a copy of W transposed into a dense temporary, read only as a matmul's B: the matmul reads W itself
+    instead, as a B view contiguous along K (isel_matmul loads its rows with `mxu.lwt`), and the copy goes.
+    Only when nothing writes W between the copy and the matmul and the temporary has no other reader."""
+    for mm in [k for k in g.kernels if isinstance(k, MatmulKernel)]:
         tmp = mm.b
         buf = g.buffers[tmp.buffer]
         users = [k for k in g.kernels if any(v.buffer == tmp.buffer for v in views_of(k))]
@@ -290,8 +291,8 @@ def _fold_transposed_weights(g: KernelGraph) -> None:
                 or copy.output.view != tmp or copy.output.iter_strides != tmp.strides:
             continue
         src = copy.inputs[0]
-        K = tmp.shape[0]
-        if src.view.dtype != tmp.dtype or (src.iter_strides[0] != 1 and K > 1):
+        K = tmp.shape[-2]
+        if src.view.dtype != tmp.dtype or (src.iter_strides[-2] != 1 and K > 1):
             continue
         first, last = g.kernels.index(copy), g.kernels.index(mm)
         if any(_written(k) == src.view.buffer for k in g.kernels[first + 1:last]):

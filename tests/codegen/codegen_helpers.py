@@ -58,9 +58,10 @@ POISON_BITS = 0x7FC00001  # a quiet NaN: what a vmem row no one wrote may hold o
 def run_with_poisoned_vmem(exe: Executable, inputs: list[np.ndarray]) -> list[np.ndarray]:
     """Run `exe` on a fresh simulator that overwrites all of vmem but the argument table (with a layer
     loop's address window and cursor) with NaN each time a kernel starts. A kernel owns vmem (isel_common:
-    nothing lives from one kernel into the next), so a correct program gives the same bits as on a zeroed
-    vmem; a kernel that reads a row it never wrote (in the plain run: zeros, or whatever the kernels before
-    it left there) now computes with NaN."""
+    nothing lives from one kernel into the next but the rows a summary entry names `vmem_carried`, a decode
+    stream's prefetched weights), so a correct program gives the same bits as on a zeroed vmem; a kernel
+    that reads a row it never wrote (in the plain run: zeros, or whatever the kernels before it left there)
+    now computes with NaN."""
     hbm, addrs, arena, regs = stage(exe, inputs)
     sim = Simulator(exe.hardware)
     sim.m.hbm = hbm
@@ -68,14 +69,17 @@ def run_with_poisoned_vmem(exe: Executable, inputs: list[np.ndarray]) -> list[np
     compiled = [k for k in exe.summary["kernels"] if "start" in k]
     starts = [k["start"] for k in compiled]
     runs = {k["start"]: k.get("runs", 1) for k in compiled}
+    carried = {k["start"]: k.get("vmem_carried") for k in compiled}
     args = exe.summary["vmem_table_rows"]
     poisoned: dict[int, int] = {}
 
     def poison(m, op, t, pc: int) -> None:
         poisoned[pc] = poisoned.get(pc, 0) + 1
-        table = m.vmem[args[0]:args[1]].copy()
+        kept = [args] + ([carried[pc]] if carried[pc] else [])
+        saved = [m.vmem[lo:hi].copy() for lo, hi in kept]
         m.vmem[:] = POISON_BITS
-        m.vmem[args[0]:args[1]] = table
+        for (lo, hi), rows in zip(kept, saved, strict=True):
+            m.vmem[lo:hi] = rows
 
     for pc in starts:
         sim.decoded[pc].ops.insert(0, (functools.partial(poison, pc=pc), None))

@@ -14,7 +14,7 @@ import pytest
 import torch
 from codegen_helpers import run_with_poisoned_vmem, trace
 
-from codegen import compile_graph
+from codegen import compile_graph, isel_matmul
 from codegen.isel_matmul import _layout
 from device_sim.executable import run_fresh
 from device_sim.runners import SimulatorRunner
@@ -28,6 +28,7 @@ CASES = [  # (config, A shape, B shape, dtype): K below, between and at multiple
     ("large", (16, 128), (128, 32), torch.float32),
     ("large", (16, 16), (16, 64), torch.bfloat16),
     ("large", (8, 16, 16), (8, 16, 16), torch.float32),  # batched (a batch loop): attention's P @ V
+    ("large", (8, 4, 18), (8, 18, 64), torch.bfloat16),  # batched bf16, every batch resident: decode's P @ V
     ("small", (16, 12), (12, 8), torch.float32),
     ("small", (4, 3, 20), (4, 20, 5), torch.float32),
 ]
@@ -134,3 +135,41 @@ def test_bf16_gemm_keeps_the_mxu_busy_on_large() -> None:
 
     torch.manual_seed(0)
     assert gemm(1024, "large")["mxu_utilization"] >= 0.93
+
+
+# ---- decode attention: many small bf16 matmuls with every batch resident in vmem ------------------------
+# issue 13: at one token, q @ K^T and P @ V run one small matmul per KV head; as a batch loop each head paid
+# a DMA latency in and one out (10,492 and 12,891 cycles a kernel on the 1B geometry, 8 KV heads).
+def _bmm_kt(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    return torch.bmm(q, k.transpose(1, 2))
+
+
+@pytest.mark.parametrize(("heads", "rows", "d", "keys", "fn"), [
+    (8, 4, 64, 18, "qk"),  # the 1B geometry at one token: 32 query heads over 8 KV heads, head dim 64
+    (8, 4, 64, 18, "pv"),
+    (4, 2, 128, 301, "qk"),  # head dim 128, an odd context over three n-tiles
+    (4, 2, 128, 301, "pv"),  # K = 301: weight rows past it zeroed in every batch's panels
+], ids=str)
+def test_resident_batches_pay_one_latency_not_one_per_batch(heads: int, rows: int, d: int, keys: int, fn: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    q = torch.randn(heads, rows, d).bfloat16()
+    kv = torch.randn(heads, keys, d).bfloat16()
+    p = torch.softmax(torch.randn(heads, rows, keys), -1).bfloat16()
+    kv[0, 3, 5] = float("inf")  # specials reach the outputs they touch and no other
+    kv[1, 7, 1] = float("nan")
+    args = [q, kv] if fn == "qk" else [p, kv]
+    cg = compile_graph(trace(_bmm_kt if fn == "qk" else torch.matmul, *args), args, "large")
+    assert [k["kind"] for k in cg.summary["kernels"]] == ["matmul"]
+    inputs = [t.float().numpy() for t in args]
+    (out,) = run_with_poisoned_vmem(cg, inputs)
+    a, b = (t.double() for t in args)
+    ref = (a @ b.transpose(-1, -2) if fn == "qk" else a @ b).numpy()
+    np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    _, stats = run_fresh(cg, inputs, SimulatorRunner("large"))
+    monkeypatch.setattr(isel_matmul, "MAX_RESIDENT_BATCHES", 0)  # the batch loop, for comparison
+    looped = compile_graph(trace(_bmm_kt if fn == "qk" else torch.matmul, *args), args, "large")
+    (out_looped,), loop_stats = run_fresh(looped, inputs, SimulatorRunner("large"))
+    np.testing.assert_array_equal(out, out_looped)
+    # resident: the program's entry, the loads, the MXU, the stores; the loop paid a latency a batch
+    assert stats.cycles < loop_stats.cycles - (heads - 2) * cg.hardware.dma_latency

@@ -1,0 +1,166 @@
+"""What a kernel boundary costs (issue 13): a kernel's last stores drain while the next kernel starts, a fill
+that the next kernel overwrites whole is folded into it, and the small kernels before a decode projection
+load its first weights.
+
+Each kernel used to end waiting on all of its flags, so every boundary paid a store's DMA latency before
+the next kernel's loads could even issue: two latencies a kernel, 500 cycles each on `large`. A decode
+step is a chain of ~100 kernels, most of them moving a few KiB."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from codegen_helpers import compile_and_run, run_with_poisoned_vmem, trace
+
+from codegen import compile_graph, compiler
+from codegen.builder import Builder
+from codegen.errors import CapacityError
+from codegen.isel_common import STORE_FLAGS, Flag, guard_stores_in_flight
+from codegen.isel_decode import plan_prefetches
+from codegen.isel_vector import KernelChain
+from codegen.kernel_graph import FillKernel, MatmulKernel, View
+from codegen.mir import Function, Mem
+from device_sim.config import get_config
+from device_sim.executable import run_fresh
+from device_sim.runners import SimulatorRunner
+
+
+def _waits(func: Function) -> list[int]:
+    return [i.flag for i in func.blocks[0].instrs if i.op == "wait"]
+
+
+def test_a_kernel_that_writes_vmem_first_waits_for_the_stores_in_flight() -> None:
+    f = Function()
+    b = Builder(f)
+    b.vst(b.vconst(0.0), b.const(0), 64, Mem("out", 0, 8, True))  # a fill: vmem written before any load
+    guard_stores_in_flight(f)
+    ops = [i.op for i in f.blocks[0].instrs]
+    assert _waits(f) == list(STORE_FLAGS)
+    assert ops.index("vst") > max(k for k, op in enumerate(ops) if op == "wait")
+
+
+def test_a_wait_on_its_own_load_covers_the_stores_in_flight() -> None:
+    # one DMA channel completes commands in issue order: this kernel's load lands after the stores before it
+    f = Function()
+    b = Builder(f)
+    shape = b.const(8 << 16 | 8)
+    b.emit("dma.ld", None, (b.const(0), b.const(64), shape, b.const(8)), flag=Flag.LOAD, mem=(Mem("in", write=True),))
+    b.emit("wait", flag=Flag.LOAD)
+    b.vst(b.vld(b.const(0), 64, Mem("in", 0, 8)), b.const(0), 128, Mem("out", 0, 8, True))
+    guard_stores_in_flight(f)
+    assert _waits(f) == [Flag.LOAD]
+
+
+def test_a_chain_of_small_kernels_pays_one_latency() -> None:
+    # three reductions in a chain, each reading the one before: on `large` (latency 500) they lower as one
+    # KernelChain: every load issued at once and waited for once, a member reading what the one before it
+    # wrote from its output tile in vmem; each member still stores its output
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        s = x.sum(-1, keepdim=True)
+        m = (x / s).amax(-1, keepdim=True)
+        return (x - m).exp().sum(-1)
+
+    x = torch.rand(5, 40) + 0.5  # little work: the cycles are the latencies
+    x[0, 3] = float("nan")  # a NaN row stays NaN through the forwarded tiles
+    x[1] = 1e-40  # subnormal rows
+    outs, refs, cg = compile_and_run(chain, x, config="large")
+    np.testing.assert_allclose(outs[0], refs[0], rtol=1e-5)
+    kernels = cg.summary["kernels"]
+    assert [k.get("chained_into") for k in kernels] == [None, 0, 0]
+    assert [k["bundles"] > 0 for k in kernels] == [True, False, False]
+    # the argument table, the chain's loads and its last store: three latencies and the work (1,661 cycles;
+    # 2,689 when each kernel waited for its own loads, 3,687 when every kernel also waited for its stores)
+    assert cg.last_stats.cycles < 4 * cg.hardware.dma_latency
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fills_are_folded_into_the_reductions_they_initialize(dtype: torch.dtype) -> None:
+    # the sum's 0 and the max's -inf become the reductions' initial values: no fill kernel, and the edge
+    # rows still reduce as eager does (all -inf, a NaN, +-0, the largest finite values)
+    x = torch.randn(9, 300).to(dtype)
+    x[1] = float("-inf")
+    x[2, 7] = float("nan")
+    x[3] = -0.0
+    x[4, :2] = torch.finfo(dtype).max
+
+    def stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.float().sum(-1), x.float().amax(-1)
+
+    cg = compile_graph(trace(stats, x), [x], "large")
+    assert "fill" not in [k["kind"] for k in cg.summary["kernels"]]
+    outs = run_with_poisoned_vmem(cg, [x.float().numpy()])
+    for out, ref in zip(outs, stats(x), strict=True):
+        np.testing.assert_allclose(out, ref.numpy(), rtol=1e-5)
+        np.testing.assert_array_equal(np.signbit(out[3]), np.signbit(ref[3].numpy()))
+
+
+def _norm_then_project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    h = xf * torch.rsqrt((xf * xf).mean(-1, keepdim=True) + 1e-6)
+    return torch.nn.functional.linear(h.bfloat16(), w)
+
+
+def test_the_kernels_before_a_decode_projection_prefetch_its_first_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    # RMSNorm then x[1, 2048] @ W.T (W [2048, 2048] bf16) on `large`: the norm's small kernels load the
+    # projection's first two weight groups while they wait for their own loads; same bits, fewer cycles
+    torch.manual_seed(0)
+    x, w = torch.randn(1, 2048).bfloat16(), (torch.randn(2048, 2048) / 45).bfloat16()
+    w[5, 7], w[9, 3] = float("inf"), float("nan")  # in the first group: they reach their columns
+    inputs = [x.float().numpy(), w.float().numpy()]
+    cg = compile_graph(trace(_norm_then_project, x, w), [x, w], "large")
+    kernels = [k for k in cg.summary["kernels"] if k.get("bundles")]
+    assert [k["kind"] for k in kernels][-1] == "matmul" and all("vmem_carried" in k for k in kernels)
+    (out,) = run_with_poisoned_vmem(cg, inputs)  # the prefetched rows are the only vmem kept
+    _, stats = run_fresh(cg, inputs, SimulatorRunner("large"))
+    monkeypatch.setattr(compiler, "plan_prefetches", lambda *_: {})
+    plain = compile_graph(trace(_norm_then_project, x, w), [x, w], "large")
+    (out_plain,), plain_stats = run_fresh(plain, inputs, SimulatorRunner("large"))
+    np.testing.assert_array_equal(out.view(np.uint32), out_plain.view(np.uint32))
+    assert np.isinf(out[0, 5]) and np.isnan(out[0, 9])
+    ref = _norm_then_project(x, w).float().numpy()
+    finite = np.isfinite(ref)
+    np.testing.assert_allclose(out[finite], ref[finite], rtol=2e-2, atol=2e-2)
+    # the first group lands during the norm instead of a group's transfer and a latency into the stream
+    assert stats.cycles < plain_stats.cycles - cg.hardware.dma_latency
+
+
+def test_a_chain_that_cannot_be_allocated_compiles_as_its_members(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a chain's members share one block, where the list scheduler may interleave them past what registers
+    # hold (the mini Llama's two rope range reductions did: its norm and q projection ran on the CPU); the
+    # graph is then compiled again with every member a kernel of its own, and says so in its summary
+    real = compiler.compile_functions
+
+    def refuse_chains(funcs: list[Function], **kw: object) -> object:
+        if any("KernelChain" in f.name for f in funcs):
+            raise CapacityError("register allocation did not converge")
+        return real(funcs, **kw)
+
+    monkeypatch.setattr(compiler, "compile_functions", refuse_chains)
+
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        return (x - x.amax(-1, keepdim=True)).exp().sum(-1)
+
+    x = torch.randn(5, 40)
+    x[2] = float("-inf")
+    outs, refs, cg = compile_and_run(chain, x, config="large")
+    np.testing.assert_allclose(outs[0], refs[0], rtol=1e-5)
+    assert cg.summary["chains_undone"] == ["register allocation did not converge"]
+    assert all("chained_into" not in k for k in cg.summary["kernels"])
+
+
+def test_each_prefetch_issuer_loads_its_own_group_of_the_ring_half() -> None:
+    # a chain spans several kernel indices but is one issuer: the issuers before a stream load groups 0 and
+    # 1 of its first ring half (the second issuer's group was its distance from the first kernel: 2 here,
+    # past the reserved rows: a trap on the 1B geometry), and the stream follows the plan they used
+    cfg = get_config("large")
+    w = View("w", 0, (2048, 2048), (1, 2048), "bf16")  # W.T of nn.Linear's [out, in] weight
+    stream = MatmulKernel(View("x", 0, (1, 2048), (2048, 1), "bf16"), w, View("y", 0, (1, 2048), (2048, 1), "f32"))
+    chain = KernelChain(0, [])
+    fill = FillKernel(View("t", 0, (8, 128), (128, 1), "f32"), 0.0)
+    out = plan_prefetches(cfg, [(chain, 0), (chain, 0), (fill, 0), (stream, 0)], cfg.vmem_rows - 64)
+    issued = [out[m].issue for m in range(3)]
+    assert [i[2] if i else None for i in issued] == [0, None, 1]
+    plan = issued[0][1] if issued[0] else None
+    assert out[3].prefetched == 2 and out[3].stream == plan is not None
+    assert {out[m].reserved for m in range(4)} == {(cfg.vmem_rows - 2 * plan.G * cfg.lanes, cfg.vmem_rows)}
