@@ -361,37 +361,47 @@ def _index(e: MlirEmitter, x: TValue, indices: Any) -> TValue:
 
 @_reg(aten.index_select.default)
 def _index_select(e: MlirEmitter, x: TValue, dim: int, index: TValue) -> TValue:
-    """x's slices at `index` along dim (one of the last two): index.Tensor's row gather; a 0-d index keeps the
-    dim (size 1). No wrapping: a negative index traps, and the call runs on the CPU, where eager raises.
-    Slices of two or more dims are refused: the row gather's reshape folds into its load (a LoweringError)."""
+    """x's slices at `index` along any dim: index.Tensor's row gather; a 0-d index keeps the dim (size 1). No
+    wrapping: a negative index traps, and the call runs on the CPU, where eager raises."""
     d = _norm_dim(dim, len(x.shape)) if x.shape else 0
-    if not x.shape or index.dtype != "i32" or len(index.shape) > 1 or len(x.shape) - d > 2:
-        raise UnsupportedOp(f"index_select of a {x.type} at a {index.type} along dim {dim} (one of the last two)")
+    if not x.shape or index.dtype != "i32" or len(index.shape) > 1:
+        raise UnsupportedOp(f"index_select of a {x.type} at a {index.type} along dim {dim}")
     index = index if index.shape else e.reshape(index, (1,))
     return _gather_rows_at(e, x, d, index, wrap=False)
 
 
 def _gather_rows_at(e: MlirEmitter, x: TValue, d: int, idx: TValue, wrap: bool) -> TValue:
-    """out[l.., j.., r..] = x[l.., idx[j..], r..] (shape x.shape[:d] + idx.shape + x.shape[d+1:]): one row gather
-    of x viewed as [prod(lead) * size, prod(rest)] at the row l * size + idx[j]. An index outside [0, size) (after
-    wrapping a negative one when `wrap`) becomes the row -1, which the gather kernel poisons: the launch traps."""
+    """out[l.., j.., m.., c] = x[l.., idx[j..], m.., c] (shape x.shape[:d] + idx.shape + x.shape[d+1:]): one row
+    gather of x viewed as [rows, last dim] at the row ((l * size + idx[j]) * prod(m) + m) for each (l, j, m)
+    (rows of x's last dim, so the table and the result are x and the output with their leading dims merged:
+    a gather of whole [m.., c] blocks would reshape them inside its load, which the kernel reader refuses).
+    Along the last dim the rows are single elements. An index outside [0, size) (after wrapping a negative
+    one when `wrap`) becomes the row -1, which the gather kernel poisons: the launch traps."""
     lead, size, rest = x.shape[:d], x.shape[d], x.shape[d + 1:]
-    rank = len(lead) + len(idx.shape)
+    middle, width = (rest[:-1], rest[-1]) if rest else ((), 1)
+    first_middle = len(lead) + len(idx.shape)
+    rank = first_middle + len(middle)
 
     def row(args: list[str], w: BodyWriter) -> str:
         w.dtype = "i32"
         i = _wrapped_index(args[0], size, w) if wrap else args[0]
-        base = w.const_int(0)  # the lead dims' flat index, times size
+
+        def flat(acc: str, n: int, at: str) -> str:  # acc * n + at
+            return w.op("arith.addi", w.op("arith.muli", acc, w.const_int(n), dtype="i32"), at, dtype="i32")
+
+        r = w.const_int(0)
         for k, n in enumerate(lead):
-            base = w.op("arith.addi", w.op("arith.muli", base, w.const_int(n), dtype="i32"), w.index(k), dtype="i32")
-        r = w.op("arith.addi", w.op("arith.muli", base, w.const_int(size), dtype="i32"), i, dtype="i32")
+            r = flat(r, n, w.index(k))
+        r = flat(r, size, i)
+        for k, n in enumerate(middle):
+            r = flat(r, n, w.index(first_middle + k))
         return w.select(_in_range(i, size, w), r, w.const_int(-1), "i32")
 
-    shape = (*lead, *idx.shape)
-    idx_map = affine_map(rank, [f"d{k}" for k in range(len(lead), rank)])
+    shape = (*lead, *idx.shape, *middle)
+    idx_map = affine_map(rank, [f"d{k}" for k in range(len(lead), first_middle)])
     ids = e.generic([idx], [idx_map, affine_map(rank)], e.empty(shape, "i32"), ["parallel"] * rank, row)
-    table = e.reshape(x, (math.prod(lead) * size, math.prod(rest)))
-    return e.reshape(e.gather_rows(table, ids), (*shape, *rest))
+    table = e.reshape(x, (math.prod(lead) * size * math.prod(middle), width))
+    return e.reshape(e.gather_rows(table, ids), (*lead, *idx.shape, *rest))
 
 
 def _checked_index(e: MlirEmitter, idx: TValue, size: int, wrap: bool) -> TValue:

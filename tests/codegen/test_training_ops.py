@@ -196,6 +196,23 @@ def test_sign_amin_mean_and_index_select() -> None:
     assert not np.signbit(outs[0]).reshape(-1)[:3].any()  # sign(NaN), sign(-0.0), sign(0.0) are +0.0
 
 
+def test_index_select_and_index_along_outer_dims() -> None:
+    """index_select along any dim of a rank-4 tensor, and x[:, idx] with a 2-D index (negative ones from the
+    end): rows of the last dim gathered at ((l * size + idx) * prod(middle) + m); exact bits (NaN, -0.0).
+    Along an outer dim the gather of whole blocks was refused, and the op ran on the CPU."""
+    x = torch.randn(5, 3, 4, 6)
+    x.view(-1)[:3] = torch.tensor([math.nan, -0.0, -math.inf])
+    i, k = torch.tensor([4, 0, 4], dtype=torch.int32), torch.tensor([2, 0, 2], dtype=torch.int32)
+    j = torch.tensor([[2, -1], [0, 0]])
+    outs, refs, _ = compile_and_run(lambda x, i, k, j: (
+        torch.index_select(x, 0, i), torch.index_select(x, 1, k), torch.index_select(x, 2, k) * 2.0,
+        torch.index_select(x, 3, i), x[:, j] + 1.0, torch.index_select(x, 0, i[0])), x, i, k, j)
+    for o, r in zip(outs, refs, strict=True):
+        assert o.shape == r.shape
+        np.testing.assert_array_equal(o, r)
+        assert (np.signbit(o) == np.signbit(r)).all()
+
+
 def test_integer_sign_is_exact() -> None:
     x = torch.tensor([-(2**30) - 1, -1, 0, 1, 2**24 + 1, 7], dtype=torch.int32)
     check(lambda x: (torch.sign(x), torch.sign(x) * x), x, rtol=0, atol=0)

@@ -379,6 +379,9 @@ BACKWARD_CASES: dict[str, tuple[Callable[..., torch.Tensor], Callable[[], tuple[
     "gather": (lambda x, i: torch.gather(x, 1, i) * 2.0,  # scatter_add, duplicates summed
                lambda: (torch.randn(4, 9), torch.tensor([[0, 0, 8], [1, 2, 1], [5, 5, 5], [3, 7, 0]]))),
     "index_select": (lambda x, i: x.index_select(1, i) * 2.0, lambda: (torch.randn(4, 9), torch.tensor([3, 0, 3, 8]))),
+    # along an outer dim of a rank-3 tensor: the forward's gather ran on the CPU
+    "index_select_dim0_of_3d": (lambda x, i: x.index_select(0, i) * 2.0,
+                                lambda: (torch.randn(5, 3, 4), torch.tensor([4, 0, 4]))),
 }
 
 
