@@ -1174,27 +1174,43 @@ def _repeat(e: MlirEmitter, x: TValue, repeats: Any) -> TValue:
 
 @_reg(aten.cumsum.default)
 def _cumsum(e: MlirEmitter, x: TValue, dim: int, dtype: Any = None) -> TValue:
-    """Inclusive prefix sum along the last dim: out[.., j] = sum over k <= j of x[.., k], a reduction generic
-    over (.., j, k) with the terms k > j selected away (f32 accumulation: integers exact below 2^24; float
-    sums in the reduction's pairwise order, not eager's sequential one). Quadratic in the length: meant
-    for position ids and masks."""
+    """Inclusive prefix sum along any dim d: out[.., j, ..] = sum over k <= j of x[.., k, ..], a reduction
+    generic over (x's dims, k) reading x with k in place of d, the terms k > j selected away (f32 accumulation:
+    integers exact below 2^24, and through limbs above; float sums in the reduction's pairwise order, not
+    eager's sequential one). Quadratic in the length: meant for position ids, masks and their backward."""
     rank = len(x.shape)
-    if not rank or _norm_dim(dim, rank) != rank - 1:
-        raise UnsupportedOp(f"cumsum over dim {dim} of a rank-{rank} tensor (only the last dim)")
+    if not rank:
+        raise UnsupportedOp("cumsum of a 0-d tensor")
+    d = _norm_dim(dim, rank)
     out_dtype = _creation_dtype(dtype) if dtype is not None else x.dtype if x.dtype in ("f32", "bf16") else "i32"
     if x.dtype == "i32" and out_dtype == "i32":
-        return _by_limbs(e, x, x.shape[-1], lambda limb: _cumsum(e, limb, dim, torch.float32))
+        return _by_limbs(e, x, x.shape[d], lambda limb: _cumsum(e, limb, d, torch.float32))
     init = e.fill(0.0, x.shape, "f32")
+    if d != rank - 1:  # a row gather (flip, index_select) fused in here would read its row at k, not at the
+        x = e.fusion_barrier(x)  # innermost loop index: a load the kernel reader refuses
 
     def body(args: list[str], w: BodyWriter) -> str:
-        keep = w.cmp("sle", w.index(rank), w.index(rank - 1), "i32")  # k <= j
+        keep = w.cmp("sle", w.index(rank), w.index(d), "i32")  # k <= j
         term = w.select(keep, w.cast(args[0], x.dtype, "f32"), w.const(0.0, "f32"))
         return w.op("arith.addf", term, args[1], dtype="f32")
 
-    outer = [f"d{i}" for i in range(rank - 1)]
-    maps = [affine_map(rank + 1, [*outer, f"d{rank}"]), affine_map(rank + 1, [*outer, f"d{rank - 1}"])]
+    at_k = [f"d{rank}" if i == d else f"d{i}" for i in range(rank)]
+    maps = [affine_map(rank + 1, at_k), affine_map(rank + 1, [f"d{i}" for i in range(rank)])]
     sums = e.generic([x], maps, init, ["parallel"] * rank + ["reduction"], body)
     return sums if out_dtype == "f32" else e.elementwise([sums], lambda v, w: v[0], dtype=out_dtype)
+
+
+@_reg(aten.flip.default)
+def _flip(e: MlirEmitter, x: TValue, dims: Any) -> TValue:
+    """x reversed along `dims` (cumsum's backward flips, sums, flips back): per dim a row gather at the
+    positions size - 1 - i (`_gather_rows_at`, exact bits of any dtype); an indexing map d -> size - 1 - d is
+    one the kernel reader refuses."""
+    for d in sorted({_norm_dim(int(k), len(x.shape)) for k in dims}):
+        size = x.shape[d]
+        reversed_positions = e.iota((size,), lambda i, w, n=size: w.op("arith.subi", w.const_int(n - 1), i[0],
+                                                                         dtype="i32"), "i32")
+        x = _gather_rows_at(e, x, d, reversed_positions, wrap=False)
+    return x
 
 
 # ---- ctpu fused ops (docs/fused_ops.md), by their decomposition -------------------------------------

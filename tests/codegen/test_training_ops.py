@@ -213,6 +213,27 @@ def test_index_select_and_index_along_outer_dims() -> None:
         assert (np.signbit(o) == np.signbit(r)).all()
 
 
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_cumsum_and_flip_over_any_dim(dim: int) -> None:
+    """cumsum over any dim (float with edge values; int32, through limbs) and flip (row
+    gathers at size - 1 - i: exact bits, NaN and -0.0), cumsum's backward flip(cumsum(flip(g))) fused: over an
+    outer dim they ran on the CPU."""
+    x = torch.randn(4, 6, 5)
+    x.view(-1)[:4] = torch.tensor([math.nan, -0.0, math.inf, 1e-40])
+    n = torch.randint(-(2**20), 2**20, (4, 6, 5), dtype=torch.int32)  # the harness passes inputs as float32
+    pair = (dim, 2) if dim != 2 else (0, 2)
+    outs, refs, _ = compile_and_run(lambda x, n: (
+        torch.flip(x, (dim,)), torch.flip(x, pair), torch.flip(torch.cumsum(torch.flip(x, (dim,)), dim), (dim,)),
+        torch.cumsum(n, dim), torch.flip(n > 0, (dim,))), x, n)
+    for k, (o, r) in enumerate(zip(outs, refs, strict=True)):
+        assert o.shape == r.shape
+        if k == 2:  # float sums, the reduction's pairwise order
+            np.testing.assert_allclose(o, r, rtol=1e-5, atol=1e-5, equal_nan=True)
+        else:  # exact: moved bits, integer sums
+            np.testing.assert_array_equal(o, r)
+    assert (np.signbit(outs[0]) == np.signbit(refs[0])).all()
+
+
 def test_integer_sign_is_exact() -> None:
     x = torch.tensor([-(2**30) - 1, -1, 0, 1, 2**24 + 1, 7], dtype=torch.int32)
     check(lambda x: (torch.sign(x), torch.sign(x) * x), x, rtol=0, atol=0)

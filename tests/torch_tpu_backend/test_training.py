@@ -90,14 +90,14 @@ def test_sdpa_forward_and_backward_match_eager(case: str) -> None:
 
 
 def test_backward_with_ctpu_and_cpu_segments() -> None:
-    """A graph cut in the middle by an op without a CTPU lowering (cumsum over dim 0, and flip in its backward):
-    both graphs run as CTPU kernels around a CPU segment, and the gradients are eager's."""
+    """A graph cut in the middle by an op without a CTPU lowering (cummax over dim 0; its backward recomputes
+    it): both graphs run as CTPU kernels around a CPU segment, and the gradients are eager's."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False), torch.nn.SiLU())
     head = torch.nn.Linear(32, 8, bias=False)
 
     def fn(x: torch.Tensor) -> torch.Tensor:
-        h = torch.cumsum(model(x), dim=0)  # over a batch dim: no CTPU lowering
+        h = torch.cummax(model(x), dim=0).values  # no CTPU lowering
         return head(torch.tanh(h) * h)
 
     params = [*model.parameters(), *head.parameters()]
@@ -116,9 +116,10 @@ def test_backward_with_ctpu_and_cpu_segments() -> None:
     assert_grads_close(got, want, ["x", "linear_1", "linear_2"])
     stats = ctpu_stats.last()
     # two segments in the forward; the backward recomputes the first (the forward saves only its inputs,
-    # torch_tpu_backend.partition), then runs two around its CPU ops
-    assert stats.kernels_launched == 5, stats.as_dict()
-    assert set(stats.fallback_ops) == {"aten.cumsum.default", "aten.flip.default"}, stats.fallback_ops
+    # torch_tpu_backend.partition) and the cummax on the CPU, then runs the rest (cummax's scatter_add, the
+    # linears' backward) as a second
+    assert stats.kernels_launched == 4, stats.as_dict()
+    assert set(stats.fallback_ops) == {"aten.cummax.default"}, stats.fallback_ops
 
 
 @pytest.fixture(scope="module")
@@ -379,6 +380,9 @@ BACKWARD_CASES: dict[str, tuple[Callable[..., torch.Tensor], Callable[[], tuple[
     "gather": (lambda x, i: torch.gather(x, 1, i) * 2.0,  # scatter_add, duplicates summed
                lambda: (torch.randn(4, 9), torch.tensor([[0, 0, 8], [1, 2, 1], [5, 5, 5], [3, 7, 0]]))),
     "index_select": (lambda x, i: x.index_select(1, i) * 2.0, lambda: (torch.randn(4, 9), torch.tensor([3, 0, 3, 8]))),
+    # cumsum over an outer dim (forward) and its backward's flips and reverse cumsum: they ran on the CPU
+    "cumsum_dim0": (lambda x: torch.cumsum(x, 0) * x, lambda: (torch.randn(5, 7),)),
+    "cumsum_dim1_of_3d": (lambda x: torch.cumsum(x, 1).tanh(), lambda: (torch.randn(3, 5, 4),)),
     # along an outer dim of a rank-3 tensor: the forward's gather ran on the CPU
     "index_select_dim0_of_3d": (lambda x, i: x.index_select(0, i) * 2.0,
                                 lambda: (torch.randn(5, 3, 4), torch.tensor([4, 0, 4]))),
