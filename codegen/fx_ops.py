@@ -606,20 +606,40 @@ def _scatter_value(e: MlirEmitter, x: TValue, dim: int, index: TValue, value: fl
     """x with x[i with i_dim = index[i]] = value, for an index of size 1 along dim and x's size elsewhere
     (the backward of nll_loss): one select per element. An index outside [0, size) traps (`_checked_index`),
     and the call runs on the CPU, where eager raises."""
+    return _scatter_one_per_slice(e, x, dim, index, float(value))
+
+
+@_reg(aten.scatter.src)
+def _scatter_src(e: MlirEmitter, x: TValue, dim: int, index: TValue, src: TValue) -> TValue:
+    """x with x[i with i_dim = index[i]] = src[i], for an index of size 1 along dim and x's size elsewhere, src
+    of the index's shape (the backward of max.dim, kthvalue, median: one position per slice, so no two writes
+    meet): one select per element. Float x and src."""
+    if x.dtype not in ("f32", "bf16") or src.dtype not in ("f32", "bf16") or src.shape != index.shape:
+        raise UnsupportedOp(f"scatter of a {src.type} into a {x.type} with a {index.type} index")
+    return _scatter_one_per_slice(e, x, dim, index, src)
+
+
+def _scatter_one_per_slice(e: MlirEmitter, x: TValue, dim: int, index: TValue, src: TValue | float) -> TValue:
+    """out[o] = (o_dim == index[o; dim=0]) ? src (a value, or src[o; dim=0]) : x[o]."""
     rank = len(x.shape)
     d = _norm_dim(dim, rank)
     if index.dtype != "i32" or len(index.shape) != rank or index.shape[d] != 1 \
             or any(index.shape[k] != x.shape[k] for k in range(rank) if k != d):
         raise UnsupportedOp(f"scatter into a {x.type} with a {index.type} index (size 1 along dim {d} is supported)")
     index = _checked_index(e, index, x.shape[d], wrap=False)
-    maps = [affine_map(rank), affine_map(rank, ["0" if k == d else f"d{k}" for k in range(rank)]), affine_map(rank)]
+    at_slice = affine_map(rank, ["0" if k == d else f"d{k}" for k in range(rank)])
+    operands, maps = [x, index], [affine_map(rank), at_slice]
+    if isinstance(src, TValue):
+        operands.append(src)
+        maps.append(at_slice)
 
     def body(a: list[str], w: BodyWriter) -> str:
         w.dtype = "f32"
         hit = w.cmp("eq", w.index(d), a[1], "i32")
-        return w.cast(w.select(hit, w.const(float(value)), w.cast(a[0], x.dtype, "f32")), "f32", x.dtype)
+        new = w.cast(a[2], src.dtype, "f32") if isinstance(src, TValue) else w.const(src)
+        return w.cast(w.select(hit, new, w.cast(a[0], x.dtype, "f32")), "f32", x.dtype)
 
-    return e.generic([x, index], maps, e.empty(x.shape, x.dtype), ["parallel"] * rank, body)
+    return e.generic(operands, [*maps, affine_map(rank)], e.empty(x.shape, x.dtype), ["parallel"] * rank, body)
 
 
 @_reg(aten.scatter_add.default)
@@ -824,6 +844,28 @@ def _by_limbs(e: MlirEmitter, x: TValue, terms: int, total: Callable[[TValue], T
 def _amax(e: MlirEmitter, x: TValue, dims: Any = (), keepdim: bool = False) -> TValue:
     out = _reduce(e, x, dims, "max", keepdim)
     return e.elementwise([out], lambda v, w: v[0], dtype=x.dtype) if x.dtype != out.dtype else out
+
+
+@_reg(aten.max.dim)
+def _max_dim(e: MlirEmitter, x: TValue, dim: int, keepdim: bool = False) -> tuple[TValue, TValue]:
+    """(the maximum along dim, the index of its first occurrence), as torch: a NaN is the maximum and the
+    first NaN's index the index. The index is size - 1 - max over k of (x[k] == max or x[k] is NaN ? size - 1
+    - k : -1), a second f32 max-reduction (exact for sizes below 2^24)."""
+    rank = len(x.shape)
+    if not rank or x.dtype not in ("f32", "bf16"):
+        raise UnsupportedOp(f"max along a dim of a {x.type}")
+    d = _norm_dim(dim, rank)
+    size = x.shape[d]
+    top = _amax(e, x, [d], True)
+
+    def reversed_hit(v: list[str], w: BodyWriter) -> str:
+        hit = w.op("arith.ori", w.cmp("oeq", v[0], v[1]), w.cmp("une", v[0], v[0]), dtype="i1")
+        k = w.cast(w.index(d), "i32", "f32")
+        return w.select(hit, w.op("arith.subf", w.const(float(size - 1)), k), w.const(-1.0))
+
+    last = _reduce(e, e.elementwise([x, top], reversed_hit, dtype="f32"), [d], "max", keepdim)
+    index = e.elementwise([last], lambda v, w: w.op("arith.subf", w.const(float(size - 1)), v[0]), dtype="i32")
+    return (top if keepdim else e.reshape(top, index.shape)), index
 
 
 @_reg(aten.amin.default)

@@ -234,6 +234,28 @@ def test_cumsum_and_flip_over_any_dim(dim: int) -> None:
     assert (np.signbit(outs[0]) == np.signbit(refs[0])).all()
 
 
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_max_along_a_dim_and_its_backward_scatter(dim: int) -> None:
+    """max.dim: the maximum and the index of its first occurrence (ties), a NaN is the maximum and the first
+    NaN's index the index, -inf rows; scatter.src of one position per slice (max.dim's backward): both ran on
+    the CPU."""
+    x = torch.randn(4, 6, 5).round()  # ties
+    x[1, 2, :], x[2, :, 3], x[:, 4, 1] = math.nan, -math.inf, math.nan
+    x[3, 1, 2] = math.nan
+    g = torch.randn(4, 6, 5)
+
+    def fn(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        values, index = torch.max(x, dim)
+        kept, kept_index = torch.max(x * 2.0, dim, keepdim=True)
+        grad = torch.zeros_like(x).scatter(dim, kept_index, g.narrow(dim, 0, 1))
+        return values, index, kept, kept_index, grad
+
+    outs, refs, _ = compile_and_run(fn, x, g)
+    for o, r in zip(outs, refs, strict=True):
+        assert o.shape == r.shape
+        np.testing.assert_array_equal(o, r)
+
+
 def test_integer_sign_is_exact() -> None:
     x = torch.tensor([-(2**30) - 1, -1, 0, 1, 2**24 + 1, 7], dtype=torch.int32)
     check(lambda x: (torch.sign(x), torch.sign(x) * x), x, rtol=0, atol=0)

@@ -383,6 +383,9 @@ BACKWARD_CASES: dict[str, tuple[Callable[..., torch.Tensor], Callable[[], tuple[
     # cumsum over an outer dim (forward) and its backward's flips and reverse cumsum: they ran on the CPU
     "cumsum_dim0": (lambda x: torch.cumsum(x, 0) * x, lambda: (torch.randn(5, 7),)),
     "cumsum_dim1_of_3d": (lambda x: torch.cumsum(x, 1).tanh(), lambda: (torch.randn(3, 5, 4),)),
+    # max.dim (forward, and recomputed in the backward) and its backward's scatter: they ran on the CPU
+    "max_dim0": (lambda x: torch.max(x, 0).values * 2.0, lambda: (torch.randn(5, 7),)),
+    "max_dim1_keepdim": (lambda x: torch.max(x, 1, keepdim=True).values.exp() * x, lambda: (torch.randn(3, 5, 4),)),
     # along an outer dim of a rank-3 tensor: the forward's gather ran on the CPU
     "index_select_dim0_of_3d": (lambda x, i: x.index_select(0, i) * 2.0,
                                 lambda: (torch.randn(5, 3, 4), torch.tensor([4, 0, 4]))),
