@@ -69,3 +69,15 @@ def test_an_empty_ctpu_input_is_read_in_place() -> None:
                                    options={"cache": False})(x, y)
     assert doubled.shape == (0,) and doubled.device.type == "ctpu"
     assert total.item() == 3.0 and not ctpu_stats.last().fallback_ops
+
+
+def test_a_graph_compiled_for_another_config_returns_its_results() -> None:
+    """ctpu tensors live on one device's HBM (`small` here); a graph compiled with config "large" runs on a
+    large device, and its ctpu outputs must land in the HBM the tensors live in (they were written into the
+    large device's HBM at the new tensor's address: the caller read zeros, silently)."""
+    torch._dynamo.reset()
+    x = torch.randn(8, 16)
+    out = torch.compile(lambda t: t * 2.0 + 1.0, backend="ctpu", options={"config": "large", "cache": False})(
+        x.to("ctpu"))
+    assert out.device.type == "ctpu"
+    torch.testing.assert_close(out.cpu(), x * 2.0 + 1.0)
