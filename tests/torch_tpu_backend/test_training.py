@@ -10,6 +10,7 @@ scatter-add, slices' backward; a graph with an op the CTPU lacks still runs that
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -233,26 +234,42 @@ class AttentionBlock(torch.nn.Module):
         return self.out(y.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim))
 
 
-def test_attention_block_training_on_large() -> None:
+@pytest.mark.parametrize("precision", [None, "bf16"], ids=["fp32", "bf16"])
+def test_attention_block_training_on_large(precision: str | None) -> None:
     """A realistic head (2 heads x 64, 17 tokens, odd) on the large configuration: the forward is one CTPU
-    kernel, and so is the backward (SDPA's backward decomposed into matmuls and row ops)."""
+    kernel, and so is the backward (SDPA's backward decomposed into matmuls and row ops). Under bf16 autocast
+    (fp32 master weights) against eager under autocast("cpu"): fp32 gradients within AUTOCAST_GRAD_RTOL, the
+    loss (a mean of squares of bf16 outputs) within 2 bf16 unit roundoffs."""
+    from torch_tpu_backend.train import autocast
+
     block = AttentionBlock(heads=2, head_dim=64)
     x, names = torch.randn(1, 17, 128), ["x", "qkv", "out"]
 
-    def run(f: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        block.zero_grad(set_to_none=True)
-        loss, (x_grad,) = grads_of(lambda x: f(x).pow(2).mean(), (x,), torch.tensor(1.0))
-        return loss, [x_grad, *(p.grad for p in block.parameters())]  # type: ignore[misc]
+    def run(device: str, compiled: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """On CPU tensors, or on ctpu tensors (autocast("ctpu") casts those, not CPU ones)."""
+        module = copy.deepcopy(block).to(device)
+        f = torch.compile(module, backend="ctpu", options={"config": "large"}) if compiled else module
 
-    want_loss, want = run(block)
+        def loss(x: torch.Tensor) -> torch.Tensor:
+            with autocast(device, precision):
+                y = f(x)
+            assert y.dtype == (torch.bfloat16 if precision else torch.float32)
+            return y.float().pow(2).mean()
+
+        value, (x_grad,) = grads_of(loss, (x.to(device),), torch.tensor(1.0, device=device))
+        return value.cpu(), [t.cpu() for t in (x_grad, *(p.grad for p in module.parameters()))]  # type: ignore[union-attr]
+
+    want_loss, want = run("cpu", compiled=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        got_loss, got = run(torch.compile(block, backend="ctpu", options={"config": "large"}))
-    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=0)
-    assert_grads_close(got, want, names)
+        got_loss, got = run("ctpu" if precision else "cpu", compiled=True)
+    torch.testing.assert_close(got_loss, want_loss, rtol=2 * 2.0**-9 if precision else 1e-5, atol=0)
+    assert all(g.dtype == torch.float32 for g in got)
+    assert_grads_close(got, want, names, AUTOCAST_GRAD_RTOL if precision else GRAD_RTOL)
     stats = ctpu_stats.last()
-    assert stats.kernels_launched == 2 and not stats.fallback_ops, stats.as_dict()
-
+    # one program each (on ctpu tensors the loss's eager ops and the seed gradient are eager kernels too)
+    programs = [launch.name for launch in stats.launches if launch.name.startswith("submod")]
+    assert len(programs) == 2 and not stats.fallback_ops, stats.as_dict()
 
 
 @pytest.mark.parametrize("autocast", [[], pytest.param(["--autocast", "bf16"], marks=pytest.mark.slow)],
