@@ -361,37 +361,47 @@ def _index(e: MlirEmitter, x: TValue, indices: Any) -> TValue:
 
 @_reg(aten.index_select.default)
 def _index_select(e: MlirEmitter, x: TValue, dim: int, index: TValue) -> TValue:
-    """x's slices at `index` along dim (one of the last two): index.Tensor's row gather; a 0-d index keeps the
-    dim (size 1). No wrapping: a negative index traps, and the call runs on the CPU, where eager raises.
-    Slices of two or more dims are refused: the row gather's reshape folds into its load (a LoweringError)."""
+    """x's slices at `index` along any dim: index.Tensor's row gather; a 0-d index keeps the dim (size 1). No
+    wrapping: a negative index traps, and the call runs on the CPU, where eager raises."""
     d = _norm_dim(dim, len(x.shape)) if x.shape else 0
-    if not x.shape or index.dtype != "i32" or len(index.shape) > 1 or len(x.shape) - d > 2:
-        raise UnsupportedOp(f"index_select of a {x.type} at a {index.type} along dim {dim} (one of the last two)")
+    if not x.shape or index.dtype != "i32" or len(index.shape) > 1:
+        raise UnsupportedOp(f"index_select of a {x.type} at a {index.type} along dim {dim}")
     index = index if index.shape else e.reshape(index, (1,))
     return _gather_rows_at(e, x, d, index, wrap=False)
 
 
 def _gather_rows_at(e: MlirEmitter, x: TValue, d: int, idx: TValue, wrap: bool) -> TValue:
-    """out[l.., j.., r..] = x[l.., idx[j..], r..] (shape x.shape[:d] + idx.shape + x.shape[d+1:]): one row gather
-    of x viewed as [prod(lead) * size, prod(rest)] at the row l * size + idx[j]. An index outside [0, size) (after
-    wrapping a negative one when `wrap`) becomes the row -1, which the gather kernel poisons: the launch traps."""
+    """out[l.., j.., m.., c] = x[l.., idx[j..], m.., c] (shape x.shape[:d] + idx.shape + x.shape[d+1:]): one row
+    gather of x viewed as [rows, last dim] at the row ((l * size + idx[j]) * prod(m) + m) for each (l, j, m)
+    (rows of x's last dim, so the table and the result are x and the output with their leading dims merged:
+    a gather of whole [m.., c] blocks would reshape them inside its load, which the kernel reader refuses).
+    Along the last dim the rows are single elements. An index outside [0, size) (after wrapping a negative
+    one when `wrap`) becomes the row -1, which the gather kernel poisons: the launch traps."""
     lead, size, rest = x.shape[:d], x.shape[d], x.shape[d + 1:]
-    rank = len(lead) + len(idx.shape)
+    middle, width = (rest[:-1], rest[-1]) if rest else ((), 1)
+    first_middle = len(lead) + len(idx.shape)
+    rank = first_middle + len(middle)
 
     def row(args: list[str], w: BodyWriter) -> str:
         w.dtype = "i32"
         i = _wrapped_index(args[0], size, w) if wrap else args[0]
-        base = w.const_int(0)  # the lead dims' flat index, times size
+
+        def flat(acc: str, n: int, at: str) -> str:  # acc * n + at
+            return w.op("arith.addi", w.op("arith.muli", acc, w.const_int(n), dtype="i32"), at, dtype="i32")
+
+        r = w.const_int(0)
         for k, n in enumerate(lead):
-            base = w.op("arith.addi", w.op("arith.muli", base, w.const_int(n), dtype="i32"), w.index(k), dtype="i32")
-        r = w.op("arith.addi", w.op("arith.muli", base, w.const_int(size), dtype="i32"), i, dtype="i32")
+            r = flat(r, n, w.index(k))
+        r = flat(r, size, i)
+        for k, n in enumerate(middle):
+            r = flat(r, n, w.index(first_middle + k))
         return w.select(_in_range(i, size, w), r, w.const_int(-1), "i32")
 
-    shape = (*lead, *idx.shape)
-    idx_map = affine_map(rank, [f"d{k}" for k in range(len(lead), rank)])
+    shape = (*lead, *idx.shape, *middle)
+    idx_map = affine_map(rank, [f"d{k}" for k in range(len(lead), first_middle)])
     ids = e.generic([idx], [idx_map, affine_map(rank)], e.empty(shape, "i32"), ["parallel"] * rank, row)
-    table = e.reshape(x, (math.prod(lead) * size, math.prod(rest)))
-    return e.reshape(e.gather_rows(table, ids), (*shape, *rest))
+    table = e.reshape(x, (math.prod(lead) * size * math.prod(middle), width))
+    return e.reshape(e.gather_rows(table, ids), (*lead, *idx.shape, *rest))
 
 
 def _checked_index(e: MlirEmitter, idx: TValue, size: int, wrap: bool) -> TValue:
@@ -596,20 +606,40 @@ def _scatter_value(e: MlirEmitter, x: TValue, dim: int, index: TValue, value: fl
     """x with x[i with i_dim = index[i]] = value, for an index of size 1 along dim and x's size elsewhere
     (the backward of nll_loss): one select per element. An index outside [0, size) traps (`_checked_index`),
     and the call runs on the CPU, where eager raises."""
+    return _scatter_one_per_slice(e, x, dim, index, float(value))
+
+
+@_reg(aten.scatter.src)
+def _scatter_src(e: MlirEmitter, x: TValue, dim: int, index: TValue, src: TValue) -> TValue:
+    """x with x[i with i_dim = index[i]] = src[i], for an index of size 1 along dim and x's size elsewhere, src
+    of the index's shape (the backward of max.dim, kthvalue, median: one position per slice, so no two writes
+    meet): one select per element. Float x and src."""
+    if x.dtype not in ("f32", "bf16") or src.dtype not in ("f32", "bf16") or src.shape != index.shape:
+        raise UnsupportedOp(f"scatter of a {src.type} into a {x.type} with a {index.type} index")
+    return _scatter_one_per_slice(e, x, dim, index, src)
+
+
+def _scatter_one_per_slice(e: MlirEmitter, x: TValue, dim: int, index: TValue, src: TValue | float) -> TValue:
+    """out[o] = (o_dim == index[o; dim=0]) ? src (a value, or src[o; dim=0]) : x[o]."""
     rank = len(x.shape)
     d = _norm_dim(dim, rank)
     if index.dtype != "i32" or len(index.shape) != rank or index.shape[d] != 1 \
             or any(index.shape[k] != x.shape[k] for k in range(rank) if k != d):
         raise UnsupportedOp(f"scatter into a {x.type} with a {index.type} index (size 1 along dim {d} is supported)")
     index = _checked_index(e, index, x.shape[d], wrap=False)
-    maps = [affine_map(rank), affine_map(rank, ["0" if k == d else f"d{k}" for k in range(rank)]), affine_map(rank)]
+    at_slice = affine_map(rank, ["0" if k == d else f"d{k}" for k in range(rank)])
+    operands, maps = [x, index], [affine_map(rank), at_slice]
+    if isinstance(src, TValue):
+        operands.append(src)
+        maps.append(at_slice)
 
     def body(a: list[str], w: BodyWriter) -> str:
         w.dtype = "f32"
         hit = w.cmp("eq", w.index(d), a[1], "i32")
-        return w.cast(w.select(hit, w.const(float(value)), w.cast(a[0], x.dtype, "f32")), "f32", x.dtype)
+        new = w.cast(a[2], src.dtype, "f32") if isinstance(src, TValue) else w.const(src)
+        return w.cast(w.select(hit, new, w.cast(a[0], x.dtype, "f32")), "f32", x.dtype)
 
-    return e.generic([x, index], maps, e.empty(x.shape, x.dtype), ["parallel"] * rank, body)
+    return e.generic(operands, [*maps, affine_map(rank)], e.empty(x.shape, x.dtype), ["parallel"] * rank, body)
 
 
 @_reg(aten.scatter_add.default)
@@ -814,6 +844,28 @@ def _by_limbs(e: MlirEmitter, x: TValue, terms: int, total: Callable[[TValue], T
 def _amax(e: MlirEmitter, x: TValue, dims: Any = (), keepdim: bool = False) -> TValue:
     out = _reduce(e, x, dims, "max", keepdim)
     return e.elementwise([out], lambda v, w: v[0], dtype=x.dtype) if x.dtype != out.dtype else out
+
+
+@_reg(aten.max.dim)
+def _max_dim(e: MlirEmitter, x: TValue, dim: int, keepdim: bool = False) -> tuple[TValue, TValue]:
+    """(the maximum along dim, the index of its first occurrence), as torch: a NaN is the maximum and the
+    first NaN's index the index. The index is size - 1 - max over k of (x[k] == max or x[k] is NaN ? size - 1
+    - k : -1), a second f32 max-reduction (exact for sizes below 2^24)."""
+    rank = len(x.shape)
+    if not rank or x.dtype not in ("f32", "bf16"):
+        raise UnsupportedOp(f"max along a dim of a {x.type}")
+    d = _norm_dim(dim, rank)
+    size = x.shape[d]
+    top = _amax(e, x, [d], True)
+
+    def reversed_hit(v: list[str], w: BodyWriter) -> str:
+        hit = w.op("arith.ori", w.cmp("oeq", v[0], v[1]), w.cmp("une", v[0], v[0]), dtype="i1")
+        k = w.cast(w.index(d), "i32", "f32")
+        return w.select(hit, w.op("arith.subf", w.const(float(size - 1)), k), w.const(-1.0))
+
+    last = _reduce(e, e.elementwise([x, top], reversed_hit, dtype="f32"), [d], "max", keepdim)
+    index = e.elementwise([last], lambda v, w: w.op("arith.subf", w.const(float(size - 1)), v[0]), dtype="i32")
+    return (top if keepdim else e.reshape(top, index.shape)), index
 
 
 @_reg(aten.amin.default)
@@ -1164,27 +1216,43 @@ def _repeat(e: MlirEmitter, x: TValue, repeats: Any) -> TValue:
 
 @_reg(aten.cumsum.default)
 def _cumsum(e: MlirEmitter, x: TValue, dim: int, dtype: Any = None) -> TValue:
-    """Inclusive prefix sum along the last dim: out[.., j] = sum over k <= j of x[.., k], a reduction generic
-    over (.., j, k) with the terms k > j selected away (f32 accumulation: integers exact below 2^24; float
-    sums in the reduction's pairwise order, not eager's sequential one). Quadratic in the length: meant
-    for position ids and masks."""
+    """Inclusive prefix sum along any dim d: out[.., j, ..] = sum over k <= j of x[.., k, ..], a reduction
+    generic over (x's dims, k) reading x with k in place of d, the terms k > j selected away (f32 accumulation:
+    integers exact below 2^24, and through limbs above; float sums in the reduction's pairwise order, not
+    eager's sequential one). Quadratic in the length: meant for position ids, masks and their backward."""
     rank = len(x.shape)
-    if not rank or _norm_dim(dim, rank) != rank - 1:
-        raise UnsupportedOp(f"cumsum over dim {dim} of a rank-{rank} tensor (only the last dim)")
+    if not rank:
+        raise UnsupportedOp("cumsum of a 0-d tensor")
+    d = _norm_dim(dim, rank)
     out_dtype = _creation_dtype(dtype) if dtype is not None else x.dtype if x.dtype in ("f32", "bf16") else "i32"
     if x.dtype == "i32" and out_dtype == "i32":
-        return _by_limbs(e, x, x.shape[-1], lambda limb: _cumsum(e, limb, dim, torch.float32))
+        return _by_limbs(e, x, x.shape[d], lambda limb: _cumsum(e, limb, d, torch.float32))
     init = e.fill(0.0, x.shape, "f32")
+    if d != rank - 1:  # a row gather (flip, index_select) fused in here would read its row at k, not at the
+        x = e.fusion_barrier(x)  # innermost loop index: a load the kernel reader refuses
 
     def body(args: list[str], w: BodyWriter) -> str:
-        keep = w.cmp("sle", w.index(rank), w.index(rank - 1), "i32")  # k <= j
+        keep = w.cmp("sle", w.index(rank), w.index(d), "i32")  # k <= j
         term = w.select(keep, w.cast(args[0], x.dtype, "f32"), w.const(0.0, "f32"))
         return w.op("arith.addf", term, args[1], dtype="f32")
 
-    outer = [f"d{i}" for i in range(rank - 1)]
-    maps = [affine_map(rank + 1, [*outer, f"d{rank}"]), affine_map(rank + 1, [*outer, f"d{rank - 1}"])]
+    at_k = [f"d{rank}" if i == d else f"d{i}" for i in range(rank)]
+    maps = [affine_map(rank + 1, at_k), affine_map(rank + 1, [f"d{i}" for i in range(rank)])]
     sums = e.generic([x], maps, init, ["parallel"] * rank + ["reduction"], body)
     return sums if out_dtype == "f32" else e.elementwise([sums], lambda v, w: v[0], dtype=out_dtype)
+
+
+@_reg(aten.flip.default)
+def _flip(e: MlirEmitter, x: TValue, dims: Any) -> TValue:
+    """x reversed along `dims` (cumsum's backward flips, sums, flips back): per dim a row gather at the
+    positions size - 1 - i (`_gather_rows_at`, exact bits of any dtype); an indexing map d -> size - 1 - d is
+    one the kernel reader refuses."""
+    for d in sorted({_norm_dim(int(k), len(x.shape)) for k in dims}):
+        size = x.shape[d]
+        reversed_positions = e.iota((size,), lambda i, w, n=size: w.op("arith.subi", w.const_int(n - 1), i[0],
+                                                                         dtype="i32"), "i32")
+        x = _gather_rows_at(e, x, d, reversed_positions, wrap=False)
+    return x
 
 
 # ---- ctpu fused ops (docs/fused_ops.md), by their decomposition -------------------------------------

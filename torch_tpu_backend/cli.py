@@ -22,17 +22,19 @@
                                          with --decode one decode step; writes a Chrome / Perfetto trace (a track
                                          per slot, the DMA channel, the MXU's ports, kernels named after their FX
                                          nodes, layers, stalls by cause) and prints the per-kernel roofline table
-    ctpu train [--steps 10] [--optimizer sgd|adamw] [--lr LR] [--check] [--plot FILE.png] [--json]
+    ctpu train [--steps 10] [--optimizer sgd|adamw] [--lr LR] [--autocast bf16] [--check] [--plot FILE.png]
+               [--json]
                                          trains the tiny Llama (forward and backward compiled with
                                          backend="ctpu") on a synthetic token stream: loss and CTPU cycles per
                                          step (--check: exit 1 unless every step's loss is eager's, relative
-                                         1e-5; --plot: the loss curve as a PNG)
+                                         1e-5, 2^-9 with --autocast bf16; --plot: the loss curve as a PNG)
     ctpu bench [--models-only]           benchmarks (JSON): compiled GEMM utilization vs the hand-written one,
                                          bundles / cycles / ops per bundle per graph, whole models (Llama)
     ctpu bench --llama 1b|1b-2l|mini [--prompt 17] [--top N]
                                          a bf16 Llama on large: decode cycles / token against the HBM
                                          roofline, prefill MXU utilization (JSON)
-    ctpu bench --train [--config small]  the tiny Llama's training step (SGD, 2 steps, the second measured):
+    ctpu bench --train [--config small] [--autocast bf16]
+                                         the tiny Llama's training step (SGD, 2 steps, the second measured):
                                          cycles, kernels and MXU utilization of forward, backward, optimizer
     ctpu isa                             the instruction table, as markdown
 
@@ -167,7 +169,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     on_step, close = (None, None) if args.json else train.progress_printer(args.steps)
     try:
         result = train.run(steps=args.steps, optimizer=args.optimizer, lr=args.lr, check=args.check,
-                           config=args.config, target=args.target, progress=on_step)
+                           config=args.config, target=args.target, precision=args.autocast, progress=on_step)
     finally:
         if close is not None:
             close()
@@ -199,8 +201,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from torch_tpu_backend import train
 
         print(f"ctpu bench: training the tiny Llama on {args.config}, 2 steps (compiling)", file=sys.stderr)
-        trained = train.run(steps=2, config=args.config)
-        print(json.dumps({key: trained[key] for key in ("model", "optimizer", "batch", "length", "config")}
+        trained = train.run(steps=2, config=args.config, precision=args.autocast)
+        print(json.dumps({key: trained[key] for key in ("model", "optimizer", "batch", "length", "config",
+                                                        "autocast")}
                          | {"step": trained["steps"][-1]}, indent=2))
         return 0
     result: dict[str, object] = {"config": args.config}
@@ -309,8 +312,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=None, help="default: 0.05 for sgd, 3e-3 for adamw")
     t.add_argument("--config", choices=["small", "large"], default="small")
     t.add_argument("--target", choices=["sim", "rtl"], default="sim")
+    t.add_argument("--autocast", choices=["bf16"], help="mixed precision: the forward under torch.autocast('ctpu', "
+                   "bf16), fp32 master weights (default: fp32 at 'highest')")
     t.add_argument("--check", action="store_true", help="train an eager copy alongside; exit 1 unless every step's "
-                   "loss matches (relative 1e-5)")
+                   "loss matches (relative 1e-5; with --autocast bf16: 2^-9, bf16's unit roundoff, against eager "
+                   "under autocast('cpu'))")
     t.add_argument("--plot", metavar="FILE.png", help="write the loss curve as a PNG")
     t.add_argument("--json", action="store_true", help="print the figures as JSON")
     t.set_defaults(fn=_cmd_train)
@@ -326,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "MXU utilization")
     b.add_argument("--train", action="store_true", help="only the tiny Llama's training step: cycles, kernels and "
                    "MXU utilization of its forward, backward and optimizer (JSON)")
+    b.add_argument("--autocast", choices=["bf16"], help="with --train: the step under torch.autocast('ctpu', bf16)")
     b.add_argument("--prompt", type=int, default=17, help="prompt tokens (--llama)")
     b.add_argument("--top", type=int, help="with --llama: profile the decode step, its N longest kernels")
     b.set_defaults(fn=_cmd_bench)

@@ -133,7 +133,7 @@ def _launch(device: runtime.CtpuDevice, exe: Executable, tensors: Sequence[Any],
     results = []
     for a, o in zip(arrays, outputs, strict=True):
         if o.device.type == "ctpu":
-            results.append(_device_tensor(device, a, o.dtype))
+            results.append(_device_tensor(a, o.dtype))
         else:
             results.append(torch.from_numpy(a).to(o.dtype))
             read_back += a.nbytes
@@ -174,8 +174,11 @@ def _in_place_address(device: runtime.CtpuDevice, spec: ArgSpec, tensor: Any) ->
     return memory.hbm_address(tensor)
 
 
-def _device_tensor(device: runtime.CtpuDevice, values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """A new ctpu tensor holding `values` (fp32), written straight into its HBM bytes."""
+def _device_tensor(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A new ctpu tensor holding `values` (fp32), written straight into its HBM bytes: those of the device
+    ctpu tensors live on (`memory.hbm_device()`), which need not be the one the program ran on (a graph
+    compiled with options={"config": "large"} runs on a large device; its outputs were written into that
+    device's HBM at the new tensor's address, and the tensor read zeros)."""
     from torch_tpu_backend.device import memory
 
     out = torch.empty(values.shape, dtype=dtype, device="ctpu")
@@ -184,7 +187,7 @@ def _device_tensor(device: runtime.CtpuDevice, values: np.ndarray, dtype: torch.
     else:
         bits = np.ascontiguousarray(values).astype(str(dtype).removeprefix("torch."), copy=False)
     addr = memory.hbm_address(out)
-    device.hbm[addr : addr + bits.nbytes] = bits.reshape(-1).view(np.uint8)
+    memory.hbm_device().hbm[addr : addr + bits.nbytes] = bits.reshape(-1).view(np.uint8)
     return out
 
 

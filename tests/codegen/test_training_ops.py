@@ -196,6 +196,66 @@ def test_sign_amin_mean_and_index_select() -> None:
     assert not np.signbit(outs[0]).reshape(-1)[:3].any()  # sign(NaN), sign(-0.0), sign(0.0) are +0.0
 
 
+def test_index_select_and_index_along_outer_dims() -> None:
+    """index_select along any dim of a rank-4 tensor, and x[:, idx] with a 2-D index (negative ones from the
+    end): rows of the last dim gathered at ((l * size + idx) * prod(middle) + m); exact bits (NaN, -0.0).
+    Along an outer dim the gather of whole blocks was refused, and the op ran on the CPU."""
+    x = torch.randn(5, 3, 4, 6)
+    x.view(-1)[:3] = torch.tensor([math.nan, -0.0, -math.inf])
+    i, k = torch.tensor([4, 0, 4], dtype=torch.int32), torch.tensor([2, 0, 2], dtype=torch.int32)
+    j = torch.tensor([[2, -1], [0, 0]])
+    outs, refs, _ = compile_and_run(lambda x, i, k, j: (
+        torch.index_select(x, 0, i), torch.index_select(x, 1, k), torch.index_select(x, 2, k) * 2.0,
+        torch.index_select(x, 3, i), x[:, j] + 1.0, torch.index_select(x, 0, i[0])), x, i, k, j)
+    for o, r in zip(outs, refs, strict=True):
+        assert o.shape == r.shape
+        np.testing.assert_array_equal(o, r)
+        assert (np.signbit(o) == np.signbit(r)).all()
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_cumsum_and_flip_over_any_dim(dim: int) -> None:
+    """cumsum over any dim (float with edge values; int32, through limbs) and flip (row
+    gathers at size - 1 - i: exact bits, NaN and -0.0), cumsum's backward flip(cumsum(flip(g))) fused: over an
+    outer dim they ran on the CPU."""
+    x = torch.randn(4, 6, 5)
+    x.view(-1)[:4] = torch.tensor([math.nan, -0.0, math.inf, 1e-40])
+    n = torch.randint(-(2**20), 2**20, (4, 6, 5), dtype=torch.int32)  # the harness passes inputs as float32
+    pair = (dim, 2) if dim != 2 else (0, 2)
+    outs, refs, _ = compile_and_run(lambda x, n: (
+        torch.flip(x, (dim,)), torch.flip(x, pair), torch.flip(torch.cumsum(torch.flip(x, (dim,)), dim), (dim,)),
+        torch.cumsum(n, dim), torch.flip(n > 0, (dim,))), x, n)
+    for k, (o, r) in enumerate(zip(outs, refs, strict=True)):
+        assert o.shape == r.shape
+        if k == 2:  # float sums, the reduction's pairwise order
+            np.testing.assert_allclose(o, r, rtol=1e-5, atol=1e-5, equal_nan=True)
+        else:  # exact: moved bits, integer sums
+            np.testing.assert_array_equal(o, r)
+    assert (np.signbit(outs[0]) == np.signbit(refs[0])).all()
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_max_along_a_dim_and_its_backward_scatter(dim: int) -> None:
+    """max.dim: the maximum and the index of its first occurrence (ties), a NaN is the maximum and the first
+    NaN's index the index, -inf rows; scatter.src of one position per slice (max.dim's backward): both ran on
+    the CPU."""
+    x = torch.randn(4, 6, 5).round()  # ties
+    x[1, 2, :], x[2, :, 3], x[:, 4, 1] = math.nan, -math.inf, math.nan
+    x[3, 1, 2] = math.nan
+    g = torch.randn(4, 6, 5)
+
+    def fn(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        values, index = torch.max(x, dim)
+        kept, kept_index = torch.max(x * 2.0, dim, keepdim=True)
+        grad = torch.zeros_like(x).scatter(dim, kept_index, g.narrow(dim, 0, 1))
+        return values, index, kept, kept_index, grad
+
+    outs, refs, _ = compile_and_run(fn, x, g)
+    for o, r in zip(outs, refs, strict=True):
+        assert o.shape == r.shape
+        np.testing.assert_array_equal(o, r)
+
+
 def test_integer_sign_is_exact() -> None:
     x = torch.tensor([-(2**30) - 1, -1, 0, 1, 2**24 + 1, 7], dtype=torch.int32)
     check(lambda x: (torch.sign(x), torch.sign(x) * x), x, rtol=0, atol=0)

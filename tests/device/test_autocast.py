@@ -5,9 +5,12 @@ compiled, and through a training step's backward (fp32 master weights get fp32 g
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
+from torch._subclasses import FakeTensorMode
+from torch.overrides import TorchFunctionMode
 
 
 def _pair(seed: int, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,3 +92,45 @@ def test_autocast_float16_casts() -> None:
             mm = torch.mm(a.to("ctpu"), b.to("ctpu"))
     assert mm.dtype == torch.float16
     torch.testing.assert_close(mm.cpu(), a.half() @ b.half())
+
+
+class _OutputDtypes(TorchFunctionMode):
+    """Records each torch function's name and the dtypes of its float outputs (after autocast's casts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple[torch.dtype, ...]]] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        leaves = torch.utils._pytree.tree_leaves(out)
+        dtypes = tuple(t.dtype for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point())
+        if dtypes:
+            self.calls.append((getattr(func, "__name__", str(func)), dtypes))
+        return out
+
+
+def test_tiny_llama_gets_the_same_dtypes_under_cpu_autocast() -> None:
+    """bf16 training's reference (`ctpu train --autocast bf16 --check`, test_training.py) is eager under
+    autocast("cpu"). CPU's cast policy is not CUDA's (softmax, layer_norm, exp, sum have no fp32 rule there),
+    but the Llama asks for fp32 itself where it matters (RMSNorm, rotary tables, softmax, the loss upcasts
+    its logits): every torch function of its forward gets the same output dtypes on both devices, its
+    linears and attention bf16. Traced with fake tensors (autocast casts in dispatch, before any kernel)."""
+    from torch_tpu_backend.llama_demo import tiny_llama
+    from torch_tpu_backend.train import USE_CACHE
+
+    model, ids = tiny_llama().train(), torch.randint(0, 128, (2, 16))
+    calls = {}
+    for device in ("cpu", "ctpu"):
+        with FakeTensorMode() as fake:
+            state = {n: fake.from_tensor(t).to(device) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+            x, recorder = fake.from_tensor(ids).to(device), _OutputDtypes()
+            inputs = {"input_ids": x, "labels": x, "use_cache": USE_CACHE}
+            with torch.autocast(device, dtype=torch.bfloat16), recorder:
+                out = torch.func.functional_call(model, state, (), inputs)
+            assert (out.logits.dtype, out.loss.dtype) == (torch.bfloat16, torch.float32)
+        calls[device] = recorder.calls
+    assert calls["ctpu"] == calls["cpu"]
+    bf16 = [name for name, dtypes in calls["ctpu"] if dtypes == (torch.bfloat16,)]
+    assert bf16.count("linear") == 15 and bf16.count("scaled_dot_product_attention") == 2  # 7 a layer, lm_head
+    assert [dtypes for name, dtypes in calls["ctpu"] if name == "rsqrt"] == [(torch.float32,)] * 5  # RMSNorms

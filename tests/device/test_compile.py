@@ -56,3 +56,28 @@ def test_a_cpu_result_of_a_ctpu_graph_is_a_cpu_tensor() -> None:
                         options={"cache": False})(x.to("ctpu"))
     assert out.device.type == "cpu"
     torch.testing.assert_close(out, (x + 1) * 2)
+
+
+def test_an_empty_ctpu_input_is_read_in_place() -> None:
+    """An empty ctpu tensor has no storage (a null data pointer): its argument address is 0, where the program
+    reads nothing (it was the pointer minus HBM's base, a negative address the argument table refused;
+    the tiny Llama's backward under autocast has two such inputs)."""
+    torch._dynamo.reset()
+    ctpu_stats.reset()
+    x, y = torch.empty(0, device="ctpu"), torch.arange(3.0).to("ctpu")
+    doubled, total = torch.compile(lambda a, b: (a * 2, b.sum() + a.sum()), backend="ctpu",
+                                   options={"cache": False})(x, y)
+    assert doubled.shape == (0,) and doubled.device.type == "ctpu"
+    assert total.item() == 3.0 and not ctpu_stats.last().fallback_ops
+
+
+def test_a_graph_compiled_for_another_config_returns_its_results() -> None:
+    """ctpu tensors live on one device's HBM (`small` here); a graph compiled with config "large" runs on a
+    large device, and its ctpu outputs must land in the HBM the tensors live in (they were written into the
+    large device's HBM at the new tensor's address: the caller read zeros, silently)."""
+    torch._dynamo.reset()
+    x = torch.randn(8, 16)
+    out = torch.compile(lambda t: t * 2.0 + 1.0, backend="ctpu", options={"config": "large", "cache": False})(
+        x.to("ctpu"))
+    assert out.device.type == "ctpu"
+    torch.testing.assert_close(out.cpu(), x * 2.0 + 1.0)

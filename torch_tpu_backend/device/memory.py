@@ -36,9 +36,12 @@ def hbm_device() -> CtpuDevice:
 
 
 def hbm_address(tensor: torch.Tensor) -> int:
-    """The HBM byte address of a ctpu tensor's first element (what a kernel launch gets as an argument)."""
+    """The HBM byte address of a ctpu tensor's first element (what a kernel launch gets as an argument). An
+    empty tensor has no storage (a null data pointer): it gets 0, where a program reads and writes nothing."""
     if tensor.device.type != "ctpu":
         raise ValueError(f"hbm_address needs a ctpu tensor, got one on {tensor.device}")
+    if tensor.data_ptr() == 0:
+        return 0
     return tensor.data_ptr() - hbm_device().hbm.ctypes.data
 
 
