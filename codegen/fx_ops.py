@@ -919,13 +919,25 @@ SQ_UNSCALE = 2.0**80  # applied twice: 2^160 is not an fp32 value
 
 
 def _row_mean(e: MlirEmitter, x: TValue) -> TValue:
-    """mean over the last dim (keepdim) that cannot overflow: sum(x 2^-p) (2^p / n) with 2^p >= n. The
-    scaling is exact, so rows that did not overflow get the same bits as sum(x) / n."""
+    """mean over the last dim (keepdim) that cannot overflow, refined once. The estimate m = sum(x 2^-p)
+    (2^p / n), with 2^p >= n, is off by an ulp or two (2^p / n rounds unless n is a power of two), which a
+    row of equal values turns into nonzero deviations: var 1.5e27 for a row of 3e20 (eager: 0), inf for a
+    row of 3e38, a layer norm of +-1 instead of 0. The correction sum(x 2^-p - m 2^-p) (2^p / n) sums
+    residuals that are exact near the mean (Sterbenz), so such a row's mean is its value and its
+    deviations are 0; a row whose correction is not finite (inf or NaN in it) keeps m."""
     n = x.shape[-1]
     p = 2.0 ** math.ceil(math.log2(max(n, 1)))
     scaled = e.elementwise([x], lambda v, w: w.op("arith.mulf", v[0], w.const(1.0 / p)), dtype="f32")
-    return e.elementwise([e.reduce_last(scaled, "sum", True)], lambda v, w: w.op("arith.mulf", v[0], w.const(p / n)),
-                         dtype="f32")
+    m = e.elementwise([e.reduce_last(scaled, "sum", True)], lambda v, w: w.op("arith.mulf", v[0], w.const(p / n)),
+                      dtype="f32")
+    residuals = e.elementwise([x, m], lambda v, w: w.op("arith.subf", w.op("arith.mulf", v[0], w.const(1.0 / p)),
+                                                        w.op("arith.mulf", v[1], w.const(1.0 / p))), dtype="f32")
+
+    def refine(v: list[str], w: BodyWriter) -> str:
+        finite = w.cmp("olt", w.op("math.absf", v[1]), w.const(math.inf))
+        return w.select(finite, w.op("arith.addf", v[0], w.op("arith.mulf", v[1], w.const(p / n))), v[0])
+
+    return e.elementwise([m, e.reduce_last(residuals, "sum", True)], refine, dtype="f32")
 
 
 Deviation = Callable[[list[str], BodyWriter, float], str]

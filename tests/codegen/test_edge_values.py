@@ -221,6 +221,18 @@ def test_norms_at_extreme_magnitudes_compiled() -> None:
         torch.testing.assert_close(g[fin], r[fin], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("n", [3, 5, 768])
+def test_issue16_5_rows_of_one_value_have_no_spread(n: int) -> None:
+    """Widths that are not powers of two: the row mean sum(x 2^-p) (2^p / n) was an ulp off (2^p / n
+    rounds), so a row of one value had nonzero deviations: var(-1) of a row of 3e38 was inf, of 3e20
+    1.5e27, a layer norm of +-1 or 4e-6 (eager, float64: 0). Its refinement makes them exactly 0."""
+    x = torch.tensor([[0.1] * n, [1.7] * n, [3e20] * n, [-3e38] * n, [MAX] * n])
+    var = lambda t: t.var(-1)
+    layer_norm = lambda t: F.layer_norm(t, (n,))
+    for got in (_eager(var, x), _compiled(var, x), _eager(layer_norm, x), _compiled(layer_norm, x)):
+        assert torch.equal(got, torch.zeros_like(got)), got  # type: ignore[arg-type]
+
+
 def test_softmax_rows_with_specials() -> None:
     """max-subtracted softmax: a row holding +inf or NaN, or all -inf, is NaN (as on the CPU); ±MAX and
     subnormal rows are exact."""
