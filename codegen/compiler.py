@@ -379,6 +379,9 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
             ctx.prefetch = None
             info["function"] = len(funcs) - 1
             info["instructions"] = sum(len(blk.instrs) for blk in func.blocks)
+            if isinstance(lowered, KernelChain):  # the profiler names the kernel's span after every member's node
+                nodes = (m.kernel.origin[0] for m in lowered.members if m.kernel.origin[0])
+                info["node"] = " + ".join(dict.fromkeys(nodes))
         if loop is not None and i == loop.first + loop.period - 1:  # also after a chain's last member
             function(f"loop at kernel {loop.first}: footer", "loop_next",
                      lambda lp=loop, h=header.blocks[0].label: emit_footer(ctx, layout, table, lp, h))
