@@ -132,9 +132,7 @@ def _fold_fills(kernels: list[Kernel]) -> list[Kernel]:
         if isinstance(k, FillKernel):
             j, nxt = next(((j, n) for j, n in enumerate(kernels[i + 1:], i + 1)
                            if any(v.buffer == k.output.buffer for v in views_of(n))), (None, None))
-            if isinstance(nxt, MatmulKernel) and k.value == 0.0 and nxt.c.buffer == k.output.buffer \
-                    and nxt.c.offset == k.output.offset and math.prod(nxt.c.shape) == math.prod(k.output.shape) \
-                    and _dense(nxt.c) and _dense(k.output):
+            if isinstance(nxt, MatmulKernel) and k.value == 0.0 and _same_elements(nxt.c, k.output):
                 continue
             if isinstance(nxt, GenericKernel) and nxt.reduction and nxt.init is None and _same_elements(
                     nxt.output.view, k.output) and all(a.view.buffer != k.output.buffer for a in nxt.inputs) \
