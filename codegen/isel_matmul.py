@@ -58,6 +58,8 @@ HEAD_MAX_K_TILES = 64  # first n-tiles of up to this many k-tiles are pipelined 
 MAX_M_TILE = 1024  # rows of A and C per m-tile: each m-tile pays a pipeline fill and drain
 UNROLL_BATCHES = 2  # batched matmuls of more batches run a batch loop
 MAX_RESIDENT_BATCHES = 32  # `_resident_batches` unrolls its batches
+SPLIT_MIN_ROWS = 256  # m-tiles of at least this many rows start on part of A and end storing C in two parts
+A_ROWS, A_REST = -1, -2  # a pipelined start's A loads (in place of an n-tile): rows 0 .. head (all), the rest
 MIN_N_TILE_PAIRS = 2  # n loops of fewer pairs of n-tiles are unrolled
 UNROLL_K_TILES = 4  # k loops up to this many tiles are unrolled, longer ones run as loops (more unrolled
 # tiles x up to 6 bf16 passes keep too many row constants live: allocation did not converge)
@@ -273,9 +275,10 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
         _load_panel(ctx, k, t, a_at, rows, at, ncols, kc, p)
 
     def step(pc: int, kc: int, wait_store: bool, store_prev: tuple[Reg, int] | None,
-             load_next: tuple[_At, int, int] | None) -> None:
+             load_next: tuple[_At, int, int] | None, last: bool) -> None:
         """Chunk kc of an n-tile of parity pc: split the panel, the first MXU command, the previous tile's
-        C store and the next step's loads (both overlap the MXU), the other commands."""
+        C store and the next step's loads (both overlap the MXU), the other commands; the m-tile's `last`
+        step issues its last command by `pieces` of rows, for the pieces' stores to overlap it."""
         p = t.parity(pc, kc)
         b.emit("wait", flag=ctx.flag(Flag.LOAD, p))
         kts = t.tiles(kc)
@@ -288,7 +291,8 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
         if kc == 0 and wait_store:
             b.emit("wait", flag=ctx.flag(Flag.STORE, pc))
         commands = [(qa, qb, a_tile0 + j, j) for qa, qb in t.passes for j in range(kts)]
-        _mxu(ctx, t, a_parts, weights, t.c_tiles[pc], commands[:1], rows, first=True, overwrite=kc == 0, parity=p)
+        _mxu(ctx, t, a_parts, weights, t.c_tiles[pc], commands[:1], rows, first=True, overwrite=kc == 0, parity=p,
+             pieces=pieces if last and len(commands) == 1 else None)
         if store_prev is not None:
             _store_c(ctx, t, t.c_tiles[1 - pc], store_prev[0], rows, store_prev[1], c, 1 - pc)
         stream: _TileStream | None = None
@@ -304,26 +308,31 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
                                      min(t.KC * L, K - k0), Flag.LOAD, 1 - p)
             else:
                 load(*load_next, 1 - p)
-        _mxu(ctx, t, a_parts, weights, t.c_tiles[pc], commands[1:], rows, first=False, overwrite=False, parity=p,
+        rest = commands[1:-1] if last and pieces else commands[1:]
+        _mxu(ctx, t, a_parts, weights, t.c_tiles[pc], rest, rows, first=False, overwrite=False, parity=p,
              stream=stream)
+        if last and pieces and len(commands) > 1:
+            _mxu(ctx, t, a_parts, weights, t.c_tiles[pc], commands[-1:], rows, first=False, overwrite=False,
+                 parity=p, stream=stream, pieces=pieces)
         if stream is not None:
             stream.rest()
 
     def n_tile(pc: int, wait_store: bool, store_prev: tuple[Reg, int] | None, cur: tuple[_At, int],
-               nxt: tuple[_At, int] | None) -> None:
+               nxt: tuple[_At, int] | None, last: bool = False) -> None:
         for kc in range(nch):
             following = (*cur, kc + 1) if kc + 1 < nch else (*nxt, 0) if nxt is not None else None
-            step(pc, kc, wait_store, store_prev if kc == 0 else None, following)
+            step(pc, kc, wait_store, store_prev if kc == 0 else None, following, last and kc == nch - 1)
 
     def b_col(nt: int) -> tuple[_At, int]:
         return b_at.plus(nt * col_elems), cols(nt)
 
     def static_tile(nt: int) -> None:
         n_tile(nt % 2, nt >= 2, (c_addr((nt - 1) * L), cols(nt - 1)) if nt >= 1 else None, b_col(nt),
-               b_col(nt + 1) if nt + 1 < t.NT else None)
+               b_col(nt + 1) if nt + 1 < t.NT else None, last=nt == t.NT - 1)
 
     group = _head_group(t, rows, L)
     head = min(t.NT, 2) if group else 0  # n-tiles the pipelined start computes
+    pieces = _row_pieces(rows) if t.NT > head else []  # the last n-tile is a static one
     if group:
         _pipelined_start(ctx, k, t, rows, a_at, [b_col(nt) for nt in range(head)],
                          b_col(head) if head < t.NT else None, (c_addr(0), cols(0)))
@@ -355,7 +364,13 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
     for nt in range(2 + 2 * pairs, NT):
         static_tile(nt)
     last = (NT - 1) % 2
-    _store_c(ctx, t, t.c_tiles[last], c_addr((NT - 1) * L), rows, cols(NT - 1), c, last)
+    if not pieces:
+        _store_c(ctx, t, t.c_tiles[last], c_addr((NT - 1) * L), rows, cols(NT - 1), c, last)
+    p = t.parity(last, nch - 1)
+    for j, (lo, hi) in enumerate(pieces):  # each piece once its MXU command is done
+        b.emit("wait", flag=ctx.flag(Flag.MXU, p ^ j % 2))
+        ctx.dma(False, c.dtype, c_addr((NT - 1) * L + lo * c.strides[-2]), t.c_tiles[last], lo, hi - lo,
+                cols(NT - 1), c.strides[-2], Flag.STORE, last)
 
 
 def _load_panel(ctx: KernelContext, k: MatmulKernel, t: _Tiling, a_at: _At, rows: int, at: _At, ncols: int, kc: int,
@@ -406,27 +421,37 @@ def _pipelined_start(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int,
     order = [(n, kt) for kt in range(h) for n in range(len(tiles))] + [(0, kt) for kt in range(h, KT)]
     if two:
         order += [(1, kt) for kt in range(h, KT)]
-    # loads (n-tile, or -1 for A; k-tile) in the order the commands need them, grouped at command
-    # boundaries: the first group is the first command's, so that the MXU starts as early as it can
+    # loads (n-tile, or A_ROWS / A_REST for A; k-tile) in the order the commands need them, grouped at
+    # command boundaries: the first group is the first command's, so that the MXU starts as early as it
+    # can; a long A k-tile 0 comes in two parts, the first command in two (`_first_rows`)
+    a_head = _first_rows(ctx, rows, min(L, K) * _esize(a))
     groups: list[list[tuple[int, int]]] = [[]]
     group_of: dict[tuple[int, int], int] = {}
     size = 0
     for i, (n, kt) in enumerate(order):
-        for item in ((-1, kt), (n, kt)):
+        for item in ((n, kt), (A_ROWS, kt)):  # the small weight tile first: its mxu.lw runs during A's DMA
             if item not in group_of:
                 group_of[item] = len(groups) - 1
                 groups[-1].append(item)
-                size += rows if item[0] < 0 else L
+                size += L if item[0] >= 0 else a_head if kt == 0 else rows
+        if i == 0 and a_head < rows:
+            group_of[(A_REST, 0)] = len(groups)
+            groups.append([(A_REST, 0)])
         if (i == 0 or size >= HEAD_GROUP_ROWS) and i + 1 < len(order):
             groups.append([])
             size = 0
+
+    def needs(n: int, kt: int) -> int:
+        """The last group command (n, kt) reads."""
+        return max(group_of[(n, kt)], group_of[(A_ROWS, kt)], group_of.get((A_REST, kt), -1))
 
     def issue(g: int) -> None:
         for n, kt in groups[g]:
             kk = min(L, K - kt * L)
             if n < 0:
-                ctx.dma(True, a.dtype, a_at.addr(ctx, a, kt * L), t.a_sets[0][0], kt * t.mt, rows, kk,
-                        a.strides[-2], Flag.MATMUL_A, g % 2)
+                r0, nrows = (a_head, rows - a_head) if n == A_REST else (0, a_head if kt == 0 else rows)
+                ctx.dma(True, a.dtype, a_at.addr(ctx, a, kt * L + r0 * a.strides[-2]), t.a_sets[0][0],
+                        kt * t.mt + r0, nrows, kk, a.strides[-2], Flag.MATMUL_A, g % 2)
                 continue
             at, ncols = tiles[n]
             raw = t.b_sets[n][0]
@@ -441,6 +466,16 @@ def _pipelined_start(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int,
     for g in range(issued):
         issue(g)
     waited = -1
+
+    def wait_for(g: int) -> None:
+        nonlocal waited, issued
+        while waited < g:
+            waited += 1
+            b.emit("wait", flag=ctx.flag(Flag.MATMUL_A, waited % 2))
+            if issued < len(groups) and issued == waited + 2:
+                issue(issued)
+                issued += 1
+
     for i, (n, kt) in enumerate(order):
         tail = two and i == len(order) - (KT - h)  # the first command of C tile 1's k-tiles h .. KT
         if tail or (not two and issued == len(groups) and nxt is not None and i == len(order) - 1):
@@ -451,12 +486,14 @@ def _pipelined_start(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int,
                 b.emit("wait", flag=ctx.flag(Flag.WEIGHTS, 0 if two else 1))
                 _load_panel(ctx, k, t, a_at, rows, *nxt, 0, 0 if two else 1)
                 nxt = None
-        while waited < max(group_of[(-1, kt)], group_of[(n, kt)]):
-            waited += 1
-            b.emit("wait", flag=ctx.flag(Flag.MATMUL_A, waited % 2))
-            if issued < len(groups) and issued == waited + 2:
-                issue(issued)
-                issued += 1
+        if i == 0 and a_head < rows:  # rows 0 .. a_head as their A lands, then the rest with the same weights
+            wait_for(max(group_of[(n, kt)], group_of[(A_ROWS, kt)]))
+            _mxu(ctx, t, t.a_sets[0], t.b_sets[n], t.c_tiles[n], [(0, 0, kt, kt)], a_head, first=True,
+                 overwrite=True, parity=n)
+            wait_for(group_of[(A_REST, kt)])
+            _mm_rows(ctx, t.a_sets[0][0], kt * t.mt, t.c_tiles[n], a_head, rows, "mxu.mm", ctx.flag(Flag.MXU, n))
+            continue
+        wait_for(needs(n, kt))
         _mxu(ctx, t, t.a_sets[0], t.b_sets[n], t.c_tiles[n], [(0, 0, kt, kt)], rows, first=True,
              overwrite=kt == 0, parity=n)
         if tail:  # C tile 0 is complete: its store overlaps C tile 1's last k-tiles
@@ -611,6 +648,32 @@ def _zero_rows(ctx: KernelContext, regions: list[Region], lo: int, hi: int) -> N
         _chunks(ctx, (hi - lo) // 8, chunk, "zero")
 
 
+def _first_rows(ctx: KernelContext, rows: int, row_bytes: int) -> int:
+    """Rows of A's first k-tile in a pipelined start's first load group: all of a short m-tile; of a long
+    one the fewest h whose MXU rows (a cycle each) last as long as the DMA of the other rows - h (x cycles
+    each): h >= rows * x / (1 + x). The MXU starts on them while the rest is in flight."""
+    x = row_bytes / ctx.config.hbm_bytes_per_cycle
+    h = -(-int(rows * x / (1 + x)) // 8) * 8
+    return h if rows >= SPLIT_MIN_ROWS and h < rows else rows
+
+
+def _row_pieces(rows: int) -> list[tuple[int, int]]:
+    """The row ranges of an m-tile's last MXU command and C store (none: one command, one store): all but
+    the last quarter, whose store overlaps the last quarter's MXU rows, then that quarter. Two pieces: they
+    complete on the two MXU flags (a wait on a flag waits for every command counted on it)."""
+    if rows < SPLIT_MIN_ROWS:
+        return []
+    q = rows // 32 * 8
+    return [(0, rows - q), (rows - q, rows)]
+
+
+def _mm_rows(ctx: KernelContext, a: Region, a_row: int, c_tile: Region, lo: int, hi: int, op: str, flag: int) -> None:
+    """One MXU command over rows lo .. hi of an m-tile (A's k-tile at region row a_row, C's tile)."""
+    b = ctx.b
+    b.emit(op, None, (b.const(a.row + a_row + lo), b.const(c_tile.row + lo), b.const(hi - lo)), flag=flag,
+           mem=(a.mem(a_row + lo, a_row + hi), c_tile.mem(lo, hi, True)))
+
+
 def _chunks(ctx: KernelContext, chunks: int, chunk: Callable[..., None], hint: str) -> None:
     """chunk(off, r) over `chunks` chunks of 8 vmem rows: unrolled (constant addresses) up to
     UNROLL_SPLIT_CHUNKS, else a chunk loop (code size independent of the row count)."""
@@ -623,12 +686,13 @@ def _chunks(ctx: KernelContext, chunks: int, chunk: Callable[..., None], hint: s
 
 def _mxu(ctx: KernelContext, t: _Tiling, a_parts: list[Region], weights: list[Region], c_tile: Region,
          commands: list[tuple[int, int, int, int]], rows: int, first: bool, overwrite: bool, parity: int,
-         stream: _TileStream | None = None) -> None:
+         stream: _TileStream | None = None, pieces: list[tuple[int, int]] | None = None) -> None:
     """Issue lw(t) + mm(a)s for each (part of A, part of B, A's k-tile, the panel's k-tile); the first
     mm of an n-tile overwrites C (`overwrite`), the others accumulate. Runs of one pass longer than
     UNROLL_K_TILES become a counted loop with pointer registers. Weight loads complete on WEIGHTS
     (their panel is then free), mms on MXU, both of the step's parity. `stream`: one of its DMAs is
-    issued with each command while it has any."""
+    issued with each command while it has any. `pieces` (one command): its mm by those row ranges, the
+    same weights, piece j completing on MXU flag parity ^ (j % 2)."""
     b = ctx.b
     f, fw = ctx.flag(Flag.MXU, parity), ctx.flag(Flag.WEIGHTS, parity)
     lw = "mxu.lwt" if t.trans_b else "mxu.lw"
@@ -639,7 +703,7 @@ def _mxu(ctx: KernelContext, t: _Tiling, a_parts: list[Region], weights: list[Re
     while i < len(commands):
         qa, qb, ka, kb = commands[i]
         run = [cmd for cmd in commands[i:] if cmd[:2] == (qa, qb)]
-        if len(run) > UNROLL_K_TILES and not first:
+        if len(run) > UNROLL_K_TILES and not first and not pieces:
             w_ptr, a_ptr = b.sreg(), b.sreg()
             b.emit("li", w_ptr, imm=weights[qb].row + kb * L)
             b.emit("li", a_ptr, imm=a_parts[qa].row + ka * mt)
@@ -665,9 +729,16 @@ def _mxu(ctx: KernelContext, t: _Tiling, a_parts: list[Region], weights: list[Re
         w_row = weights[qb].row + kb * L
         b.emit(lw, None, (b.const(w_row),), flag=fw, mem=(weights[qb].mem(kb * L, kb * L + L),))
         op = "mxu.mms" if overwrite and i == 0 else "mxu.mmas"
-        a_row = a_parts[qa].row + ka * mt
-        b.emit(op, None, (b.const(a_row), c_row, n_rows), flag=f,
-               mem=(a_parts[qa].mem(ka * mt, ka * mt + rows), c_tile.mem(0, rows, True)))
+        if pieces:
+            assert len(commands) == 1
+            for j, (lo, hi) in enumerate(pieces):  # the first swaps the weights in, the others reuse them
+                unswapped = op[:-1]  # mxu.mms -> mxu.mm, mxu.mmas -> mxu.mma
+                _mm_rows(ctx, a_parts[qa], ka * mt, c_tile, lo, hi, op if j == 0 else unswapped,
+                         ctx.flag(Flag.MXU, parity ^ j % 2))
+        else:
+            a_row = a_parts[qa].row + ka * mt
+            b.emit(op, None, (b.const(a_row), c_row, n_rows), flag=f,
+                   mem=(a_parts[qa].mem(ka * mt, ka * mt + rows), c_tile.mem(0, rows, True)))
         if stream is not None and stream.remaining():
             stream.one()
             stream.issued += 1
