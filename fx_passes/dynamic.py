@@ -19,6 +19,13 @@ could observe padding reads it through a select `where(iota < valid_len, x, neut
 - a symbolic size used as a value (`arange + past`, `x * s`): the runtime value, not the bound.
 Anything else that reads a padded dim (sort, flip, a cat or slice at a symbolic offset, ...) raises
 CtpuDynamicShapeError naming the node: the graph then runs on the CPU, counted. Never a guess.
+
+Interleaved dims: a view that merges dims with a padded one inside ([b, s, h] -> [b * s, h], a linear
+layer's input at batch > 1, b static or padded too) gives a dim whose padding is interleaved (each of
+the b runs of s has its own padded tail), not at its end. Ops that treat such a dim as independent rows keep it: elementwise
+ops, copies, a matmul's M dim, reductions and softmax over other dims; the view that splits it back into
+the same dims restores the padded layout. Anything else on an interleaved dim (a reduction over it, an
+index, a graph output) is refused.
 """
 
 from __future__ import annotations
@@ -165,6 +172,7 @@ _CREATION = {aten.full.default, aten.zeros.default, aten.ones.default, aten.empt
              aten.new_ones.default, aten.new_empty.default, aten.new_full.default}
 _ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+_SAME_DIMS = {aten.clone.default, aten._to_copy.default, aten.alias.default, aten.detach.default}  # keep every dim
 # (op, argument) where a symbolic size means a size: at the bound in the padded program
 _SIZE_ARGS = {(op, "size") for op in (*_VIEWS, aten.expand.default, aten.full.default, aten.zeros.default,
                                       aten.ones.default, aten.empty.memory_format, aten.empty_strided.default,
@@ -196,6 +204,7 @@ class _Masker:
     def __init__(self, gm: GraphModule, plan: DynamicPlan) -> None:
         self.gm, self.graph, self.plan = gm, gm.graph, plan
         self.valid: dict[sympy.Expr, Node] = {}
+        self.interleaved: dict[Node, dict[int, tuple[sympy.Expr, ...]]] = {}  # node -> dim -> the dims merged
         self.placeholders = list(self.graph.find_nodes(op="placeholder"))
         self.fake_mode = next((v.fake_mode for n in self.placeholders
                                if isinstance(v := val(n), torch.Tensor) and hasattr(v, "fake_mode")), None)
@@ -257,15 +266,24 @@ class _Masker:
         for node in list(self.graph.nodes):
             if node.op == "call_function":
                 self.visit(node)
+            elif node.op == "output":
+                for r in node.all_input_nodes:
+                    if r in self.interleaved:
+                        raise _refuse(r, "a graph output with interleaved padding (a merged batch and padded dim)")
 
     def visit(self, node: Node) -> None:
         if isinstance(val(node), _SYMBOLIC) or node.target in _DROPPED:
             return  # size arithmetic: evaluated at the bounds (or on the host for outputs)
         if not isinstance(node.target, torch._ops.OpOverload):
             if node.target is operator.getitem:
+                if node.args[0] in self.interleaved:
+                    raise _refuse(node, "an item of an op over an interleaved dim")
                 return
             raise _refuse(node, "a call of a non-ATen function on symbolic sizes")
         self.runtime_values(node)
+        if any(n in self.interleaved for n in node.all_input_nodes):
+            self.visit_interleaved(node)
+            return
         inputs = [n for n in node.all_input_nodes if isinstance(val(n), torch.Tensor)]
         padded_in = any(_padded(val(n)) for n in inputs)
         target = node.target
@@ -461,16 +479,87 @@ class _Masker:
 
     def check_view(self, node: Node) -> None:
         """A view keeps the layout when, in each group of dims it merges or splits, only the group's
-        outermost dim of size > 1 is symbolic (row-major offsets then agree between real and padded)."""
+        outermost dim of size > 1 is symbolic (row-major offsets then agree between real and padded). Any
+        other group merged into one dim makes it interleaved; a group that splits an interleaved dim back
+        into the dims it merged restores the layout."""
         src = [expr_of(s) for s in val(node.args[0]).shape]
         out = [expr_of(s) for s in val(node).shape]
         if not any(e.free_symbols for e in (*src, *out)):
             return
+        inter = self.interleaved.get(node.args[0], {})
+        made: dict[int, tuple[sympy.Expr, ...]] = {}
+        i = j = 0
         for group_src, group_out in _groups(src, out):
-            for group in (group_src, group_out):
-                big = [e for e in group if e != 1]
-                if any(e.free_symbols for e in big[1:]):
-                    raise _refuse(node, f"a view that merges or splits padded dims {group_src} -> {group_out}")
+            src_dims, out_dims = range(i, i + len(group_src)), range(j, j + len(group_out))
+            i, j = i + len(group_src), j + len(group_out)
+            big_src = [e for e in group_src if e != 1]
+            big_out = [(d, e) for d, e in zip(out_dims, group_out, strict=True) if e != 1]
+            merged = [inter[d] for d in src_dims if d in inter]
+            if merged:  # an interleaved dim: kept as it is, or split back into the dims it merged
+                if len(big_out) == 1 and big_src == [big_out[0][1]]:
+                    made[big_out[0][0]] = merged[0]
+                    continue
+                if len(big_src) == 1 and tuple(e for _, e in big_out) == merged[0]:
+                    continue
+                raise _refuse(node, f"a view of an interleaved dim {group_src} -> {group_out} other than back "
+                                    f"into {list(merged[0])}")
+            if not any(e.free_symbols for e in big_src[1:]) and not any(e.free_symbols for _, e in big_out[1:]):
+                continue
+            if len(big_out) == 1:
+                made[big_out[0][0]] = tuple(big_src)  # dims merged, padded ones among the inner ones
+                continue
+            raise _refuse(node, f"a view that merges or splits padded dims {group_src} -> {group_out}")
+        if made:
+            self.interleaved[node] = made
+
+    def visit_interleaved(self, node: Node) -> None:
+        """An op with an operand that has an interleaved dim: allowed where the dim is only a row index."""
+        target, value = node.target, val(node)
+        rank = value.dim() if isinstance(value, torch.Tensor) else 0
+        if target in _VIEWS:
+            self.check_view(node)
+            return
+        out: dict[int, tuple[sympy.Expr, ...]] = {}
+        if target in _CONTRACTIONS or target is aten.addmm.default:
+            a, b = (node.args[1], node.args[2]) if target is aten.addmm.default else node.args[:2]
+            m = val(a).dim() - 2  # the M dim (batch dims of a bmm included in none)
+            inter_a = self.interleaved.get(a, {})
+            if b in self.interleaved or set(inter_a) != {m} or (target is aten.addmm.default
+                                                               and node.args[0] in self.interleaved):
+                raise _refuse(node, "a matmul over an interleaved dim other than its rows")
+            out = {rank - 2: inter_a[m]}
+        elif target in _REDUCTIONS:
+            x = node.args[0]
+            inter = self.interleaved.get(x, {})
+            dims = _reduced_dims(node, val(x).dim())
+            if set(dims) & set(inter) or any(n in self.interleaved for n in node.all_input_nodes if n is not x):
+                raise _refuse(node, "a reduction over an interleaved dim")
+            self.reduction(node)  # masks its padded reduced dims, none of them interleaved
+            keeps = target in (aten._softmax.default, aten._log_softmax.default) or bool(op_arg(node, "keepdim"))
+            out = {d if keeps else d - sum(r < d for r in dims): e for d, e in inter.items()}
+        elif torch.Tag.pointwise in target.tags or target in _SAME_DIMS:
+            for n in node.all_input_nodes:  # operands broadcast right-aligned: their layouts must agree
+                v = val(n)
+                if not isinstance(v, torch.Tensor):
+                    continue
+                inter = self.interleaved.get(n, {})
+                for d, size in enumerate(v.shape):
+                    o = d + rank - v.dim()
+                    if inter.get(d) is not None:
+                        if out.get(o, inter[d]) != inter[d]:
+                            raise _refuse(node, "operands interleaved differently")
+                        out[o] = inter[d]
+            for n in node.all_input_nodes:
+                v = val(n)
+                if isinstance(v, torch.Tensor):
+                    inter = self.interleaved.get(n, {})
+                    for d, size in enumerate(v.shape):
+                        if d + rank - v.dim() in out and d not in inter and expr_of(size) != 1:
+                            raise _refuse(node, "an operand with interleaved padding beside one without")
+        else:
+            raise _refuse(node, f"{target} on an interleaved dim (a merged batch and padded dim)")
+        if out:
+            self.interleaved[node] = out
 
     def runtime_values(self, node: Node) -> None:
         """A symbolic size used as a value (not a size) reads its runtime value."""

@@ -131,17 +131,44 @@ def test_prefix_ops_and_sizes_as_values(length: int) -> None:
     torch.testing.assert_close(run_padded(masked, plan, [x], math.nan)[0], fn(x))
 
 
+def _two_batches(x: torch.Tensor) -> torch.Tensor:
+    """[s, 3] -> [2, s, 3]: x and 2x, a static batch before the padded dim."""
+    return x.unsqueeze(0) * (torch.arange(2) + 1).view(2, 1, 1)
+
+
 @pytest.mark.parametrize(("fn", "why"), [
     (lambda x: torch.cat([x, x[:2]], 0).sum(0), "cat after an operand of symbolic size"),
     (lambda x: x.flip(0), "not known to keep padded elements unobservable"),
     (lambda x: x[-2:], "negative or symbolic start"),
     (lambda x: torch.ones(20, 3)[x.shape[0]] + x.sum(0), "static dim at a symbolic index"),
-    (lambda x: x.t().reshape(-1).sum(), "merges or splits padded dims"),  # [3, s] -> [3s]: not a prefix
+    (lambda x: x.t().reshape(-1).sum(), "reduction over an interleaved dim"),  # [3, s] -> [3s]: not a prefix
+    (lambda x: _two_batches(x).reshape(-1, 3) * 2, "graph output with interleaved padding"),
+    (lambda x: _two_batches(x).reshape(-1, 3).reshape(-1).sum(), "view of an interleaved dim"),
+    (lambda x: _two_batches(x).reshape(-1, 3)[1:].sum(0) * 0 + x.sum(0), "on an interleaved dim"),
 ])
 def test_what_it_cannot_prove_safe_is_refused(fn: Callable[..., torch.Tensor], why: str) -> None:
     gm = symbolic_graph(fn, torch.randn(6, 3))
     with pytest.raises(CtpuDynamicShapeError, match=why):
         mask_padding(gm)
+
+
+@pytest.mark.parametrize("garbage", [math.nan, math.inf, 3.0e38])
+@pytest.mark.parametrize("length", [2, 5, 17])
+def test_a_merged_batch_and_padded_dim_is_rows(length: int, garbage: float) -> None:
+    """A linear layer at batch > 1: [2, s, 3] -> [2s, 3] (each batch's padded tail inside the merged dim,
+    not at its end), a matmul, an elementwise op and a softmax over the other dim on those rows, then back
+    to [2, s, 4] and a sum over s (masked there): eager's answer with garbage in the padding."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        w = torch.arange(12.0).view(3, 4).cos()  # made in the graph: AOT lifts a captured tensor to an input
+        rows = _two_batches(x).reshape(-1, 3)
+        y = torch.softmax((rows @ w).relu() + 1, -1)
+        return y.reshape(2, -1, 4).sum(1)
+
+    x = torch.randn(length, 3, generator=torch.Generator().manual_seed(length))
+    gm = symbolic_graph(fn, torch.randn(7, 3))
+    masked = copy_graph_module(gm)
+    plan = mask_padding(masked)
+    torch.testing.assert_close(run_padded(masked, plan, [x], garbage)[0], fn(x))
 
 
 def test_bounds_are_powers_of_two_capped_by_the_declared_max() -> None:

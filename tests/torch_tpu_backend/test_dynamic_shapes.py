@@ -109,6 +109,32 @@ def test_attention_over_a_padded_key_dim_is_one_fused_op(tmp_path) -> None:
     assert cycles["dynamic"] <= 1.05 * cycles["static"], cycles
 
 
+@pytest.mark.parametrize(("dims", "calls", "variants"), [
+    ((1,), ((2, 5), (2, 9)), 1),  # bucket 16 of the sequence
+    pytest.param((0, 1), ((2, 5), (3, 9), (2, 17)), 2, marks=pytest.mark.slow),  # buckets (16, 16), (16, 32)
+], ids=["sequence", "batch_and_sequence"])
+def test_a_batch_of_sequences_with_symbolic_sizes(dims: tuple[int, ...], calls: tuple[tuple[int, int], ...],
+                                                  variants: int) -> None:
+    """The tiny Llama at batch > 1 with a symbolic sequence length (and batch): its linear layers view
+    [b, s, h] as [b * s, h], each batch's padding inside the merged dim (fx_passes.dynamic: interleaved
+    dims). Before, that view was refused and the whole model ran on the CPU. Eager's logits, one graph,
+    one program per bucket, nothing on the CPU."""
+    model = tiny_llama(layers=1)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="ctpu", options={"cache": False})
+    ctpu_stats.reset()
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error")  # no fallback warning
+        for b, n in calls:
+            ids = torch.randint(0, 128, (b, n), generator=torch.Generator().manual_seed(n))
+            for d in dims:
+                torch._dynamo.mark_dynamic(ids, d)
+            torch.testing.assert_close(compiled(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-5)
+    stats = ctpu_stats.last()
+    assert not stats.fallback_ops
+    assert (stats.graphs_compiled, stats.program_variants) == (1, variants)
+
+
 def test_dynamic_true_on_a_hugging_face_model_runs_on_the_ctpu() -> None:
     """dynamic=True passes the model's float attributes (RMSNorm's eps, RoPE's attention scaling) as float64
     0-d inputs read through casts to float32: narrowed at the launch, they run on the CTPU (9 casts ran on
