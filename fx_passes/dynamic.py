@@ -22,9 +22,9 @@ CtpuDynamicShapeError naming the node: the graph then runs on the CPU, counted. 
 
 Interleaved dims: a view that merges dims with a padded one inside ([b, s, h] -> [b * s, h], a linear
 layer's input at batch > 1, b static or padded too) gives a dim whose padding is interleaved (each of
-the b runs of s has its own padded tail), not at its end. Ops that treat such a dim as independent rows keep it: elementwise
-ops, copies, a matmul's M dim, reductions and softmax over other dims; the view that splits it back into
-the same dims restores the padded layout. Anything else on an interleaved dim (a reduction over it, an
+the b runs of s has its own padded tail), not at its end. Ops that treat such a dim as independent rows
+keep it: elementwise ops, copies, a matmul's M dim, reductions and softmax over other dims; the view
+that splits it back into the same dims restores the padded layout. Anything else on an interleaved dim (a reduction over it, an
 index, a graph output) is refused.
 """
 
@@ -543,7 +543,7 @@ class _Masker:
                 if not isinstance(v, torch.Tensor):
                     continue
                 inter = self.interleaved.get(n, {})
-                for d, size in enumerate(v.shape):
+                for d in range(v.dim()):
                     o = d + rank - v.dim()
                     if inter.get(d) is not None:
                         if out.get(o, inter[d]) != inter[d]:
