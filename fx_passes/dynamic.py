@@ -24,8 +24,8 @@ Interleaved dims: a view that merges dims with a padded one inside ([b, s, h] ->
 layer's input at batch > 1, b static or padded too) gives a dim whose padding is interleaved (each of
 the b runs of s has its own padded tail), not at its end. Ops that treat such a dim as independent rows
 keep it: elementwise ops, copies, a matmul's M dim, reductions and softmax over other dims; the view
-that splits it back into the same dims restores the padded layout. Anything else on an interleaved dim (a reduction over it, an
-index, a graph output) is refused.
+that splits it back into the same dims restores the padded layout. Anything else on an interleaved dim
+(a reduction over it, an index, a graph output) is refused.
 """
 
 from __future__ import annotations
