@@ -658,13 +658,15 @@ def _whole(g: KernelGraph, v: View) -> bool:
 
 
 def _fill_value(g: KernelGraph, buffer: str) -> float | None:
-    """The value the last kernel writing `buffer` filled it with (following identity copies, which
-    bufferization makes when CSE has shared one fill between several users), or None."""
+    """The value the last kernel writing `buffer` filled it with (following whole identity copies from
+    other buffers, which bufferization makes when CSE has shared one fill between several users), or
+    None. A copy within the buffer (a circular pad's wrap-around) or of part of it is no fill."""
     writer = next((k for k in reversed(g.kernels) if _written(k) == buffer), None)
     if isinstance(writer, FillKernel) and _whole(g, writer.output):
         return writer.value
     if isinstance(writer, GenericKernel) and not writer.body.ops and len(writer.inputs) == 1 \
-            and writer.body.yields == writer.body.args[:1]:
+            and writer.body.yields == writer.body.args[:1] and _whole(g, writer.output.view) \
+            and writer.inputs[0].view.buffer != buffer:
         return _fill_value(g, writer.inputs[0].view.buffer)
     return None
 
