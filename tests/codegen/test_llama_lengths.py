@@ -10,7 +10,8 @@ not write). Before the fixes of issue 16:
   not fit vmem, and the whole model fell back to the CPU (with a warning).
 CI runs a sample of the lengths that failed (fp32: both ends, a middle, the ones beside the lucky 24, on each
 config; bf16 failed at a subset of them); every length, the whole sweep 1 .. 64 in fp32 and bf16, is `slow`
-(a couple of hours on one core).
+(a couple of hours on one core). Last run of the slow sweep on `large` (2026-11-27, `pytest -m slow
+tests/codegen/test_llama_lengths.py -k large`): 128 passed, 47 minutes on a shared core.
 """
 
 from __future__ import annotations
