@@ -364,13 +364,7 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
     for nt in range(2 + 2 * pairs, NT):
         static_tile(nt)
     last = (NT - 1) % 2
-    if not pieces:
-        _store_c(ctx, t, t.c_tiles[last], c_addr((NT - 1) * L), rows, cols(NT - 1), c, last)
-    p = t.parity(last, nch - 1)
-    for j, (lo, hi) in enumerate(pieces):  # each piece once its MXU command is done
-        b.emit("wait", flag=ctx.flag(Flag.MXU, p ^ j % 2))
-        ctx.dma(False, c.dtype, c_addr((NT - 1) * L + lo * c.strides[-2]), t.c_tiles[last], lo, hi - lo,
-                cols(NT - 1), c.strides[-2], Flag.STORE, last)
+    _store_c(ctx, t, t.c_tiles[last], c_addr((NT - 1) * L), rows, cols(NT - 1), c, last, pieces)
 
 
 def _load_panel(ctx: KernelContext, k: MatmulKernel, t: _Tiling, a_at: _At, rows: int, at: _At, ncols: int, kc: int,
@@ -556,10 +550,14 @@ def _dma_tiles(ctx: KernelContext, v: View, hbm: Reg, region: Region, row_step: 
 
 
 def _store_c(ctx: KernelContext, t: _Tiling, tile: Region, addr: Reg, rows: int, cols: int, c: View,
-             pc: int) -> None:
-    """Store C tile pc once the MXU commands of its n-tile's last step are done (they run in order)."""
-    ctx.b.emit("wait", flag=ctx.flag(Flag.MXU, t.parity(pc, t.nch - 1)))
-    ctx.dma(False, c.dtype, addr, tile, 0, rows, cols, c.strides[-2], Flag.STORE, pc)
+             pc: int, pieces: list[tuple[int, int]] | None = None) -> None:
+    """Store C tile pc once the MXU commands of its n-tile's last step are done (they run in order); by
+    `pieces` of rows (`_row_pieces`), each once its own command is done (piece j on flag parity ^ j % 2)."""
+    p = t.parity(pc, t.nch - 1)
+    for j, (lo, hi) in enumerate(pieces or [(0, rows)]):
+        ctx.b.emit("wait", flag=ctx.flag(Flag.MXU, p ^ j % 2))
+        ctx.dma(False, c.dtype, ctx.b.offset_reg(addr, lo * c.strides[-2] * _esize(c)), tile, lo, hi - lo, cols,
+                c.strides[-2], Flag.STORE, pc)
 
 
 def _layout(precision: str, M: int, KT: int, L: int, free: int) -> tuple[list[str], int, int, bool] | None:
@@ -731,8 +729,8 @@ def _mxu(ctx: KernelContext, t: _Tiling, a_parts: list[Region], weights: list[Re
         op = "mxu.mms" if overwrite and i == 0 else "mxu.mmas"
         if pieces:
             assert len(commands) == 1
+            unswapped = op[:-1]  # mxu.mms -> mxu.mm, mxu.mmas -> mxu.mma
             for j, (lo, hi) in enumerate(pieces):  # the first swaps the weights in, the others reuse them
-                unswapped = op[:-1]  # mxu.mms -> mxu.mm, mxu.mmas -> mxu.mma
                 _mm_rows(ctx, a_parts[qa], ka * mt, c_tile, lo, hi, op if j == 0 else unswapped,
                          ctx.flag(Flag.MXU, parity ^ j % 2))
         else:
