@@ -20,7 +20,8 @@ need them, so the MXU starts after the first A block and weight tile, not after 
 fp32 operands follow `torch.get_float32_matmul_precision()`: each is split in vmem into bf16 parts
 (hi = bf(x), mid = bf(x - hi), lo = bf(x - hi - mid), with `vcvt.bf` and `vsub.f`; `_split` says how hi
 avoids rounding a finite x near the fp32 maximum to inf) and the cross products are accumulated, smallest
-first: "highest" 6 passes, "high" 3, "medium" 1. bf16 operands run 1 pass.
+first: "highest" 6 passes, "high" 3, "medium" 1. bf16 operands run 1 pass; an fp32 x bf16 matmul (attention's
+P @ V in a bf16 model) skips the passes through the bf16 operand's residuals, which are zero (`_passes`).
 
 IEEE specials survive the split. The residuals are finite-only (inf - inf never happens), and inf or NaN
 must never meet a zero part of the other operand (inf * 0 = NaN) where fp32 would multiply it by a
@@ -92,15 +93,14 @@ def lower_matmul(ctx: KernelContext, k: MatmulKernel) -> None:
         raise LoweringError(f"matmul {M}x{K}x{Nn} does not fit vmem (not even 8 rows and one k-tile)")
     names, mt, KC, a_chunked = plan
     parts = len(names)
-    index = {name: i for i, name in enumerate(names)}
-    index.setdefault("hi", 0)  # no separate hi: the in-place region is hi (and hi_full is hi)
     a_tiles = KC if a_chunked else KT
+    hi_full = "hi" in names[1:]
     t = _Tiling(
         a_sets=[[ctx.region(a_tiles * mt, f"a{q}_") for q in range(parts)] for _ in range(2 if a_chunked else 1)],
         b_sets=[[ctx.region(KC * L, f"b{q}_") for q in range(parts)] for _ in range(2)],
         c_tiles=[ctx.region(mt, "c") for _ in range(2)],
-        passes=[(index[pa], index[pb]) for pa, pb in PASSES[precision]],
-        mt=mt, KT=KT, KC=KC, NT=NT, hi_full="hi" in names[1:], trans_b=trans_b, a_chunked=a_chunked)
+        passes=_passes(precision, names, hi_full, a.dtype == "bf16", bm.dtype == "bf16"),
+        mt=mt, KT=KT, KC=KC, NT=NT, hi_full=hi_full, trans_b=trans_b, a_chunked=a_chunked)
     if K % L and not trans_b and t.nch == 1:
         # weight rows K .. KT * L must be zero: the DMA never writes them, and 0 x stale NaN / inf is NaN
         # (with several k-chunks the last chunk zeroes them as it is loaded: other chunks share its panel)
@@ -155,8 +155,7 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
     mt = -(-M // 8) * 8
     names = ["hi_full", *RESIDUALS[precision]]  # hi in place, carrying nothing non-finite (`_layout`)
     parts = len(names)
-    passes = [(names.index(pa if pa in names else "hi_full"), names.index(pb if pb in names else "hi_full"))
-              for pa, pb in PASSES[precision]]
+    passes = _passes(precision, names, False, a.dtype == "bf16", bm.dtype == "bf16")
     need = B * parts * (KT * mt + 8 + NT * (KT * L + 8)) + B * NT * (mt + 8)
     if not 1 < B <= MAX_RESIDENT_BATCHES or mt > MAX_M_TILE or len(passes) * NT * KT * mt > ctx.config.dma_latency \
             or need > ctx.vmem_free():
@@ -588,6 +587,20 @@ def _layout(precision: str, M: int, KT: int, L: int, free: int) -> tuple[list[st
                 return [*names, "hi"], mt, KC, a_chunked
             return names, mt, KC, a_chunked
     return None
+
+
+def _passes(precision: str, names: list[str], hi_full: bool, a_bf16: bool, b_bf16: bool) -> list[tuple[int, int]]:
+    """The MXU passes, (A part, B part) indices into `names` (no separate hi: the in-place part is hi, and
+    hi_full is hi). An operand loaded from bf16 is its own hi: its residual parts are exact zeros, so the
+    passes that read them add +0 and are dropped (an fp32 x bf16 matmul at "highest" takes 3 or 4 passes,
+    not 6), except the one through the residual that carries its non-finite values when there is no
+    hi_full (`_split`)."""
+    index = {name: i for i, name in enumerate(names)}
+    index.setdefault("hi", 0)
+    residuals = RESIDUALS[precision]
+    zero = set(residuals if hi_full else residuals[:-1])
+    return [(index[pa], index[pb]) for pa, pb in PASSES[precision]
+            if not (a_bf16 and pa in zero) and not (b_bf16 and pb in zero)]
 
 
 def _split(ctx: KernelContext, parts: list[Region], rows: int, hi_full: bool) -> None:

@@ -200,3 +200,50 @@ def test_resident_batches_pay_one_latency_not_one_per_batch(heads: int, rows: in
     np.testing.assert_array_equal(out, out_looped)
     # resident: the program's entry, the loads, the MXU, the stores; the loop paid a latency a batch
     assert stats.cycles < loop_stats.cycles - (heads - 2) * cg.hardware.dma_latency
+
+
+# ---- fp32 x bf16: an operand loaded from bf16 has no residual parts ----------------------------------------
+# issue 13: attention's P @ V in a bf16 model multiplies fp32 probabilities by bf16 values; at "highest"
+# it ran all 6 bf16 passes, 3 of them against V's residual parts, which are exact zeros.
+@pytest.mark.parametrize(("queries", "precision"), [
+    (1, "highest"),  # a decode step: every KV head's matmuls resident, hi carries nothing non-finite
+    (40, "highest"),  # a prefill: the m-tile path, with a separate finite-only hi beside hi_full
+    (40, "high"),
+], ids=str)
+def test_passes_against_a_bf16_operand_give_the_same_bits(queries: int, precision: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import fx_passes.ops  # noqa: F401  (registers torch.ops.ctpu; codegen itself never imports fx_passes)
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, n, 64, generator=gen).bfloat16()
+               for h, n in ((16, queries), (4, 300), (4, 300)))
+    k[0, 0, 3, 5] = float("inf")
+    v[0, 1, 7, 1], v[0, 0, 9, 2], v[0, 2, 11, 3] = float("nan"), float("inf"), -3e38
+    v[0, 3, 13, 4] = 1e-39  # subnormal in fp32, 0 once the MXU's bf16 operand flushes it (both ways alike)
+
+    def attention(q, k, v):
+        return torch.ops.ctpu.attention(q, k, v, None, True, 0.125, True)
+
+    def run() -> tuple[np.ndarray, int]:
+        cg = compile_graph(trace(attention, q, k, v), [q, k, v], "large", matmul_precision=precision)
+        (out,), stats = run_fresh(cg, [t.float().numpy() for t in (q, k, v)], SimulatorRunner("large"))
+        return out, stats.cycles
+
+    out, cycles = run()
+    every_pass = isel_matmul._passes
+    monkeypatch.setattr(isel_matmul, "_passes", lambda p, names, hi_full, a_bf16, b_bf16:
+                        every_pass(p, names, hi_full, False, False))
+    out_all, cycles_all = run()
+    np.testing.assert_array_equal(out.view(np.uint32), out_all.view(np.uint32))
+    assert np.isnan(out).any() and np.isinf(out).any()
+    assert cycles < cycles_all
+
+
+def test_a_bf16_operand_drops_only_passes_through_its_zero_parts() -> None:
+    names = ["hi_full", "mid", "lo"]  # no separate hi: lo carries the non-finite values
+    assert isel_matmul._passes("highest", names, False, False, True) == [(2, 0), (0, 2), (1, 0), (0, 0)]
+    assert isel_matmul._passes("highest", names, False, True, False) == [(2, 0), (0, 2), (0, 1), (0, 0)]
+    assert isel_matmul._passes("highest", [*names, "hi"], True, False, True) == [(2, 3), (1, 3), (0, 0)]
+    assert isel_matmul._passes("high", ["hi_full", "mid"], False, False, True) == [(1, 0), (0, 1), (0, 0)]
+    assert isel_matmul._passes("high", ["hi_full", "mid", "hi"], True, False, True) == [(1, 2), (0, 0)]
+    assert len(isel_matmul._passes("highest", names, False, False, False)) == 6
