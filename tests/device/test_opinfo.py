@@ -461,23 +461,27 @@ def main() -> None:
                              "compiled with dynamic=True (symbolic sizes, padded); integer: the int64 samples "
                              "compiled")
     parser.add_argument("--max-samples", type=int, help="the first samples of each OpInfo only")
+    parser.add_argument("--positions", default=":", metavar="START:STOP",
+                        help="a slice of the selected OpInfos (e.g. 227:450), to split a sweep over processes")
     args = parser.parse_args()
+    start_at, stop_at = (int(p) if p else None for p in args.positions.split(":"))
     ci_ops = {"compile": COMPILE_CI_OPS, "grad": GRAD_CI_OPS, "eager-grad": GRAD_CI_OPS,
               "dynamic": DYNAMIC_CI_OPS, "integer": INTEGER_CI_OPS}.get(args.mode, CI_OPS)
     checker = TestCase()
     warnings.simplefilter("ignore", CtpuFallbackWarning)
     start, outcomes = time.time(), []
-    for op in op_db:
-        dtype = torch.int64 if args.mode == "integer" else torch.float32
-        if (dtype in op.supported_dtypes("cpu") and (not args.ci_only or op.name in ci_ops)
-                and (args.mode not in GRAD_MODES or op.supports_autograd)):
-            outcomes.append(check_op(op, "ctpu", lambda a, e, name: _assert_equal(checker, a, e, name),
-                                     args.mode, args.max_samples))
-            print(op.name, op.variant_test_name, outcomes[-1]["status"], outcomes[-1]["reason"][:200],
-                  file=sys.stderr, flush=True)  # the outcomes so far, while the sweep runs
+    dtype = torch.int64 if args.mode == "integer" else torch.float32
+    selected = [op for op in op_db if dtype in op.supported_dtypes("cpu") and (not args.ci_only or op.name in ci_ops)
+                and (args.mode not in GRAD_MODES or op.supports_autograd)]
+    for op in selected[start_at:stop_at]:
+        outcomes.append(check_op(op, "ctpu", lambda a, e, name: _assert_equal(checker, a, e, name),
+                                 args.mode, args.max_samples))
+        print(op.name, op.variant_test_name, outcomes[-1]["status"], outcomes[-1]["reason"][:200],
+              file=sys.stderr, flush=True)  # the outcomes so far, while the sweep runs
     counts = Counter(o["status"] for o in outcomes)
     fallback_ops = Counter(name for o in outcomes for name in o["fallback_ops"])
-    report = {"torch": torch.__version__, "mode": args.mode, "opinfos": len(outcomes), "counts": dict(counts),
+    report = {"torch": torch.__version__, "mode": args.mode, "positions": args.positions,
+              "opinfos": len(outcomes), "counts": dict(counts),
               "fallback_with_ctpu_kernels": sum(o["status"] == "fallback" and o["kernels_launched"] > 0
                                                 for o in outcomes),
               "seconds": round(time.time() - start, 1),
