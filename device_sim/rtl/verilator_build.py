@@ -10,6 +10,7 @@ the top-level ports (memories travel through DPI, `ctpu_tb_dpi.cpp`), so the fla
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -107,9 +108,7 @@ def build(name: str, top: str, sources: Sequence[str | Path], parameters: Mappin
     for s in srcs:
         key.update(s.name.encode())
         key.update(s.read_bytes())
-    stamp = build_dir / "ctpu_build.stamp"
     runner = _make_runner()
-    exe = build_dir / top
     args = [
         "-Wno-fatal",  # lint is a separate, strict step (tests/rtl/test_lint.py); don't block simulation on it
         "-O3", "--x-assign", "fast", "--x-initial", "fast",
@@ -130,7 +129,28 @@ def build(name: str, top: str, sources: Sequence[str | Path], parameters: Mappin
     # C++ (DPI models) goes to Verilator as a plain argument: cocotb's runner only accepts HDL sources
     hdl = [s for s in srcs if s.suffix in (".sv", ".v")]
     args += [str(s) for s in srcs if s.suffix in (".cpp", ".cc")]
-    if force or not exe.exists() or not stamp.exists() or stamp.read_text() != key.hexdigest():
+    with _exclusive(build_dir):
+        _build_once(runner, build_dir, top, hdl, parameters, args, key.hexdigest(), force)
+    runner.build_dir = build_dir
+    return runner
+
+
+@contextlib.contextmanager
+def _exclusive(build_dir: Path) -> Iterator[None]:
+    """Hold the build folder's lock: processes that build or run one model (two pytest workers) take turns."""
+    with open(build_dir / "ctpu_build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _build_once(runner, build_dir: Path, top: str, hdl: list[Path],  # type: ignore[no-untyped-def]
+                parameters: dict[str, object], args: list[str], key: str, force: bool) -> None:
+    """Run Verilator unless the folder holds this key's build (its stamp), else point `runner` at it."""
+    stamp, exe = build_dir / "ctpu_build.stamp", build_dir / top
+    if force or not exe.exists() or not stamp.exists() or stamp.read_text() != key:
         runner.build(
             sources=[str(s) for s in hdl],
             hdl_toplevel=top,
@@ -141,15 +161,13 @@ def build(name: str, top: str, sources: Sequence[str | Path], parameters: Mappin
             waves=False,  # cocotb's waves flag adds --trace (VCD); we pass --trace-fst ourselves
             timescale=("1ns", "1ps"),
         )
-        stamp.write_text(key.hexdigest())
+        stamp.write_text(key)
     else:
         runner.build_dir = build_dir
         runner.hdl_toplevel = top
         runner.parameters = parameters
         runner.waves = False
         runner.build_args = args
-    runner.build_dir = build_dir
-    return runner
 
 
 def run_test(runner, top: str, test_module: str, extra_env: Mapping[str, str] | None = None,
@@ -158,7 +176,8 @@ def run_test(runner, top: str, test_module: str, extra_env: Mapping[str, str] | 
     _setup_env()
     env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
            **(extra_env or {})}
-    with _stdout_to_stderr():  # the simulator's log is a log: `ctpu run --target rtl --json` keeps stdout JSON
+    # the simulator's log is a log: `ctpu run --target rtl --json` keeps stdout JSON
+    with _exclusive(Path(runner.build_dir)), _stdout_to_stderr():
         return runner.test(
             test_module=test_module,
             hdl_toplevel=top,
