@@ -27,7 +27,7 @@ from device_sim.runners import SimulatorRunner
 from torch_tpu_backend.llama_demo import TOLERANCE, tiny_llama
 
 FAILED = {"large": [1, 2, *range(4, 23), 25, 26], "small": [61, 62, 63, 64]}  # before the fixes (fp32)
-CI_LENGTHS = {"large": [1, 2, 5, 11, 22, 24, 25], "small": [61, 64]}  # 24: right before, by luck
+CI_LENGTHS = {"large": [1, 2, 5, 11, 22, 24, 25], "small": [64]}  # 24: right before, by luck; 61: slow
 HIDDEN, VOCAB = 128, 512
 
 
