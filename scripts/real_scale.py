@@ -7,14 +7,25 @@ the largest |CTPU - eager| logit difference of the step.
 
     python scripts/real_scale.py llama 16 128256 3 17   # Llama-3.2-1B: layers, vocab, new tokens, prompt
     python scripts/real_scale.py qwen 4 2048 3 17       # Qwen3-0.6B geometry, 4 layers, vocab 2048
+    python scripts/real_scale.py llama 16 128256 3 17 --inductor   # and Inductor's compile of the same forward
 
 Set CTPU_CACHE=0 to measure compiles. The full 1B needs ~6 GB of host memory (model + simulator HBM).
+`--inductor` then compiles the same forward with Inductor (CPU, fresh caches) in the same process and
+reports its compile seconds beside ctpu's: the first generate (dynamo, AOT and Inductor for the prefill and
+decode graphs, then the run) minus a second one (the run alone); aot_eager the same way gives what dynamo
+and AOT autograd take, which ctpu's backend compile (`ctpu_backend_compile_s`) comes on top of.
 """
 
 import json
+import os
 import resource
 import sys
+import tempfile
 import time
+
+if "--inductor" in sys.argv:  # cold Inductor compiles: its caches in a fresh folder, before torch is imported
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="ctpu_inductor_")
+    os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"
 
 import torch
 
@@ -37,7 +48,7 @@ def model(family: str, layers: int, vocab: int, positions: int) -> torch.nn.Modu
 
 
 def main() -> None:
-    family, layers, vocab, new, prompt = sys.argv[1], *map(int, sys.argv[2:6])
+    family, layers, vocab, new, prompt = sys.argv[1], *map(int, sys.argv[2:6])  # then --inductor, optionally
     torch.manual_seed(0)
     m = model(family, layers, vocab, prompt + new + 8).to(torch.bfloat16).eval()
     print("params", sum(p.numel() for p in m.parameters()), flush=True)
@@ -73,6 +84,7 @@ def main() -> None:
         out = generate()
         ctpu_s = time.time() - t
     st = ctpu_stats.last()
+    inductor = inductor_compile(m, generate) if "--inductor" in sys.argv else None
     divergence = first_divergence(m, ref, out, prompt)
     ref, out = ref.sequences, out.sequences
     print(json.dumps({
@@ -81,8 +93,30 @@ def main() -> None:
         "ref_tokens": ref[0, prompt:].tolist(),
         "cpu_ops": dict(st.fallback_ops), "compiles": compiles, "eager_s": round(eager_s, 1),
         "ctpu_total_s": round(ctpu_s, 1), "cycles": [r.stats.cycles for r in st.launches],
+        "ctpu_backend_compile_s": round(sum(c["wall_s"] for c in compiles), 1), "other_backends": inductor,
         "divergence": divergence, "launches": st.kernels_launched, "bundles_executed": st.bundles,
         "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}))
+
+
+def inductor_compile(m: torch.nn.Module, generate) -> dict:  # type: ignore[no-untyped-def]
+    """Compile seconds of the same forward under Inductor (CPU) and under aot_eager (dynamo and AOT autograd
+    alone, what ctpu's backend compile comes on top of): for each, the first generate (its compiles and the
+    run) minus a second (the run alone)."""
+    seconds = {}
+    for backend in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+        m.forward = torch.compile(m.__class__.forward.__get__(m), backend=backend)
+        with torch.no_grad():
+            t = time.time()
+            generate()
+            first = time.time() - t
+            t = time.time()
+            generate()
+            steady = time.time() - t
+        seconds[backend] = {"first_generate_s": round(first, 1), "steady_generate_s": round(steady, 1),
+                            "compile_s": round(first - steady, 1)}
+        print(backend, seconds[backend], flush=True)
+    return seconds
 
 
 def first_divergence(m: torch.nn.Module, ref, out, prompt: int) -> dict | None:  # type: ignore[no-untyped-def]
