@@ -9,7 +9,8 @@ broadcasts into them through affine maps. For each tile of Tk keys (the last one
     y  = scores * scale, with -inf where the boolean mask or the causal keep-mask (j <= i + S - L) drops a
          key, + an additive mask
     m' = max(m, rowmax(y));  c = m' where m' > -inf else 0 (a row with every key so far masked)
-    p  = exp(y - c);  l' = exp(m - c) l + rowsum(p);  o' = exp(m - c) o + p @ V_tile
+    p  = exp(y - c);  l' = exp(m - c) l + rowsum(p);  o' = exp(m - c) o + p @ V_tile  (p in bf16 there
+         when q and v are bf16: one MXU pass, not the 3-4 of fp32 x bf16)
 
 and at the end o / l, cast to q's dtype. A row whose keys are all masked has m = -inf, l = 0, o = 0: 0 with
 `safe` (torch._safe_softmax), else 0 / 0 = NaN (torch.softmax); NaN or +inf scores make the row NaN, as in
@@ -100,6 +101,9 @@ def attention(e: MlirEmitter, q: TValue, k: TValue, v: TValue, mask: TValue | No
     qk_dtype = "bf16" if q.dtype == k.dtype == "bf16" else "f32"
     qm = e.reshape(q if q.dtype == qk_dtype else e.elementwise([q], lambda a, w: a[0], dtype=qk_dtype),
                    (b * hkv, rep * length, d))
+    # P @ V: with bf16 q and v, p = exp(y - c) meets V on the MXU rounded to bf16 (one pass; the row sum l
+    # stays fp32): attention_ref's bf16 rule
+    pv_dtype = "bf16" if q.dtype == v.dtype == "bf16" else "f32"
     mask5 = _mask_5d(e, mask, b, hkv, rep, length, keys) if mask is not None else None
     tile = key_tile(e.config, b * hq * length, keys)
     m = l_sum = o = None
@@ -120,11 +124,12 @@ def attention(e: MlirEmitter, q: TValue, k: TValue, v: TValue, mask: TValue | No
         m_new = m_tile if m is None else e.elementwise([m, m_tile], lambda a, w: w.op("arith.maximumf", a[0], a[1]))
         p = e.elementwise([y, m_new], lambda a, w: w.op("math.exp", w.op("arith.subf", a[0], _finite_base(a[1], w))))
         p_sum = e.reduce_last(p, "sum", True)
-        values = _kv_operand(e, v, start, end, "f32", False)
+        values = _kv_operand(e, v, start, end, pv_dtype, False)
         if present is not None:  # absent keys' values are never read (0 * NaN would be NaN)
             values = e.elementwise([e.reshape(present, (end - start, 1)), values],
-                                   lambda a, w: w.select(a[0], a[1], w.const(0.0)), dtype="f32", keep_bool=True)
-        pv = e.matmul(e.reshape(p, (b * hkv, rep * length, end - start)), values, "f32")
+                                   lambda a, w: w.select(a[0], a[1], w.const(0.0)), dtype=pv_dtype, keep_bool=True)
+        p_mxu = p if pv_dtype == "f32" else e.elementwise([p], lambda a, w: a[0], dtype=pv_dtype)
+        pv = e.matmul(e.reshape(p_mxu, (b * hkv, rep * length, end - start)), values, "f32")
         pv = e.reshape(pv, (*rows5, dv))
         if m is None:
             l_sum, o = p_sum, pv

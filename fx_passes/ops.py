@@ -108,7 +108,11 @@ def attention_ref(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float, safe: bool = True,
     kv_len: Tensor | None = None,
 ) -> Tensor:
-    """softmax(q @ k^T * scale + mask) @ v in fp32, cast to q.dtype.
+    """softmax(q @ k^T * scale + mask) @ v in fp32, cast to q.dtype. With bf16 q and v the probabilities
+    meet v in bf16, unnormalised: exp(scores - rowmax) rounded to bf16, times v, over the fp32 row sum (a
+    flash-style kernel's P @ V; eager's bf16 attention rounds the normalised probabilities instead, the
+    same relative error, 2^-9; a kernel tiled over keys rounds exp(scores - running max), equal up to that
+    rounding).
 
     q [B, Hq, L, D], k/v [B, Hkv, S, D] with Hq % Hkv == 0: query head h reads kv head h // (Hq // Hkv)
     (Hugging Face repeat_kv). mask: additive float or boolean keep-mask broadcastable to [B, Hq, L, S].
@@ -140,6 +144,13 @@ def attention_ref(
         scores = scores.masked_fill(~keep, -math.inf)
     if mask is not None:
         scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
+    if q.dtype == v.dtype == torch.bfloat16 and keys > 0:
+        top = scores.amax(-1, keepdim=True)
+        unnormalised = torch.exp(scores - torch.where(top == -math.inf, 0.0, top))  # all keys masked: 0s
+        out = torch.matmul(unnormalised.bfloat16().float(), upcast(v)) / unnormalised.sum(-1, keepdim=True)
+        if safe:  # a row with every key masked is 0 / 0 = NaN, as torch.softmax's; safe softmax makes it 0
+            out = torch.where(top == -math.inf, 0.0, out)
+        return out.to(q.dtype).contiguous()
     probs = torch.softmax(scores, dim=-1)
     if safe and keys > 0:  # no keys: probs is empty and the product 0 anyway
         # torch._safe_softmax tests all(scores == -inf); amax is -inf exactly then (amax propagates NaN).

@@ -203,8 +203,9 @@ def test_resident_batches_pay_one_latency_not_one_per_batch(heads: int, rows: in
 
 
 # ---- fp32 x bf16: an operand loaded from bf16 has no residual parts ----------------------------------------
-# issue 13: attention's P @ V in a bf16 model multiplies fp32 probabilities by bf16 values; at "highest"
-# it ran all 6 bf16 passes, 3 of them against V's residual parts, which are exact zeros.
+# issue 13: attention with fp32 queries over a bf16 KV cache multiplies fp32 operands by bf16 K and V (the
+# cast fused into the matmul's load); at "highest" it ran all 6 bf16 passes, 3 of them against the bf16
+# operand's residual parts, which are exact zeros.
 @pytest.mark.parametrize(("queries", "precision"), [
     (1, "highest"),  # a decode step: every KV head's matmuls resident, hi carries nothing non-finite
     (40, "highest"),  # a prefill: the m-tile path, with a separate finite-only hi beside hi_full
@@ -215,8 +216,9 @@ def test_passes_against_a_bf16_operand_give_the_same_bits(queries: int, precisio
     import fx_passes.ops  # noqa: F401  (registers torch.ops.ctpu; codegen itself never imports fx_passes)
 
     gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, h, n, 64, generator=gen).bfloat16()
-               for h, n in ((16, queries), (4, 300), (4, 300)))
+    q, k, v = (torch.randn(1, h, n, 64, generator=gen) for h, n in ((16, queries), (4, 300), (4, 300)))
+    k, v = k.bfloat16(), v.bfloat16()
+    q[0, 1, 0, 7] = float("inf")
     k[0, 0, 3, 5] = float("inf")
     v[0, 1, 7, 1], v[0, 0, 9, 2], v[0, 2, 11, 3] = float("nan"), float("inf"), -3e38
     v[0, 3, 13, 4] = 1e-39  # subnormal in fp32, 0 once the MXU's bf16 operand flushes it (both ways alike)
