@@ -356,6 +356,7 @@ def test_silu_backward_on_ctpu_tensors_runs_on_the_ctpu() -> None:
     torch.testing.assert_close(on_device.grad.cpu(), on_cpu.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # CI time (90 s); the training CLI runs in CI: test_ctpu_train_checks_every_step_and_plots
 def test_ctpu_bench_train_reports_each_phase(train_cache: Path, monkeypatch: pytest.MonkeyPatch,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     """`ctpu bench --train`: the second training step's cycles, kernels and MXU utilization per phase (JSON);
