@@ -121,6 +121,27 @@ def test_edge_rows_across_tiles() -> None:
     check(q, k, v, mask)
 
 
+def test_bf16_edge_rows_on_large_match_the_ops_bf16_rule() -> None:
+    """bf16 q, k, v at a Llama head on `large` (hd 64, 8 query heads over 2 kv heads, 33 queries over 301
+    keys): P @ V takes p in bf16 (attention_ref's bf16 rule). Fully masked rows are 0 (safe softmax), a NaN
+    or +inf score makes its row NaN, a NaN or inf in V reaches the rows that read it, the rest within
+    bf16 rounding of the reference."""
+    q, k, v = _qkv(1, 8, 2, 33, 301, 64, BF16)
+    mask = torch.zeros(1, 1, 33, 301)
+    mask[..., 0, :] = -math.inf
+    mask[..., 1, 5] = math.nan
+    mask[..., 2, 200] = math.inf
+    v[0, 1, 7, 3] = math.nan  # read by kv head 1's queries (heads 4-7) at every row that keeps key 7
+    v[0, 0, 9, 4] = math.inf
+    out, _ = run_attention(q, k, v, mask, True, 0.125, config="large")
+    ref = _ctpu().attention(q, k, v, mask, True, 0.125, True).float().numpy()
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    np.testing.assert_array_equal(np.isinf(out), np.isinf(ref))
+    assert (out[0, :, 0] == 0).all() and np.isnan(out[0, :, 1]).all() and np.isnan(out[0, 4:, 10:, 3]).all()
+    finite = np.isfinite(ref)
+    np.testing.assert_allclose(out[finite], ref[finite], **TOL[BF16])
+
+
 def test_fully_masked_rows_without_safe_are_nan() -> None:
     """safe=False (a hand-written softmax): a row whose keys are all masked is 0 / 0 = NaN, as eager; the
     other rows are unchanged."""
