@@ -84,7 +84,7 @@ def main() -> None:
         out = generate()
         ctpu_s = time.time() - t
     st = ctpu_stats.last()
-    inductor = inductor_compile(m, generate) if "--inductor" in sys.argv else None
+    other_backends = other_backends_compile(m, generate) if "--inductor" in sys.argv else None
     divergence = first_divergence(m, ref, out, prompt)
     ref, out = ref.sequences, out.sequences
     print(json.dumps({
@@ -93,12 +93,12 @@ def main() -> None:
         "ref_tokens": ref[0, prompt:].tolist(),
         "cpu_ops": dict(st.fallback_ops), "compiles": compiles, "eager_s": round(eager_s, 1),
         "ctpu_total_s": round(ctpu_s, 1), "cycles": [r.stats.cycles for r in st.launches],
-        "ctpu_backend_compile_s": round(sum(c["wall_s"] for c in compiles), 1), "other_backends": inductor,
+        "ctpu_backend_compile_s": round(sum(c["wall_s"] for c in compiles), 1), "other_backends": other_backends,
         "divergence": divergence, "launches": st.kernels_launched, "bundles_executed": st.bundles,
         "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}))
 
 
-def inductor_compile(m: torch.nn.Module, generate) -> dict:  # type: ignore[no-untyped-def]
+def other_backends_compile(m: torch.nn.Module, generate) -> dict:  # type: ignore[no-untyped-def]
     """Compile seconds of the same forward under Inductor (CPU) and under aot_eager (dynamo and AOT autograd
     alone, what ctpu's backend compile comes on top of): for each, the first generate (its compiles and the
     run) minus a second (the run alone)."""
