@@ -104,7 +104,7 @@ class Mxu:
 
     def __init__(self, n: int, queue: int, weight_cycles: int) -> None:
         self.n = n
-        self.weight_cycles = weight_cycles  # N rows through a port of vmem_port_rows rows per cycle
+        self.weight_cycles = weight_cycles  # N rows through a port of weight_port_rows rows per cycle
         self.fifo = CommandFifo(queue)
         self.active = np.zeros((n, n), np.float32)
         self.shadow = np.zeros((n, n), np.float32)

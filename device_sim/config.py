@@ -21,9 +21,10 @@ class HardwareConfig:
     hbm_bytes       HBM size (byte addressed by 32-bit scalar registers, so at most 4 GiB; above it nothing is
                     mapped, and software poisons an address it must not use by moving it up there: a DMA to it traps)
     hbm_bytes_per_cycle   DMA bandwidth in HBM bytes per cycle
-    vmem_port_rows  vmem rows per cycle the DMA channel and the MXU weight port move: a DMA of R vmem rows
-                    and B bytes transfers in max(ceil(R / this), ceil(B / hbm_bytes_per_cycle)) cycles, a
-                    weight load takes lanes / this cycles (docs/architecture.md: why `large` has 4)
+    vmem_port_rows  vmem rows per cycle the DMA channel moves: a DMA of R vmem rows and B bytes transfers in
+                    max(ceil(R / this), ceil(B / hbm_bytes_per_cycle)) cycles
+    weight_port_rows  vmem rows per cycle the MXU weight port reads: `mxu.lw` / `mxu.lwt` take lanes / this
+                    cycles (docs/architecture.md: why `large` has 4 and 8)
     dma_latency     cycles from a DMA's last row to its completion flag
     imem_bundles    instruction memory size in bundles
     dma_queue / mxu_queue  command FIFO depths; issuing into a full FIFO stalls the bundle
@@ -40,6 +41,7 @@ class HardwareConfig:
     mxu_queue: int = 4
     clock_mhz: int = 1000
     vmem_port_rows: int = 1
+    weight_port_rows: int = 1
 
     def __post_init__(self) -> None:
         if not 0 < self.hbm_bytes <= (HBM_POISON & 0xFFFFFFFF):
@@ -47,6 +49,8 @@ class HardwareConfig:
                              f"{HBM_POISON & 0xFFFFFFFF:#x} unmapped")
         if self.vmem_port_rows < 1 or self.lanes % self.vmem_port_rows:
             raise ValueError(f"{self.name}: vmem_port_rows {self.vmem_port_rows} must divide lanes {self.lanes}")
+        if self.weight_port_rows < 1 or self.lanes % self.weight_port_rows:
+            raise ValueError(f"{self.name}: weight_port_rows {self.weight_port_rows} must divide lanes {self.lanes}")
 
     @property
     def mxu_dim(self) -> int:
@@ -58,8 +62,8 @@ class HardwareConfig:
 
     @property
     def mxu_weight_cycles(self) -> int:
-        """Cycles one mxu.lw / mxu.lwt occupies the weight port: N rows, vmem_port_rows per cycle."""
-        return self.lanes // self.vmem_port_rows
+        """Cycles one mxu.lw / mxu.lwt occupies the weight port: N rows, weight_port_rows per cycle."""
+        return self.lanes // self.weight_port_rows
 
     @property
     def mxu_drain(self) -> int:
@@ -94,6 +98,9 @@ LARGE = HardwareConfig(
     imem_bundles=65536,
     # a bf16 weight row is 256 bytes: 4 rows per cycle keep up with HBM (1 row per cycle ran decode at 1/4)
     vmem_port_rows=4,
+    # twice HBM's pace: a decode projection's weights prefetched during the small kernels before it are
+    # consumed faster than HBM delivers the rest, so that time is won back (docs/architecture.md)
+    weight_port_rows=8,
 )
 
 CONFIGS: dict[str, HardwareConfig] = {c.name: c for c in (SMALL, LARGE)}

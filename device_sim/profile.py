@@ -124,7 +124,7 @@ class Profile:
 
     def roofline(self) -> list[dict[str, Any]]:
         """Per kernel: HBM bytes, MACs, cycles and the cycles each unit needs at least (HBM: bytes / bandwidth;
-        MXU: streamed rows = MACs / N^2, or the weight port's N / vmem_port_rows per tile if that is more;
+        MXU: streamed rows = MACs / N^2, or the weight port's N / weight_port_rows per tile if that is more;
         VPU: vector-slot ops per vector slot, or vld / vst ops); `bound` is the unit needing most, or "latency"
         when even that is under half the kernel's cycles (it mostly waits or issues scalar work);
         `pct_of_bound` = that unit's cycles / the kernel's cycles."""

@@ -169,7 +169,7 @@ def generate() -> str:
     w("")
     w("  // ---- hardware configurations, config.py ----")
     cfg_fields = ("lanes", "vmem_rows", "hbm_bytes", "hbm_bytes_per_cycle", "dma_latency", "imem_bundles",
-                  "dma_queue", "mxu_queue", "vmem_port_rows")
+                  "dma_queue", "mxu_queue", "vmem_port_rows", "weight_port_rows")
     for cfg in CONFIGS.values():
         for f in cfg_fields:
             value = getattr(cfg, f)

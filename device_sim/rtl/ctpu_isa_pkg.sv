@@ -492,6 +492,7 @@ package ctpu_isa_pkg;
   localparam int CFG_SMALL_DMA_QUEUE = 8;
   localparam int CFG_SMALL_MXU_QUEUE = 4;
   localparam int CFG_SMALL_VMEM_PORT_ROWS = 1;
+  localparam int CFG_SMALL_WEIGHT_PORT_ROWS = 1;
   localparam int CFG_LARGE_LANES = 128;
   localparam int CFG_LARGE_VMEM_ROWS = 32768;
   localparam longint CFG_LARGE_HBM_BYTES = 64'd3221225472;
@@ -501,6 +502,7 @@ package ctpu_isa_pkg;
   localparam int CFG_LARGE_DMA_QUEUE = 8;
   localparam int CFG_LARGE_MXU_QUEUE = 4;
   localparam int CFG_LARGE_VMEM_PORT_ROWS = 4;
+  localparam int CFG_LARGE_WEIGHT_PORT_ROWS = 8;
 
 endpackage
 /* verilator lint_on UNUSEDPARAM */

@@ -87,9 +87,10 @@ def _hbm_regions(hbm: HbmImage) -> list[tuple[int, bytes]]:
 
 
 def _config_params(cfg: HardwareConfig) -> dict[str, object]:
-    if cfg.vmem_port_rows != 1:  # ctpu_dma / ctpu_mxu move one vmem row per cycle (docs/rtl.md)
-        raise ValueError(f"{cfg.name}: the RTL implements a one-row vmem port (vmem_port_rows 1), "
-                         f"not {cfg.vmem_port_rows}; simulate this configuration with the simulator")
+    if (cfg.vmem_port_rows, cfg.weight_port_rows) != (1, 1):  # ctpu_dma / ctpu_mxu move one vmem row per cycle
+        raise ValueError(f"{cfg.name}: the RTL implements a one-row vmem port (vmem_port_rows and weight_port_rows "
+                         f"1), not {cfg.vmem_port_rows} and {cfg.weight_port_rows}; simulate this configuration "
+                         "with the simulator")
     return {
         "LANES": cfg.lanes, "VMEM_ROWS": cfg.vmem_rows, "HBM_BYTES": f"64'd{cfg.hbm_bytes}",
         "BPC": cfg.hbm_bytes_per_cycle, "DMA_LATENCY": cfg.dma_latency, "DMA_QUEUE": cfg.dma_queue,

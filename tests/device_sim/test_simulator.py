@@ -70,8 +70,9 @@ def test_dma_and_mxu_timing_by_hand() -> None:
 
 def test_wide_vmem_port_timing_by_hand() -> None:
     """vmem_port_rows P = 4 (as on `large`): a DMA moves up to P vmem rows per cycle unless HBM's bytes per
-    cycle bind, and a weight load takes N / P cycles; P = 1 is the one-row rule above."""
-    cfg = dataclasses.replace(get_config("small"), name="wide", hbm_bytes_per_cycle=64, vmem_port_rows=4)
+    cycle bind; weight_port_rows W = 4: a weight load takes N / W cycles; 1 and 1 is the one-row rule above."""
+    cfg = dataclasses.replace(get_config("small"), name="wide", hbm_bytes_per_cycle=64, vmem_port_rows=4,
+                              weight_port_rows=4)
     w = np.eye(8, dtype=F32)
     text = """
         li s3, 8 ; li s4, 8
@@ -87,11 +88,16 @@ def test_wide_vmem_port_timing_by_hand() -> None:
     hbm = {0: np.ones((16, 8), np.uint16), 4096: w}
     _, st = run_asm(text, hbm, config=cfg)
     assert st.cycles == 63 and st.stall_cycles["wait"] == 44 - 6
-    _, narrow = run_asm(text, hbm, config=dataclasses.replace(cfg, vmem_port_rows=1))
+    _, narrow = run_asm(text, hbm, config=dataclasses.replace(cfg, vmem_port_rows=1, weight_port_rows=1))
     # one row per cycle: 16 + 8 rows, then 8 cycles of weights: done 4+16+32, 20+8+32 = 60, mms at 68, end 85
     assert narrow.cycles == 85
+    # the weight port alone one row per cycle: the DMAs as above (done 44), weights ready at 44 + 8 = 52
+    _, slow_weights = run_asm(text, hbm, config=dataclasses.replace(cfg, weight_port_rows=1))
+    assert slow_weights.cycles == 63 + 52 - 46
     with pytest.raises(ValueError, match="vmem_port_rows 3 must divide lanes 8"):
         dataclasses.replace(cfg, vmem_port_rows=3)
+    with pytest.raises(ValueError, match="weight_port_rows 3 must divide lanes 8"):
+        dataclasses.replace(cfg, weight_port_rows=3)
 
 
 def _bf(x: np.ndarray) -> np.ndarray:
