@@ -372,8 +372,8 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
         else:
             ctx.prefetch = prefetches.get(i)
             func = function(f"kernel {i} ({type(lowered).__name__})", f"k{i}", lambda k=lowered: _lower(ctx, k))
-            if ctx.prefetch is not None and ctx.prefetch.reserved:
-                info["vmem_carried"] = list(ctx.prefetch.reserved)
+            if ctx.prefetch is not None and ctx.prefetch.carried:
+                info["vmem_carried"] = list(ctx.prefetch.carried)
             ctx.prefetch = None
             info["function"] = len(funcs) - 1
             info["instructions"] = sum(len(blk.instrs) for blk in func.blocks)
@@ -431,8 +431,8 @@ def _lower(ctx: KernelContext, k: Kernel) -> None:
         lower_scatter(ctx, k)
     else:
         lower_matmul(ctx, k)
-    if ctx.prefetch is not None and ctx.prefetch.issue is not None:
-        issue_prefetch(ctx)
+    if ctx.prefetch is not None and ctx.prefetch.issue is not None and not isinstance(k, MatmulKernel):
+        issue_prefetch(ctx)  # a stream issues its prefetch along its last iteration
 
 
 def _kind(k: Kernel) -> str:

@@ -131,7 +131,7 @@ class KernelContext:
         return self._base_row
 
     def begin(self, kernel: str) -> None:
-        self._ceiling = self.prefetch.reserved[0] if self.prefetch is not None else self.config.vmem_rows
+        self._ceiling = self.prefetch.ceiling if self.prefetch is not None else self.config.vmem_rows
         self._next_row = self._base_row
         self._flags_used = set()
         self._scratch_used = 0

@@ -19,6 +19,7 @@ at the end.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -99,67 +100,129 @@ def _first_groups(ctx: KernelContext, k: MatmulKernel, p: DecodePlan, half: Regi
 
 # ---- cross-kernel prefetch ----------------------------------------------------------------------------
 # A stream starts when its first group has landed: G tiles and a DMA latency after its first DMA (~1,000
-# cycles on `large`), while the small kernels before it (a norm, rope, the softmax pieces) leave the DMA
-# channel idle most of the time, each waiting a latency for its own few loads. So they load the stream's
-# first ring half: each issues one group right after its own first loads (behind them on the in-order
-# channel, so they are not delayed), on flag PREFETCH, which no kernel but the stream waits on; the ring
-# half's rows, at the top of vmem, are theirs to leave alone (`KernelContext` ceiling).
+# cycles on `large`), while the kernels before it leave the DMA channel idle most of the time: the small
+# ones (a norm, rope, the softmax pieces) each wait a latency for their own few loads, and a stream, once
+# its last tiles are issued, has only its MXU work and its store left. So they load the stream's first ring
+# half: a stream just before the run (or just before the next stream) issues groups along its last
+# iteration's MXU commands, each small kernel one group right after its own first loads (behind them on the
+# in-order channel, so they are not delayed), on flag PREFETCH, which no kernel but the stream waits on.
+# The ring half lies in a *slot* at the top of vmem; two slots alternate from stream to stream, so that a
+# stream that was prefetched (its first half in one slot) can load the next one's into the other. Every
+# kernel from the first issuer to the stream leaves both slots alone (`KernelContext` ceiling).
 PREFETCH_KERNELS = (GenericKernel, FillKernel, IotaKernel, KernelChain)  # they fit their tiles to the vmem they get
 
 
 @dataclass(frozen=True)
-class Prefetch:
-    """A kernel's part in a stream's prefetch: `reserved` is the vmem rows [lo, hi) of the stream's first
-    ring half (every kernel from the first issuer to the stream leaves them alone); an issuer has `issue`
-    (the stream's kernel and plan, the group it loads); the stream has `prefetched` (groups loaded for it)
-    and `stream`, the plan they followed (planned again under the reserved rows, it could group differently)."""
+class Issue:
+    """Groups `groups` of `kernel`'s first ring half (laid out by `plan`), loaded into vmem rows from `row`."""
 
-    reserved: tuple[int, int]
-    issue: tuple[MatmulKernel, DecodePlan, int] | None = None
+    kernel: MatmulKernel
+    plan: DecodePlan
+    groups: range
+    row: int
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """A kernel's part in the prefetches: `ceiling` is the first vmem row it may not use (the slots above);
+    `carried` the rows that hold prefetched weights when it starts (kept across the kernel boundary); an
+    issuer has `issue`; a stream has `prefetched` (groups loaded for it, in `carried`) and `stream`, the plan
+    they followed (planned under the slots, it could group differently than `plan` would)."""
+
+    ceiling: int
+    carried: tuple[int, int] | None = None
+    issue: Issue | None = None
     prefetched: int = 0
-    stream: DecodePlan | None = None  # the stream's plan, which laid out the prefetched rows: it must use it
+    stream: DecodePlan | None = None
 
 
 def plan_prefetches(config: HardwareConfig, kernels: list[tuple[Kernel | None, int]], free_rows: int
                     ) -> dict[int, Prefetch]:
     """Which kernels prefetch for which stream. `kernels`: what each kernel lowers to (None: nothing) and its
-    segment (a prefetch never crosses a loop's init, header or footer). The issuers are the first two of the
-    run of small kernels just before a stream kernel, one group each."""
+    segment (a prefetch never crosses a loop's init, header or footer). The issuers of a stream are the
+    stream just before its run of small kernels, if any, then the run's first kernels: two groups in all,
+    one each (both when a stream is the only issuer)."""
+    L, V = config.lanes, config.vmem_rows
+
+    def streams(rows: int) -> dict[int, DecodePlan]:
+        out = {}
+        for j, (k, _) in enumerate(kernels):
+            p = plan(config, k, rows) if isinstance(k, MatmulKernel) else None
+            if p is not None and 2 * p.G * L <= V // 4:
+                out[j] = p
+        return out
+
+    slot = max((2 * p.G * L for p in streams(free_rows).values()), default=0)
+    # planned with one slot taken: a prefetched stream's first half is its slot, the other half and its
+    # operands must fit under both
+    plans = {j: p for j, p in streams(free_rows - slot).items()
+             if 2 * p.G * L + p.KT + p.NT + 16 <= free_rows - 2 * slot}
+    ceiling = V - 2 * slot
     out: dict[int, Prefetch] = {}
-    for j, (k, segment) in enumerate(kernels):
-        p = plan(config, k, free_rows) if isinstance(k, MatmulKernel) else None
-        if p is None or 2 * p.G * config.lanes > config.vmem_rows // 4:
-            continue
+    parity = [0]
+
+    def take_slot(p: DecodePlan) -> tuple[int, int]:  # the two slots in turn: consecutive streams differ
+        top = V - parity[0] * slot
+        parity[0] ^= 1
+        return top - 2 * p.G * L, top
+
+    for j, p in sorted(plans.items()):
+        segment = kernels[j][1]
         i = j
         while i > 0 and isinstance(kernels[i - 1][0], PREFETCH_KERNELS) and kernels[i - 1][1] == segment:
             i -= 1
-        if i == j:
-            continue
-        reserved = (config.vmem_rows - 2 * p.G * config.lanes, config.vmem_rows)
         units = [m for m in range(i, j) if m == i or kernels[m][0] is not kernels[m - 1][0]]  # a chain is one
-        issuers = units[:2]
-        for m in range(i, j):
-            out[m] = Prefetch(reserved, (k, p, issuers.index(m)) if m in issuers else None)
-        out[j] = Prefetch(reserved, prefetched=len(issuers), stream=p)
+        if i > 0 and i - 1 in plans and kernels[i - 1][1] == segment:
+            units.insert(0, i - 1)
+            if i - 1 not in out:  # a stream that issues has its first half in a slot too
+                out[i - 1] = Prefetch(ceiling, take_slot(plans[i - 1]), stream=plans[i - 1])
+        if not units:
+            continue
+        carried = take_slot(p)
+        groups = [range(0, 2)] if len(units) == 1 and units[0] in plans else [range(0, 1), range(1, 2)]
+        issuers = dict(zip(units, groups, strict=False))
+        for m in range(units[0], j):
+            issue = Issue(kernels[j][0], p, issuers[m], carried[0]) if m in issuers else None
+            if m in out:  # the stream before: its own first half stays where it is
+                out[m] = dataclasses.replace(out[m], issue=issue)
+            else:
+                out[m] = Prefetch(ceiling, carried, issue)
+        out[j] = Prefetch(ceiling, carried, prefetched=sum(len(g) for g in issuers.values()), stream=p)
     return out
 
 
 def issue_prefetch(ctx: KernelContext) -> None:
-    """In a small kernel already lowered: its group of the stream's prefetch, spliced in after its first
+    """In a small kernel already lowered: its groups of the stream's prefetch, spliced in after its first
     loads (before the entry block's first wait, or at its end)."""
     assert ctx.prefetch is not None and ctx.prefetch.issue is not None
-    k, p, group = ctx.prefetch.issue
     b = ctx.b
     entry, current = b.func.blocks[0], b.block
     scratch = Block("prefetch")
     b.new_scope()  # constants cached for the current block are not defined in the entry block
     b.block = scratch
-    half = Region("ring_prefetched", ctx.prefetch.reserved[0], 2 * p.G * ctx.lanes)
-    _first_groups(ctx, k, p, half, range(group, group + 1), lambda _: Flag.PREFETCH, (half.mem(write=True),))
+    for dma in _issue_dmas(ctx, ctx.prefetch.issue):
+        dma()
     b.block = current
     b.new_scope()
     at = next((n for n, ins in enumerate(entry.instrs) if ins.op == "wait" or ins.is_control), len(entry.instrs))
     entry.instrs[at:at] = scratch.instrs
+
+
+def _issue_dmas(ctx: KernelContext, issue: Issue) -> list[Callable[[], None]]:
+    """The tile DMAs of a prefetch, each a callable that emits it (a stream spreads them over its MXU
+    commands), on flag PREFETCH: not marked used, so the issuer does not wait for them at its end."""
+    b, p, G = ctx.b, issue.plan, issue.plan.G
+    half = Region("ring_prefetched", issue.row, 2 * G * ctx.lanes)
+    state: dict[str, Reg] = {}
+
+    def dma(j: int) -> None:
+        if not state:
+            state["w0"] = ctx.hbm_addr(issue.kernel.b, issue.kernel.b.offset)
+            state["row"] = b.const(half.row)
+        _tile_dma(ctx, p, issue.kernel.b.strides[1], state["w0"], state["row"], j, int(Flag.PREFETCH),
+                  (half.mem(write=True),))
+
+    return [lambda j=j: dma(j) for j in range(issue.groups.start * G, issue.groups.stop * G)]
 
 
 def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> None:
@@ -169,8 +232,13 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
     half = 2 * p.G * L  # vmem rows of a half of the ring
     pre = ctx.prefetch  # the first half may be loaded already, by the kernels before this one
     prefetched = pre.prefetched if pre is not None else 0
-    assert pre is None or pre.reserved[1] - pre.reserved[0] == half, (pre, p)  # the rows the issuers loaded
-    first_half = Region("ring_prefetched", pre.reserved[0], half) if pre is not None else ctx.region(half, "ring")
+    if pre is not None and pre.carried is not None:  # its slot: loaded by the kernels before, or by itself
+        assert pre.carried[1] - pre.carried[0] == half, (pre, p)
+        first_half = Region("ring_prefetched", pre.carried[0], half)
+    else:
+        first_half = ctx.region(half, "ring")
+    # the next stream's first groups, issued along the last iteration's MXU commands
+    next_groups = _issue_dmas(ctx, pre.issue) if pre is not None and pre.issue is not None else []
     ring = [first_half, ctx.region(half, "ring")]
     a_reg, c_reg = ctx.region(p.KT, "a"), ctx.region(p.NT, "c")
     ring_mem = tuple(r.mem(write=True) for r in ring)
@@ -186,7 +254,7 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
     # iteration issues the next one's along its commands
     _first_groups(ctx, k, p, ring[0], range(prefetched, 2), lambda q: ctx.flag(Flag.LOAD, q), ring_mem)
     if prefetched:
-        b.emit("wait", flag=ctx.flag(Flag.PREFETCH))
+        b.emit("wait", flag=int(Flag.PREFETCH))  # not marked used: the next stream's prefetch is on it too
     b.emit("wait", flag=ctx.flag(Flag.MATMUL_A))
     cur, nxt, h_next, c_row = b.sreg(), b.sreg(), b.sreg(), b.sreg()
     b.emit("li", cur, imm=ring[0].row)
@@ -209,6 +277,8 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
                    (b.const(a_reg.row + kt), b.offset_reg(c_row, u), rows), flag=ctx.flag(Flag.MXU), mem=(a_mem, c_mem))
             if prefetch:
                 tile_dma(h_next, nxt, j, q)
+            elif next_groups:
+                next_groups.pop(0)()
         b.addi(c_row, p.U, c_row)
         if prefetch:
             b.addi(h_next, step_bytes, h_next)
@@ -220,5 +290,7 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
     if p.iterations > 1:
         b.counted_loop(p.iterations - 1, lambda: iteration(True), "wstream")
     iteration(False)
+    for dma in next_groups:
+        dma()
     b.emit("wait", flag=ctx.flag(Flag.MXU))
     ctx.dma(False, c.dtype, ctx.hbm_addr(c, c.offset), c_reg, 0, 1, p.NT * L, c.strides[-2], Flag.STORE)

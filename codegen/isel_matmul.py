@@ -82,8 +82,16 @@ def lower_matmul(ctx: KernelContext, k: MatmulKernel) -> None:
     prefetched = ctx.prefetch.stream if ctx.prefetch is not None else None  # planned with its prefetch
     stream = prefetched or isel_decode.plan(ctx.config, k, ctx.vmem_free())
     if stream is not None:  # one row against a weight: streamed at HBM speed
-        isel_decode.lower_decode_matmul(ctx, k, stream)
+        isel_decode.lower_decode_matmul(ctx, k, stream)  # issues the next stream's prefetch, if it has one
         return
+    _lower_general(ctx, k, B, batched, M, K, Nn, trans_b, precision)
+    if ctx.prefetch is not None and ctx.prefetch.issue is not None:  # planned as a stream, it could not be one
+        isel_decode.issue_prefetch(ctx)
+
+
+def _lower_general(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool, M: int, K: int, Nn: int,
+                   trans_b: bool, precision: str) -> None:
+    a, bm, c = k.a, k.b, k.c
     L = ctx.lanes
     KT, NT = -(-K // L), -(-Nn // L)
     if _resident_batches(ctx, k, B, batched, KT, NT, trans_b, precision):

@@ -13,6 +13,7 @@ import pytest
 import torch
 from codegen_helpers import compile_and_run, run_with_poisoned_vmem, trace
 
+import fx_passes
 from codegen import compile_graph, compiler
 from codegen.builder import Builder
 from codegen.errors import CapacityError
@@ -160,7 +161,66 @@ def test_each_prefetch_issuer_loads_its_own_group_of_the_ring_half() -> None:
     fill = FillKernel(View("t", 0, (8, 128), (128, 1), "f32"), 0.0)
     out = plan_prefetches(cfg, [(chain, 0), (chain, 0), (fill, 0), (stream, 0)], cfg.vmem_rows - 64)
     issued = [out[m].issue for m in range(3)]
-    assert [i[2] if i else None for i in issued] == [0, None, 1]
-    plan = issued[0][1] if issued[0] else None
+    assert [i.groups if i else None for i in issued] == [range(0, 1), None, range(1, 2)]
+    plan = issued[0].plan if issued[0] else None
     assert out[3].prefetched == 2 and out[3].stream == plan is not None
-    assert {out[m].reserved for m in range(4)} == {(cfg.vmem_rows - 2 * plan.G * cfg.lanes, cfg.vmem_rows)}
+    slot = (cfg.vmem_rows - 2 * plan.G * cfg.lanes, cfg.vmem_rows)
+    assert {out[m].carried for m in range(4)} == {slot} and {i.row for i in issued if i} == {slot[0]}
+    assert {out[m].ceiling for m in range(4)} == {cfg.vmem_rows - 2 * (slot[1] - slot[0])}  # both slots
+
+
+def test_a_stream_prefetches_the_next_streams_first_weights() -> None:
+    # a stream just before the next one (gate then up projection) or before its run of small kernels loads
+    # the next stream's first groups along its last iteration; streams that are prefetched in turn take the
+    # two slots at the top of vmem alternately, so a stream never loads into the half it still reads
+    cfg = get_config("large")
+
+    def stream(name: str) -> MatmulKernel:
+        w = View(name, 0, (2048, 2048), (1, 2048), "bf16")
+        y = View(name + "y", 0, (1, 2048), (2048, 1), "f32")
+        return MatmulKernel(View("x", 0, (1, 2048), (2048, 1), "bf16"), w, y)
+
+    fill = FillKernel(View("t", 0, (8, 128), (128, 1), "f32"), 0.0)
+    s0, s1, s2 = stream("w0"), stream("w1"), stream("w2")
+    out = plan_prefetches(cfg, [(fill, 0), (s0, 0), (s1, 0), (fill, 0), (s2, 0)], cfg.vmem_rows - 64)
+    assert out[0].issue is not None and out[0].issue.groups == range(0, 1)  # the only small kernel before s0
+    assert out[1].issue is not None and out[1].issue.kernel is s1 and out[1].issue.groups == range(0, 2)
+    assert out[2].issue is not None and out[2].issue.kernel is s2 and out[2].issue.groups == range(0, 1)
+    assert out[3].issue is not None and out[3].issue.groups == range(1, 2)
+    assert [out[j].prefetched for j in (1, 2, 4)] == [1, 2, 2]
+    slots = [out[j].carried for j in (1, 2, 4)]
+    assert slots[0] != slots[1] and slots[1] != slots[2] and slots[0] == slots[2]
+    assert out[1].carried == slots[0] and out[2].issue.row == slots[2][0]  # s1 keeps its half, loads s2's
+    assert out[3].carried == slots[2]  # the small kernel keeps what s1 loaded for s2
+
+
+def _norm_then_two_projections(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    h = (xf * torch.rsqrt((xf * xf).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+    return torch.nn.functional.linear(h, w1) * torch.nn.functional.linear(h, w2)
+
+
+def _passes_then_compile(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor):
+    gm, _ = fx_passes.run_passes(trace(_norm_then_two_projections, x, w1, w2), [x, w1, w2])
+    return compile_graph(gm, [x, w1, w2], "large")
+
+
+def test_back_to_back_streams_give_the_same_bits_in_fewer_cycles(monkeypatch: pytest.MonkeyPatch) -> None:
+    # two one-row projections in a row (an MLP's gate and up): the first loads the second's first groups
+    # while it finishes; with inf and NaN in those groups, and every other vmem row poisoned at each kernel
+    torch.manual_seed(0)
+    x = torch.randn(1, 1, 2048).bfloat16()
+    w1, w2 = ((torch.randn(2048, 2048) / 45).bfloat16() for _ in range(2))
+    w2[5, 7], w2[9, 3] = float("inf"), float("nan")
+    inputs = [t.float().numpy() for t in (x, w1, w2)]
+    cg = _passes_then_compile(x, w1, w2)
+    carried = [k.get("vmem_carried") for k in cg.summary["kernels"] if k["kind"] == "matmul"]
+    assert len(carried) == 2 and None not in carried and carried[0] != carried[1]
+    (out,) = run_with_poisoned_vmem(cg, inputs)
+    _, stats = run_fresh(cg, inputs, SimulatorRunner("large"))
+    monkeypatch.setattr(compiler, "plan_prefetches", lambda *_: {})
+    plain = _passes_then_compile(x, w1, w2)
+    (out_plain,), plain_stats = run_fresh(plain, inputs, SimulatorRunner("large"))
+    np.testing.assert_array_equal(out.view(np.uint32), out_plain.view(np.uint32))
+    assert np.isinf(out[0, 0, 5]) and np.isnan(out[0, 0, 9])
+    assert stats.cycles < plain_stats.cycles - 2 * cg.hardware.dma_latency
