@@ -144,6 +144,36 @@ def _fold_fills(kernels: list[Kernel]) -> list[Kernel]:
     return out
 
 
+def _fold_output_casts(graph: KernelGraph, kernels: list[Kernel]) -> list[Kernel]:
+    """A matmul whose f32 result is read only by a cast to bf16 in the same element order (a projection's
+    output, `truncf` fused after it; at one row its [1, H, 1, D] permute is the same order) stores bf16
+    itself: its C store rounds as the cast does (RNE, canonical NaN), and the cast's kernel, a DMA latency
+    for a few KiB, goes."""
+    out = list(kernels)
+    for mm in [k for k in kernels if isinstance(k, MatmulKernel)]:
+        c = mm.c
+        users = [k for k in out if any(v.buffer == c.buffer for v in views_of(k))]
+        if len(c.shape) != 2 or c.dtype != "f32" or graph.buffers[c.buffer].kind != "temp" or len(users) != 2 \
+                or users[0] is not mm or any(v.buffer == c.buffer for v in graph.results) or not _dense(c):
+            continue
+        cast = users[1]
+        if not isinstance(cast, GenericKernel) or cast.reduction or len(cast.inputs) != 1 \
+                or [op[1:] for op in cast.body.ops] != [("arith.truncf", [cast.body.args[0]])] \
+                or cast.body.yields != [cast.body.ops[0][0]] or cast.output.view.dtype != "bf16":
+            continue
+        src, dst = cast.inputs[0], cast.output
+        same_order = all(a == b for size, a, b in zip(cast.sizes, src.iter_strides, dst.iter_strides, strict=True)
+                         if size != 1)
+        between = out[out.index(mm) + 1:out.index(cast)]  # the result is written earlier: nothing may use it
+        if not same_order or src.view.offset != c.offset or math.prod(cast.sizes) != math.prod(c.shape) \
+                or not _dense(dst.view) or any(v.buffer == dst.view.buffer for k in between for v in views_of(k)):
+            continue
+        out[out.index(mm)] = dataclasses.replace(mm, c=View(dst.view.buffer, dst.view.offset, c.shape, c.strides,
+                                                              "bf16"))
+        out.remove(cast)
+    return out
+
+
 def _same_elements(a: View, b: View) -> bool:
     """Whether two views of one buffer cover the same elements (both dense, same offset and size)."""
     return a.buffer == b.buffer and a.offset == b.offset and math.prod(a.shape) == math.prod(b.shape) \
@@ -198,7 +228,7 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
     with mlir.context:
         graph = read_function(mlir.module)
     mutated = _mutated_inputs(graph, len(user_results))
-    graph.kernels = _fold_fills(sink_fills(graph.kernels))
+    graph.kernels = _fold_output_casts(graph, _fold_fills(sink_fills(graph.kernels)))
     loops = find_loops(graph) if layer_loops else []
     stages["kernels.txt"] = describe(graph) + "".join(
         f"loop: kernels {lp.first}..{lp.first + lp.period - 1} run {lp.repeats} times over {len(lp.slots[0])} "
