@@ -56,7 +56,7 @@ def plan(config: HardwareConfig, k: MatmulKernel, free_rows: int) -> DecodePlan 
     if bm.strides[0] != 1 or bm.strides[1] < K or K % L or Nn % L or a.strides[-1] != 1:
         return None  # not W.T with W row-major, or partial tiles
     KT, NT = K // L, Nn // L
-    tile = max(config.mxu_weight_cycles, -(-L * L * 2 // config.hbm_bytes_per_cycle), -(-L // config.vmem_port_rows))
+    tile = _tile_cycles(config)
     budget = min(MAX_RING_ROWS, free_rows - KT - NT - 16)
     # an iteration is U whole n-tiles in two groups of G = U * KT / 2 tiles; the fastest that fits
     shapes = [(U, U * KT // 2) for U in range(1, NT + 1) if NT % U == 0 and U * KT % 2 == 0]
@@ -65,6 +65,12 @@ def plan(config: HardwareConfig, k: MatmulKernel, free_rows: int) -> DecodePlan 
         return None
     U, G = min(shapes, key=lambda s: _estimate(config, KT * NT, s[1], tile))
     return DecodePlan(KT, NT, U, G)
+
+
+def _tile_cycles(config: HardwareConfig) -> int:
+    """Cycles of one bf16 N x N tile through the slowest of the weight port, HBM and the DMA's vmem port."""
+    L = config.lanes
+    return max(config.mxu_weight_cycles, -(-L * L * 2 // config.hbm_bytes_per_cycle), -(-L // config.vmem_port_rows))
 
 
 def _estimate(config: HardwareConfig, tiles: int, G: int, tile: int) -> int:
@@ -225,6 +231,15 @@ def _issue_dmas(ctx: KernelContext, issue: Issue) -> list[Callable[[], None]]:
     return [lambda j=j: dma(j) for j in range(issue.groups.start * G, issue.groups.stop * G)]
 
 
+def early_tiles(config: HardwareConfig, p: DecodePlan, prefetched: int) -> int:
+    """How many of the second iteration's tiles a stream whose first half is prefetched issues before its
+    first waits: what the channel moves in a DMA latency plus what its queue holds (issue stalls no longer
+    than the waits would)."""
+    if prefetched < 2 or p.iterations < 2:
+        return 0
+    return min(2 * p.G, config.dma_latency // _tile_cycles(config) + config.dma_queue - 1)
+
+
 def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> None:
     b, L = ctx.b, ctx.lanes
     a, bm, c = k.a, k.b, k.c
@@ -253,20 +268,30 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
     # the first iteration's two groups (those the kernels before did not prefetch), then (below) each
     # iteration issues the next one's along its commands
     _first_groups(ctx, k, p, ring[0], range(prefetched, 2), lambda q: ctx.flag(Flag.LOAD, q), ring_mem)
-    if prefetched:
-        b.emit("wait", flag=int(Flag.PREFETCH))  # not marked used: the next stream's prefetch is on it too
-    b.emit("wait", flag=ctx.flag(Flag.MATMUL_A))
     cur, nxt, h_next, c_row = b.sreg(), b.sreg(), b.sreg(), b.sreg()
     b.emit("li", cur, imm=ring[0].row)
     b.emit("li", nxt, imm=ring[1].row)
     b.emit("addi", h_next, (b.offset_reg(w0, step_bytes),), imm=0)
     b.emit("li", c_row, imm=c_reg.row)
+    # with both groups prefetched the channel would idle while the prefetch's and the A row's last latency
+    # run out: the second iteration's first tiles go ahead of those waits, on a flag of their own that the
+    # later iterations wait on (the first iteration, which does not issue them again, is apart)
+    early = early_tiles(ctx.config, p, prefetched)
+    early_flag = ctx.flag(Flag.MATMUL_A, 1) if early else None
+    for j in range(early):
+        _tile_dma(ctx, p, ws, h_next, nxt, j, early_flag, ring_mem)
+    if prefetched:
+        b.emit("wait", flag=int(Flag.PREFETCH))  # not marked used: the next stream's prefetch is on it too
+    b.emit("wait", flag=ctx.flag(Flag.MATMUL_A))
     rows = b.const(1)
     a_mem, c_mem = a_reg.mem(), c_reg.mem(write=True)
 
-    def iteration(prefetch: bool) -> None:
+    def iteration(prefetch: bool, issued: int = 0) -> None:
+        """One iteration; `prefetch`: issue the next one's tiles (but its first `issued`, issued already)."""
         for j in range(2 * p.G):
             q = j // p.G
+            if j == 0 and early_flag is not None and not issued:  # a no-op after the second iteration
+                b.emit("wait", flag=early_flag)
             if j % p.G == 0:
                 b.emit("wait", flag=ctx.flag(Flag.LOAD, q))
                 if prefetch:  # the other half's group q was read by the previous iteration's weight loads
@@ -275,9 +300,9 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
             b.emit("mxu.lwt", None, (b.offset_reg(cur, j * L),), flag=ctx.flag(Flag.WEIGHTS, q), mem=ring_read)
             b.emit("mxu.mms" if kt == 0 else "mxu.mmas", None,
                    (b.const(a_reg.row + kt), b.offset_reg(c_row, u), rows), flag=ctx.flag(Flag.MXU), mem=(a_mem, c_mem))
-            if prefetch:
+            if prefetch and j >= issued:
                 tile_dma(h_next, nxt, j, q)
-            elif next_groups:
+            elif not prefetch and next_groups:
                 next_groups.pop(0)()
         b.addi(c_row, p.U, c_row)
         if prefetch:
@@ -287,8 +312,13 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
             b.emit("addi", cur, (nxt,), imm=0)
             b.emit("addi", nxt, (swap,), imm=0)
 
-    if p.iterations > 1:
-        b.counted_loop(p.iterations - 1, lambda: iteration(True), "wstream")
+    loops = p.iterations - 1
+    if early:
+        b.new_block("wstream_first")  # its own block: scheduling cost grows faster than a block's length
+        iteration(True, early)
+        loops -= 1
+    if loops:
+        b.counted_loop(loops, lambda: iteration(True), "wstream")
     iteration(False)
     for dma in next_groups:
         dma()

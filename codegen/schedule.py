@@ -239,6 +239,17 @@ def _list_schedule(instrs: list[MInstr], deps: list[Dep], release: list[int]) ->
             counted[dst] = True
             live[kind_of[dst]] += 1
 
+    def pressure(found: dict[tuple[str, str], bool], what: str, kind: str) -> bool:
+        """Whether a candidate (ready, or on its way) frees a live value of `kind` ("frees") or continues a
+        chain of it ("continues")."""
+        if (what, kind) not in found:
+            candidates = itertools.chain(*by_unit.values(), (p[1] for p in pending))
+            if what == "frees":
+                found[what, kind] = any(growth(i, kind) < 0 for i in candidates)
+            else:
+                found[what, kind] = any(_reads_live(i, kind) for i in candidates)
+        return found[what, kind]
+
     # Ready instructions whose earliest cycle has come, per unit (the only ones a cycle looks at), and the
     # others in a heap by earliest cycle. A cycle visits candidates in priority order across units (a merge
     # of the per-unit lists) and drops a unit once its slots are full: the same decisions as one scan of
@@ -276,12 +287,9 @@ def _list_schedule(instrs: list[MInstr], deps: list[Dep], release: list[int]) ->
         # bounded); a value that starts a new chain (reads no live value of its kind, e.g. a load) also
         # waits while one that continues a chain (`_reads_live`) can go, so chains finish before new ones
         # start.
-        candidates = list(itertools.chain(*by_unit.values(), (p[1] for p in pending)))
-        frees, continues = {}, {}
-        for kind in ("s", "v"):
-            pressed = live[kind] >= PRESSURE_LIMIT[kind]
-            frees[kind] = pressed and any(growth(i, kind) < 0 for i in candidates)
-            continues[kind] = pressed and any(_reads_live(i, kind) for i in candidates)
+        # (both asked only while nothing is placed this cycle, so they see the cycle's start, and found once
+        # a cycle: a scan of every candidate in every cycle made big blocks quadratic)
+        found: dict[tuple[str, str], bool] = {}
         now = []
         while heap:
             _, unit, j = heapq.heappop(heap)
@@ -295,7 +303,8 @@ def _list_schedule(instrs: list[MInstr], deps: list[Dep], release: list[int]) ->
                 continue
             dst = instrs[i].dst
             if (dst is not None and live[dst.kind] >= PRESSURE_LIMIT[dst.kind] and growth(i, dst.kind) > 0
-                    and (now or frees[dst.kind] or (continues[dst.kind] and not _reads_live(i, dst.kind)))):
+                    and (now or pressure(found, "frees", dst.kind)
+                         or (not _reads_live(i, dst.kind) and pressure(found, "continues", dst.kind)))):
                 continue  # under pressure: at most one new value per cycle (see above)
             used[unit] += 1
             now.append(i)

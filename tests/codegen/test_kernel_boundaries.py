@@ -14,7 +14,7 @@ import torch
 from codegen_helpers import compile_and_run, run_with_poisoned_vmem, trace
 
 import fx_passes
-from codegen import compile_graph, compiler
+from codegen import compile_graph, compiler, isel_decode
 from codegen.builder import Builder
 from codegen.errors import CapacityError
 from codegen.isel_common import STORE_FLAGS, Flag, guard_stores_in_flight
@@ -224,6 +224,25 @@ def test_back_to_back_streams_give_the_same_bits_in_fewer_cycles(monkeypatch: py
     np.testing.assert_array_equal(out.view(np.uint32), out_plain.view(np.uint32))
     assert np.isinf(out[0, 0, 5]) and np.isnan(out[0, 0, 9])
     assert stats.cycles < plain_stats.cycles - 2 * cg.hardware.dma_latency
+
+
+def test_a_prefetched_stream_issues_its_next_tiles_before_its_first_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the second projection's first half was loaded by the first: it issues its second iteration's first
+    # tiles before it waits for that half and its activation row, so the channel does not idle in between
+    torch.manual_seed(1)
+    x = torch.randn(1, 1, 2048).bfloat16()
+    w1, w2 = ((torch.randn(2048, 2048) / 45).bfloat16() for _ in range(2))
+    w2[300, 1000], w2[2047, 2047] = float("nan"), float("-inf")  # in the early tiles and in the last one
+    inputs = [t.float().numpy() for t in (x, w1, w2)]
+    cg = _passes_then_compile(x, w1, w2)
+    (out,) = run_with_poisoned_vmem(cg, inputs)
+    _, stats = run_fresh(cg, inputs, SimulatorRunner("large"))
+    monkeypatch.setattr(isel_decode, "early_tiles", lambda *_: 0)
+    late = _passes_then_compile(x, w1, w2)
+    (out_late,), late_stats = run_fresh(late, inputs, SimulatorRunner("large"))
+    np.testing.assert_array_equal(out.view(np.uint32), out_late.view(np.uint32))
+    assert np.isnan(out[0, 0, 300]) and np.isinf(out[0, 0, 2047])
+    assert stats.cycles < late_stats.cycles - 200
 
 
 def _project_heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
