@@ -154,7 +154,7 @@ def _fold_output_casts(graph: KernelGraph, kernels: list[Kernel]) -> list[Kernel
         c = mm.c
         users = [k for k in out if any(v.buffer == c.buffer for v in views_of(k))]
         if len(c.shape) != 2 or c.dtype != "f32" or graph.buffers[c.buffer].kind != "temp" or len(users) != 2 \
-                or users[0] is not mm or any(v.buffer == c.buffer for v in graph.results) or not _dense(c):
+                or users[0] is not mm or any(v.buffer == c.buffer for v in graph.results):
             continue
         cast = users[1]
         if not isinstance(cast, GenericKernel) or cast.reduction or len(cast.inputs) != 1 \
@@ -165,7 +165,7 @@ def _fold_output_casts(graph: KernelGraph, kernels: list[Kernel]) -> list[Kernel
         same_order = all(a == b for size, a, b in zip(cast.sizes, src.iter_strides, dst.iter_strides, strict=True)
                          if size != 1)
         between = out[out.index(mm) + 1:out.index(cast)]  # the result is written earlier: nothing may use it
-        if not same_order or src.view.offset != c.offset or math.prod(cast.sizes) != math.prod(c.shape) \
+        if not same_order or not _same_elements(src.view, c) or math.prod(cast.sizes) != math.prod(c.shape) \
                 or not _dense(dst.view) or any(v.buffer == dst.view.buffer for k in between for v in views_of(k)):
             continue
         out[out.index(mm)] = dataclasses.replace(mm, c=View(dst.view.buffer, dst.view.offset, c.shape, c.strides,

@@ -93,15 +93,19 @@ def _tile_dma(ctx: KernelContext, p: DecodePlan, ws: int, h: Reg, row: Reg, j: i
     b.emit("dma.ld.bf16", None, (at, b.offset_reg(row, j * L), shape, b.const(ws)), flag=flag, mem=mem)
 
 
-def _first_groups(ctx: KernelContext, k: MatmulKernel, p: DecodePlan, half: Region, groups: range,
-                  flag: Callable[[int], int], mem: tuple) -> None:
-    """The DMAs of the first iteration's groups `groups` (of 0 and 1) into the ring half `half`."""
-    b = ctx.b
-    w0 = ctx.hbm_addr(k.b, k.b.offset)
-    row = b.sreg()
-    b.emit("li", row, imm=half.row)
-    for j in range(groups.start * p.G, groups.stop * p.G):
-        _tile_dma(ctx, p, k.b.strides[1], w0, row, j, flag(j // p.G), mem)
+def _group_dmas(ctx: KernelContext, k: MatmulKernel, p: DecodePlan, half: Region, groups: range,
+                flag: Callable[[int], int], mem: tuple) -> list[Callable[[], None]]:
+    """The DMAs of groups `groups` (of 0 and 1) of `k`'s first iteration into the ring half `half`, each a
+    callable that emits it (a stream spreads a prefetch over its MXU commands); `flag(q)` for group q."""
+    state: dict[str, Reg] = {}
+
+    def dma(j: int) -> None:
+        if not state:
+            state["w0"] = ctx.hbm_addr(k.b, k.b.offset)
+            state["row"] = ctx.b.const(half.row)
+        _tile_dma(ctx, p, k.b.strides[1], state["w0"], state["row"], j, flag(j // p.G), mem)
+
+    return [lambda j=j: dma(j) for j in range(groups.start * p.G, groups.stop * p.G)]
 
 
 # ---- cross-kernel prefetch ----------------------------------------------------------------------------
@@ -165,11 +169,12 @@ def plan_prefetches(config: HardwareConfig, kernels: list[tuple[Kernel | None, i
              if 2 * p.G * L + p.KT + p.NT + 16 <= free_rows - 2 * slot}
     ceiling = V - 2 * slot
     out: dict[int, Prefetch] = {}
-    parity = [0]
+    parity = 0
 
     def take_slot(p: DecodePlan) -> tuple[int, int]:  # the two slots in turn: consecutive streams differ
-        top = V - parity[0] * slot
-        parity[0] ^= 1
+        nonlocal parity
+        top = V - parity * slot
+        parity ^= 1
         return top - 2 * p.G * L, top
 
     for j, p in sorted(plans.items()):
@@ -215,20 +220,11 @@ def issue_prefetch(ctx: KernelContext) -> None:
 
 
 def _issue_dmas(ctx: KernelContext, issue: Issue) -> list[Callable[[], None]]:
-    """The tile DMAs of a prefetch, each a callable that emits it (a stream spreads them over its MXU
-    commands), on flag PREFETCH: not marked used, so the issuer does not wait for them at its end."""
-    b, p, G = ctx.b, issue.plan, issue.plan.G
-    half = Region("ring_prefetched", issue.row, 2 * G * ctx.lanes)
-    state: dict[str, Reg] = {}
-
-    def dma(j: int) -> None:
-        if not state:
-            state["w0"] = ctx.hbm_addr(issue.kernel.b, issue.kernel.b.offset)
-            state["row"] = b.const(half.row)
-        _tile_dma(ctx, p, issue.kernel.b.strides[1], state["w0"], state["row"], j, int(Flag.PREFETCH),
-                  (half.mem(write=True),))
-
-    return [lambda j=j: dma(j) for j in range(issue.groups.start * G, issue.groups.stop * G)]
+    """The tile DMAs of a prefetch, on flag PREFETCH: not marked used, so the issuer does not wait for them
+    at its end."""
+    half = Region("ring_prefetched", issue.row, 2 * issue.plan.G * ctx.lanes)
+    return _group_dmas(ctx, issue.kernel, issue.plan, half, issue.groups, lambda _: int(Flag.PREFETCH),
+                       (half.mem(write=True),))
 
 
 def early_tiles(config: HardwareConfig, p: DecodePlan, prefetched: int) -> int:
@@ -267,7 +263,8 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
 
     # the first iteration's two groups (those the kernels before did not prefetch), then (below) each
     # iteration issues the next one's along its commands
-    _first_groups(ctx, k, p, ring[0], range(prefetched, 2), lambda q: ctx.flag(Flag.LOAD, q), ring_mem)
+    for dma in _group_dmas(ctx, k, p, ring[0], range(prefetched, 2), lambda q: ctx.flag(Flag.LOAD, q), ring_mem):
+        dma()
     cur, nxt, h_next, c_row = b.sreg(), b.sreg(), b.sreg(), b.sreg()
     b.emit("li", cur, imm=ring[0].row)
     b.emit("li", nxt, imm=ring[1].row)
