@@ -385,8 +385,10 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
             assert layout is not None
             ctx.buffers = {slot_name(j): (layout.window + j, 0) for j in range(len(loop.slots[0]))}
             function(f"loop at kernel {i}: init", "loop_init", lambda: emit_init(ctx, layout, table))
+            ctx.forget_stores()  # the header also runs after the footer
             header = function(f"loop at kernel {i}: header", "loop", lambda lp=loop, at=4 * table_word: emit_header(
                 ctx, layout, table, arena, at, len(lp.slots[0])))
+            ctx.forget_stores()
             table_word += loop.repeats * len(loop.slots[0])
         if loop is not None and i >= loop.first + loop.period * loop.repeats:
             loop, ctx.buffers = None, buffers

@@ -5,7 +5,9 @@ area and the argument table), and `end` waits on every flag the kernel used but 
 its last stores drain while the next kernel starts, whose first loads queue behind them on the one DMA
 channel. HBM order between kernels needs nothing: DMA commands execute in order on one channel. What the
 next kernel must not do is write vmem rows those stores still read: `guard_stores_in_flight` makes it wait
-on STORE_FLAGS before its first vmem write, unless a wait on its own DMA comes first (that covers them).
+on STORE_FLAGS before its first vmem write to those rows, unless a wait on its own DMA comes first (that
+covers them). The context keeps the rows the earlier kernels' stores may still read (`_in_flight`), so a
+kernel that writes other rows (an iota, the zero rows of a padded weight panel) starts without waiting.
 
 HBM addresses: the program's entry copies the launch's argument table (the HBM addresses of the graph's
 inputs and of its arena) into vmem rows `args_row`..; a kernel loads the entries it uses (`vld` + `vext`)
@@ -51,6 +53,7 @@ class Flag(IntEnum):
 STORE_FLAGS = (Flag.STORE, Flag.STORE + 1, Flag.OUT)  # a kernel leaves these DMA stores in flight
 FLAG_WIDTH = {Flag.LOAD: 2, Flag.STORE: 2, Flag.MATMUL_A: 2, Flag.MXU: 2, Flag.WEIGHTS: 2}
 assert all(f + FLAG_WIDTH.get(f, 1) <= nxt for f, nxt in zip(Flag, [*list(Flag)[1:], NUM_FLAGS], strict=True))
+DRAINING_ROWS_SKIPPED = 64  # a kernel's regions start above in-flight stores' rows up to this part of vmem
 MAX_SPILL_ROW = 1 << 13  # spill loads / stores address vmem through s0 + imm14 (signed)
 
 
@@ -73,23 +76,34 @@ def _writes_vmem(ins: MInstr) -> bool:
         or any(m.write for m in ins.mem)
 
 
-def guard_stores_in_flight(func: Function) -> None:
-    """Make `func` (a kernel) safe to start while the previous kernel's stores still read their vmem rows:
+def guard_stores_in_flight(func: Function, clashes: Callable[[MInstr], bool] = _writes_vmem) -> bool:
+    """Make `func` (a kernel) safe to start while the earlier kernels' stores still read their vmem rows:
     wait on STORE_FLAGS before its first instruction that writes vmem by any unit but the DMA channel (which
-    orders itself), unless a wait on one of its own DMA commands comes first: the channel completes commands
-    in issue order, so that wait covers the earlier stores. Only the entry block (the straight-line code
-    before any loop) is searched; when it ends uncovered, the waits go at its end."""
+    orders itself) and `clashes` with those rows, unless a wait on one of its own DMA commands comes first:
+    the channel completes commands in issue order, so that wait covers the earlier stores. Only the entry
+    block (the straight-line code before any loop) is searched; when it ends uncovered, the waits go at its
+    end. Returns whether it waits (nothing to wait for when no instruction of `func` clashes)."""
+    if not any(ins.unit is not Unit.DMA and clashes(ins) for blk in func.blocks for ins in blk.instrs):
+        return False
     entry = func.blocks[0]
     dma_flags: set[int | None] = set()
     for i, ins in enumerate(entry.instrs):
         if ins.op == "wait" and ins.flag in dma_flags:
-            return
+            return False
         if ins.unit is Unit.DMA:
             dma_flags.add(ins.flag)
-        elif _writes_vmem(ins) or ins.is_control:
+        elif clashes(ins) or ins.is_control:
             entry.instrs[i:i] = wait_for_stores()
-            return
+            return True
     entry.instrs.extend(wait_for_stores())
+    return True
+
+
+Rows = list[tuple[int, int]] | None  # vmem row ranges [lo, hi); None: not known (any row)
+
+
+def _overlaps(rows: Rows, lo: int, hi: int) -> bool:
+    return rows is None or any(a < hi and lo < b for a, b in rows)
 
 
 def table_rows(entries: int, lanes: int) -> int:
@@ -114,6 +128,8 @@ class KernelContext:
     _regions: int = 0
     _flags_used: set[int] = field(default_factory=set)
     _args: dict[int, Reg] = field(default_factory=dict)
+    _named: dict[str, Region] = field(default_factory=dict)  # this kernel's regions by name
+    _in_flight: Rows = field(default_factory=list)  # rows the earlier kernels' stores may still read
     _scratch_used: int = 0
     scratch_peak: int = 0
 
@@ -133,20 +149,59 @@ class KernelContext:
     def begin(self, kernel: str) -> None:
         self._ceiling = self.prefetch.ceiling if self.prefetch is not None else self.config.vmem_rows
         self._next_row = self._base_row
+        # a few rows at the bottom still read by the stores in flight (a small kernel's output tile): start
+        # above them, so that the kernel's own writes need not wait for those stores
+        window = self._base_row + self.config.vmem_rows // DRAINING_ROWS_SKIPPED
+        top = max((hi for lo, hi in self._in_flight or () if lo < window), default=0)
+        if top and top <= min(window, self._ceiling // 2):
+            self._next_row = -(-top // 8) * 8
         self._flags_used = set()
         self._scratch_used = 0
         self._args = {}
+        self._named = {}
         self.hbm_base = {}
         self.kernel = kernel
 
+    def forget_stores(self) -> None:
+        """The next function may run after code other than the one emitted before it (a loop's header, after
+        its footer): its guard assumes stores in flight on any row."""
+        self._in_flight = None
+
     def end(self) -> None:
-        guard_stores_in_flight(self.b.func)
+        func, before = self.b.func, self._in_flight
+        waits = guard_stores_in_flight(func, self._clashes)
         for f in sorted(self._flags_used - set(STORE_FLAGS)):
             self.b.emit("wait", flag=f)
         # the kernel's spill slots: the reserved area at the bottom of vmem, then the rows above its regions
+        # that no earlier kernel's store may still read
         top = min(self._ceiling, MAX_SPILL_ROW) // 8 * 8
-        self.b.func.spill_rows = (tuple(range(0, SPILL_ROWS, 8))
-                                  + tuple(range(top - 8, -(-self._next_row // 8) * 8 - 1, -8)))
+        above = range(top - 8, -(-self._next_row // 8) * 8 - 1, -8)
+        func.spill_rows = tuple(range(0, SPILL_ROWS, 8)) + tuple(r for r in above if not _overlaps(before, r, r + 8))
+        # what the next kernel's guard must know: this kernel's stores, and the earlier ones unless this kernel
+        # waited on them (its guard) or on a DMA of its own issued after them (its last waits)
+        loads = {ins.flag for blk in func.blocks for ins in blk.instrs
+                 if ins.unit is Unit.DMA and not ins.op.startswith("dma.st")} & self._flags_used
+        stores = [self._rows(m) for blk in func.blocks for ins in blk.instrs if ins.op.startswith("dma.st")
+                  for m in (ins.mem or (None,)) if m is None or not m.write]
+        mine: Rows = None if None in stores else stores
+        if not (waits or loads) and before is None:
+            mine = None
+        elif not (waits or loads) and mine is not None:
+            mine = mine + before
+        self._in_flight = mine
+
+    def _rows(self, m: Mem | None) -> tuple[int, int] | None:
+        region = self._named.get(m.region) if m is not None else None
+        if region is None:
+            return None
+        return region.row + m.lo, region.row + (region.rows if m.hi is None else m.hi)
+
+    def _clashes(self, ins: MInstr) -> bool:
+        """Whether `ins` may write vmem rows that earlier kernels' stores still read."""
+        if not _writes_vmem(ins):
+            return False
+        written = [self._rows(m) for m in ins.mem if m.write] or [None]
+        return any(r is None or _overlaps(self._in_flight, *r) for r in written)
 
     def region(self, rows: int, hint: str) -> Region:
         rows = max(8, -(-rows // 8) * 8)
@@ -155,6 +210,7 @@ class KernelContext:
             raise CapacityError(f"{self.kernel}: vmem exhausted ({need} > {self._ceiling} rows)")
         self._regions += 1
         r = Region(f"{hint}{self._regions}", self._next_row, rows)
+        self._named[r.name] = r
         self._next_row += rows
         return r
 

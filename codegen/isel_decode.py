@@ -25,7 +25,15 @@ from dataclasses import dataclass
 
 from codegen.isel_common import Flag, KernelContext, Region
 from codegen.isel_vector import KernelChain
-from codegen.kernel_graph import FillKernel, GenericKernel, IotaKernel, Kernel, MatmulKernel
+from codegen.kernel_graph import (
+    FillKernel,
+    GatherKernel,
+    GenericKernel,
+    IotaKernel,
+    Kernel,
+    MatmulKernel,
+    ScatterKernel,
+)
 from codegen.mir import Block, Reg
 from device_sim.config import HardwareConfig
 from device_sim.isa import DMA_SHAPE_ROWS_SHIFT
@@ -119,7 +127,8 @@ def _group_dmas(ctx: KernelContext, k: MatmulKernel, p: DecodePlan, half: Region
 # The ring half lies in a *slot* at the top of vmem; two slots alternate from stream to stream, so that a
 # stream that was prefetched (its first half in one slot) can load the next one's into the other. Every
 # kernel from the first issuer to the stream leaves both slots alone (`KernelContext` ceiling).
-PREFETCH_KERNELS = (GenericKernel, FillKernel, IotaKernel, KernelChain)  # they fit their tiles to the vmem they get
+# they fit their tiles to the vmem they get; so do the matmuls no stream lowers (attention's at one token)
+PREFETCH_KERNELS = (GenericKernel, FillKernel, IotaKernel, KernelChain, GatherKernel, ScatterKernel)
 
 
 @dataclass(frozen=True)
@@ -162,6 +171,9 @@ def plan_prefetches(config: HardwareConfig, kernels: list[tuple[Kernel | None, i
                 out[j] = p
         return out
 
+    def issues(k: Kernel | None) -> bool:  # a kernel that can issue a prefetch, and not a stream
+        return isinstance(k, PREFETCH_KERNELS) or (isinstance(k, MatmulKernel) and plan(config, k, free_rows) is None)
+
     slot = max((2 * p.G * L for p in streams(free_rows).values()), default=0)
     # planned with one slot taken: a prefetched stream's first half is its slot, the other half and its
     # operands must fit under both
@@ -180,7 +192,7 @@ def plan_prefetches(config: HardwareConfig, kernels: list[tuple[Kernel | None, i
     for j, p in sorted(plans.items()):
         segment = kernels[j][1]
         i = j
-        while i > 0 and isinstance(kernels[i - 1][0], PREFETCH_KERNELS) and kernels[i - 1][1] == segment:
+        while i > 0 and issues(kernels[i - 1][0]) and kernels[i - 1][1] == segment:
             i -= 1
         units = [m for m in range(i, j) if m == i or kernels[m][0] is not kernels[m - 1][0]]  # a chain is one
         if i > 0 and i - 1 in plans and kernels[i - 1][1] == segment:
@@ -204,19 +216,44 @@ def plan_prefetches(config: HardwareConfig, kernels: list[tuple[Kernel | None, i
 
 def issue_prefetch(ctx: KernelContext) -> None:
     """In a small kernel already lowered: its groups of the stream's prefetch, spliced in after its first
-    loads (before the entry block's first wait, or at its end)."""
+    loads (before its first wait that is not in a loop, or before the first loop that waits)."""
     assert ctx.prefetch is not None and ctx.prefetch.issue is not None
     b = ctx.b
-    entry, current = b.func.blocks[0], b.block
+    current = b.block
     scratch = Block("prefetch")
-    b.new_scope()  # constants cached for the current block are not defined in the entry block
+    b.new_scope()  # constants cached for the current block are not defined where the DMAs go
     b.block = scratch
     for dma in _issue_dmas(ctx, ctx.prefetch.issue):
         dma()
     b.block = current
     b.new_scope()
-    at = next((n for n, ins in enumerate(entry.instrs) if ins.op == "wait" or ins.is_control), len(entry.instrs))
-    entry.instrs[at:at] = scratch.instrs
+    block, at = _first_wait(b.func.blocks)
+    block.instrs[at:at] = scratch.instrs
+
+
+def _first_wait(blocks: list[Block]) -> tuple[Block, int]:
+    """Where code runs once, before the kernel first waits: the block and index of its first wait outside a
+    loop, or the end of the block before the first loop with a wait (a loop that zeroes a panel before the
+    loads does not count), or the end of the last block (before a branch that ends it)."""
+    index = {blk.label: n for n, blk in enumerate(blocks)}
+    looped = [False] * len(blocks)
+    for n, blk in enumerate(blocks):
+        for ins in blk.instrs:
+            head = index.get(str(ins.target)) if ins.target is not None else None
+            if head is not None and head <= n:
+                looped[head:n + 1] = [True] * (n + 1 - head)
+    for n, blk in enumerate(blocks):
+        waits = [m for m, ins in enumerate(blk.instrs) if ins.op == "wait"]
+        if looped[n] and waits:
+            n = max(m for m in range(n) if not looped[m])
+            return blocks[n], _before_branch(blocks[n])
+        if waits and not looped[n]:
+            return blk, waits[0]
+    return blocks[-1], _before_branch(blocks[-1])
+
+
+def _before_branch(blk: Block) -> int:
+    return len(blk.instrs) - 1 if blk.instrs and blk.instrs[-1].is_control else len(blk.instrs)
 
 
 def _issue_dmas(ctx: KernelContext, issue: Issue) -> list[Callable[[], None]]:

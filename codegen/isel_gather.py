@@ -55,7 +55,8 @@ def lower_gather(ctx: KernelContext, k: GatherKernel) -> None:
         _gather_chunk(ctx, k, id_at[c0:c0 + chunk], ids_region, data_region)
         out_addr = ctx.hbm_addr(k.output, k.output.offset + c0 * cols)
         ctx.dma(False, k.output.dtype, out_addr, data_region, 0, min(chunk, rows - c0), cols, cols, Flag.OUT)
-        ctx.b.emit("wait", flag=ctx.flag(Flag.OUT))
+        if c0 + chunk < rows:  # the next chunk reuses the rows; the last chunk's stores drain into the next kernel
+            ctx.b.emit("wait", flag=ctx.flag(Flag.OUT))
 
 
 def _gather_chunk(ctx: KernelContext, k: GatherKernel, id_at: list[int], ids_region: Region,
@@ -167,7 +168,8 @@ def lower_scatter(ctx: KernelContext, k: ScatterKernel) -> None:
                         Flag.OUT, base=data_at)
 
         _eight_rows_at_a_time(b, n, p, scatter_rows, "scatter")  # in order: a repeated index keeps the last row
-        b.emit("wait", flag=ctx.flag(Flag.OUT))
+        if c0 + chunk < rows:  # as in lower_gather
+            b.emit("wait", flag=ctx.flag(Flag.OUT))
 
 
 def poison_unless(b: Builder, addr: Reg, valid: Reg) -> Reg:

@@ -41,6 +41,30 @@ def capture(fn, *inputs: torch.Tensor) -> tuple[torch.fx.GraphModule, list[torch
     return box["gm"], box["args"]  # type: ignore[return-value]
 
 
+def capture_with_mutations(fn, *inputs: torch.Tensor) -> tuple[torch.fx.GraphModule, list, list[int]]:
+    """(the graph the backend receives, its example inputs, where each of `inputs` is among its inputs)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    box: dict[str, object] = {}
+
+    def fw(gm: torch.fx.GraphModule, examples: list):
+        box["gm"], box["examples"] = gm, examples
+
+        def run(*args: torch.Tensor):
+            box["args"] = list(args)
+            return gm(*args)
+        return run
+
+    torch._dynamo.reset()
+    copies = [x.clone() for x in inputs]
+    with torch.no_grad():
+        torch.compile(fn, backend=aot_autograd(fw_compiler=fw, decompositions=core_aten_decompositions(),
+                                               keep_inference_input_mutations=True))(*copies)
+    args: list[torch.Tensor] = box["args"]  # type: ignore[assignment]
+    order = [next(i for i, a in enumerate(args) if a is c) for c in copies]
+    return box["gm"], box["examples"], order  # type: ignore[return-value]
+
+
 def compile_and_run(fn, *xs: torch.Tensor, config: str = "small", **options) -> tuple[list[np.ndarray],
                                                                                      list[np.ndarray], Executable]:
     gm = trace(fn, *xs)

@@ -11,16 +11,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from codegen_helpers import compile_and_run, run_with_poisoned_vmem, trace
+from codegen_helpers import capture_with_mutations, compile_and_run, run_with_poisoned_vmem, trace
 
 import fx_passes
-from codegen import compile_graph, compiler, isel_decode
+from codegen import compile_graph, compiler, isel_common, isel_decode
 from codegen.builder import Builder
 from codegen.errors import CapacityError
 from codegen.isel_common import STORE_FLAGS, Flag, guard_stores_in_flight
 from codegen.isel_decode import plan_prefetches
 from codegen.isel_vector import KernelChain
-from codegen.kernel_graph import FillKernel, MatmulKernel, View
+from codegen.kernel_graph import FillKernel, MatmulKernel, ScatterKernel, View
 from codegen.mir import Function, Mem
 from device_sim.config import get_config
 from device_sim.executable import run_fresh
@@ -275,3 +275,90 @@ def test_a_projection_stores_its_bf16_result_without_a_cast_kernel(monkeypatch: 
     ref = _project_heads(x, w).float().numpy()
     finite = np.isfinite(ref)
     np.testing.assert_allclose(out[finite], ref[finite], rtol=2e-2, atol=2e-2)
+
+
+def test_a_kernel_that_writes_other_rows_starts_while_the_stores_drain(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the iota of torch.arange follows a reduction whose store is still in flight: it writes vmem rows that
+    # store does not read, so it starts at once instead of waiting a DMA latency for it (the simulator traps
+    # a write to rows an in-flight DMA still reads, so a wrong overlap test fails here)
+    def scaled_positions(x: torch.Tensor) -> torch.Tensor:
+        return x.sum(-1, keepdim=True) * torch.arange(x.shape[-1], dtype=torch.float32)
+
+    x = torch.randn(5, 40)
+    x[1, 3], x[2] = float("nan"), -0.0  # NaN * 0 at position 0 stays NaN; -0 * 0 keeps its sign
+    x[4, :2] = torch.finfo(torch.float32).max
+    outs, refs, cg = compile_and_run(scaled_positions, x, config="large")
+    assert [k["kind"] for k in cg.summary["kernels"]] == ["reduction", "iota", "elementwise"]
+    np.testing.assert_allclose(outs[0], refs[0], rtol=1e-5)
+    numbers = ~np.isnan(refs[0])  # a NaN's sign is not a result (x86 makes inf * 0 a negative NaN)
+    np.testing.assert_array_equal(np.signbit(outs[0][numbers]), np.signbit(refs[0][numbers]))
+    (poisoned,) = run_with_poisoned_vmem(cg, [x.numpy()])
+    np.testing.assert_array_equal(poisoned.view(np.uint32), outs[0].view(np.uint32))
+    monkeypatch.setattr(isel_common.KernelContext, "_clashes", lambda self, ins: isel_common._writes_vmem(ins))
+    _, _, guarded = compile_and_run(scaled_positions, x, config="large")
+    assert cg.last_stats.cycles < guarded.last_stats.cycles - 400
+
+
+def test_a_scatter_leaves_its_last_stores_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a decode step's KV-cache update (8 heads of 64, bf16, position 17 of 33) and a kernel reading the cache:
+    # the scatter's stores drain while the reader's loads queue behind them on the in-order channel, so the
+    # reader sees the new row, inf and NaN included, one DMA latency sooner than when the scatter waited
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(1, 8, 33, 64, generator=g).bfloat16()
+    vals = torch.randn(1, 8, 1, 64, generator=g).bfloat16()
+    vals[0, 3, 0, :3] = torch.tensor([float("inf"), float("nan"), -0.0])
+    pos = torch.tensor([17])
+
+    def update(cache: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+        cache.index_copy_(2, pos, vals)
+        return cache.float().sum(-1)
+
+    def run() -> tuple[np.ndarray, int]:
+        gm, examples, order = capture_with_mutations(update, cache, pos, vals)
+        exe = compile_graph(gm, examples, "large", verify=True)
+        given = (cache, pos, vals)
+        arrays = [t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+                  for t in (given[order.index(i)] for i in range(3))]
+        outs, stats = run_fresh(exe, arrays, SimulatorRunner("large"))
+        return outs[0], stats.cycles
+
+    out, cycles = run()
+    expected = cache.clone()
+    ref = update(expected, pos, vals).numpy()
+    np.testing.assert_allclose(out, ref, rtol=2e-2, atol=1e-2, equal_nan=True)
+    assert np.isnan(ref[0, 3, 17]) and np.isnan(out[0, 3, 17])  # inf + NaN: the reader saw the new row
+    real = compiler.lower_scatter
+
+    def waits_for_its_stores(ctx: isel_common.KernelContext, k: object) -> None:
+        real(ctx, k)
+        ctx.b.emit("wait", flag=ctx.flag(Flag.OUT))
+
+    monkeypatch.setattr(compiler, "lower_scatter", waits_for_its_stores)
+    waited, waited_cycles = run()
+    np.testing.assert_array_equal(out.view(np.uint32), waited.view(np.uint32))
+    assert cycles < waited_cycles - 400
+
+
+def test_scatters_and_small_matmuls_are_prefetch_issuers_too() -> None:
+    # between v_proj and o_proj a decode layer runs the KV-cache scatters and attention's two matmuls: they
+    # fit their tiles to the vmem they get as the small generics do, so they no longer end the run of
+    # kernels before o_proj (which then got one group from the last generic instead of two)
+    cfg = get_config("large")
+
+    def stream(name: str) -> MatmulKernel:
+        w = View(name, 0, (2048, 2048), (1, 2048), "bf16")
+        y = View(name + "y", 0, (1, 2048), (2048, 1), "f32")
+        return MatmulKernel(View("x", 0, (1, 2048), (2048, 1), "bf16"), w, y)
+
+    scores = MatmulKernel(View("q", 0, (1, 64), (64, 1), "bf16"), View("k", 0, (64, 17), (1, 64), "bf16"),
+                          View("s", 0, (1, 17), (17, 1), "f32"))
+    scatter = ScatterKernel(View("cache", 0, (33, 64), (64, 1), "bf16"), View("idx", 0, (1, 1), (1, 1), "i32"),
+                            View("new", 0, (1, 64), (64, 1), "bf16"))
+    fill = FillKernel(View("t", 0, (8, 128), (128, 1), "f32"), 0.0)
+    s0, s1 = stream("w0"), stream("w1")
+    out = plan_prefetches(cfg, [(s0, 0), (scatter, 0), (scores, 0), (fill, 0), (s1, 0)], cfg.vmem_rows - 64)
+    assert out[0].issue is not None and out[0].issue.kernel is s1 and out[0].issue.groups == range(0, 1)
+    assert out[1].issue is not None and out[1].issue.groups == range(1, 2)
+    assert out[2].issue is None and out[3].issue is None and out[4].prefetched == 2
+    assert {out[m].carried for m in (1, 2, 3, 4)} == {out[4].carried}  # the matmul keeps the slot's rows
+    assert out[2].ceiling == out[4].ceiling < cfg.vmem_rows

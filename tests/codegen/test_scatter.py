@@ -7,37 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch._decomp import core_aten_decompositions
+from codegen_helpers import capture_with_mutations
 
 import codegen
 from codegen.kernel_graph import ScatterKernel
 from device_sim import numerics
 from device_sim.executable import launch, stage
 from device_sim.runners import SimulatorRunner
-
-
-def _capture(fn, *inputs: torch.Tensor) -> tuple[torch.fx.GraphModule, list, list[int]]:
-    """(the graph the backend receives, its example inputs, where each of `inputs` is among its inputs)."""
-    from torch._dynamo.backends.common import aot_autograd
-
-    box: dict[str, object] = {}
-
-    def fw(gm: torch.fx.GraphModule, examples: list):
-        box["gm"], box["examples"] = gm, examples
-
-        def run(*args: torch.Tensor):
-            box["args"] = list(args)
-            return gm(*args)
-        return run
-
-    torch._dynamo.reset()
-    copies = [x.clone() for x in inputs]
-    with torch.no_grad():
-        torch.compile(fn, backend=aot_autograd(fw_compiler=fw, decompositions=core_aten_decompositions(),
-                                               keep_inference_input_mutations=True))(*copies)
-    args: list[torch.Tensor] = box["args"]  # type: ignore[assignment]
-    order = [next(i for i, a in enumerate(args) if a is c) for c in copies]
-    return box["gm"], box["examples"], order  # type: ignore[return-value]
 
 
 def _numpy(x: torch.Tensor) -> np.ndarray:
@@ -50,7 +26,7 @@ def _bits(x: torch.Tensor) -> np.ndarray:
 
 def _run(fn, cache: torch.Tensor, *rest: torch.Tensor) -> tuple[np.ndarray, list[np.ndarray], codegen.Executable]:
     """(the cache's bits in HBM after the launch, the outputs, the executable)."""
-    gm, examples, order = _capture(fn, cache, *rest)
+    gm, examples, order = capture_with_mutations(fn, cache, *rest)
     exe = codegen.compile_graph(gm, examples, "small", verify=True)
     given = (cache, *rest)
     hbm, addrs, arena, _ = stage(exe, [_numpy(given[order.index(i)]) for i in range(len(given))])
@@ -115,7 +91,7 @@ def test_a_prefill_sized_update_runs_as_a_loop_and_keeps_the_last_of_repeated_ro
 def test_the_cache_is_written_in_place_not_copied() -> None:
     """The only writes to the cache's buffer are the scatter's rows: no kernel copies the whole cache."""
     cache, pos, vals = torch.randn(1, 2, 64, 16), torch.tensor([5]), torch.randn(1, 2, 1, 16)
-    gm, examples, order = _capture(_index_copy, cache, pos, vals)
+    gm, examples, order = capture_with_mutations(_index_copy, cache, pos, vals)
     exe = codegen.compile_graph(gm, examples, "small")
     arg = f"%arg{order[0]}"
     lines = exe.stages["kernels.txt"].splitlines()
@@ -150,7 +126,7 @@ def test_index_put_on_dim_0_and_a_scalar_counter() -> None:
         return x * 2.0
 
     given = (torch.randn(6, 8), torch.tensor(4), torch.tensor([4, 1]), torch.randn(2, 8))
-    gm, examples, order = _capture(fn, *given)
+    gm, examples, order = capture_with_mutations(fn, *given)
     exe = codegen.compile_graph(gm, examples, "small")
     hbm, addrs, arena, _ = stage(exe, [given[order.index(i)].numpy() for i in range(4)])
     outs, _ = launch(exe, SimulatorRunner("small"), hbm, addrs, arena)
@@ -179,7 +155,7 @@ def test_scatter_kernel_reads_iree_scatter_after_bufferization() -> None:
     from codegen.kernel_graph import read_function
     from codegen.mlir_pipeline import run_pipeline
 
-    gm, examples, order = _capture(_index_copy, torch.randn(1, 2, 11, 16), torch.tensor([3]),
+    gm, examples, order = capture_with_mutations(_index_copy, torch.randn(1, 2, 11, 16), torch.tensor([3]),
                                    torch.randn(1, 2, 1, 16))
     text, _, outputs = emit_module(gm, examples)
     assert "iree_linalg_ext.scatter" in text and "bufferization.materialize_in_destination" in text
