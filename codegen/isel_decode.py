@@ -53,9 +53,9 @@ class DecodePlan:
         return self.NT // self.U
 
 
-def plan(config: HardwareConfig, k: MatmulKernel, free_rows: int) -> DecodePlan | None:
+def plan(config: HardwareConfig, k: MatmulKernel, free_rows: int, prefetched: bool = False) -> DecodePlan | None:
     """The stream's shape, or None when the matmul is not a one-row bf16 x W.T with whole tiles (or no
-    group size fits): the general path then runs it."""
+    group size fits): the general path then runs it. `prefetched`: the kernels before load both groups."""
     a, bm, c = k.a, k.b, k.c
     L = config.lanes
     if len(c.shape) != 2 or a.shape[0] != 1 or a.dtype != "bf16" or bm.dtype != "bf16":
@@ -71,7 +71,7 @@ def plan(config: HardwareConfig, k: MatmulKernel, free_rows: int) -> DecodePlan 
     shapes = [(U, G) for U, G in shapes if 4 * G * L <= budget]
     if not shapes:
         return None
-    U, G = min(shapes, key=lambda s: _estimate(config, KT * NT, s[1], tile))
+    U, G = min(shapes, key=lambda s: _estimate(config, KT * NT, s[1], tile, prefetched))
     return DecodePlan(KT, NT, U, G)
 
 
@@ -81,14 +81,18 @@ def _tile_cycles(config: HardwareConfig) -> int:
     return max(config.mxu_weight_cycles, -(-L * L * 2 // config.hbm_bytes_per_cycle), -(-L // config.vmem_port_rows))
 
 
-def _estimate(config: HardwareConfig, tiles: int, G: int, tile: int) -> int:
+def _estimate(config: HardwareConfig, tiles: int, G: int, tile: int, prefetched: bool = False) -> int:
     """Cycles of a stream of `tiles` tiles in groups of G. The MXU starts when group 0 has landed and the
     code has issued the first iteration's two groups (issue stalls while the DMA queue is full: a large G
     blocks the MXU behind it); then a tile every `tile` cycles, plus a bubble at each later group whose
-    last DMA, issued a group's work ahead, has not landed (G too small to cover the latency)."""
+    last DMA, issued a group's work ahead, has not landed (G too small to cover the latency). With both
+    groups prefetched the channel moves only the other tiles, from the start, and the last group's MXU
+    work follows its last DMA's latency: larger groups pay (up to the slot's size)."""
     lat = config.dma_latency
-    start = max(G * tile + lat, (2 * G - config.dma_queue) * tile)
     bubble = max(0, lat + tile - G * tile)
+    if prefetched:
+        return lat + (tiles - 2 * G) * tile + bubble * max(0, tiles // G - 2) + G * config.mxu_weight_cycles
+    start = max(G * tile + lat, (2 * G - config.dma_queue) * tile)
     return start + tiles * tile + bubble * max(0, tiles // G - 2)
 
 
@@ -101,9 +105,9 @@ def _tile_dma(ctx: KernelContext, p: DecodePlan, ws: int, h: Reg, row: Reg, j: i
     b.emit("dma.ld.bf16", None, (at, b.offset_reg(row, j * L), shape, b.const(ws)), flag=flag, mem=mem)
 
 
-def _group_dmas(ctx: KernelContext, k: MatmulKernel, p: DecodePlan, half: Region, groups: range,
-                flag: Callable[[int], int], mem: tuple) -> list[Callable[[], None]]:
-    """The DMAs of groups `groups` (of 0 and 1) of `k`'s first iteration into the ring half `half`, each a
+def _first_half_dmas(ctx: KernelContext, k: MatmulKernel, p: DecodePlan, half: Region, tiles: range,
+                     flag: Callable[[int], int], mem: tuple) -> list[Callable[[], None]]:
+    """The DMAs of tiles `tiles` (of 0 .. 2G) of `k`'s first iteration into the ring half `half`, each a
     callable that emits it (a stream spreads a prefetch over its MXU commands); `flag(q)` for group q."""
     state: dict[str, Reg] = {}
 
@@ -113,7 +117,7 @@ def _group_dmas(ctx: KernelContext, k: MatmulKernel, p: DecodePlan, half: Region
             state["row"] = ctx.b.const(half.row)
         _tile_dma(ctx, p, k.b.strides[1], state["w0"], state["row"], j, flag(j // p.G), mem)
 
-    return [lambda j=j: dma(j) for j in range(groups.start * p.G, groups.stop * p.G)]
+    return [lambda j=j: dma(j) for j in tiles]
 
 
 # ---- cross-kernel prefetch ----------------------------------------------------------------------------
@@ -127,17 +131,20 @@ def _group_dmas(ctx: KernelContext, k: MatmulKernel, p: DecodePlan, half: Region
 # The ring half lies in a *slot* at the top of vmem; two slots alternate from stream to stream, so that a
 # stream that was prefetched (its first half in one slot) can load the next one's into the other. Every
 # kernel from the first issuer to the stream leaves both slots alone (`KernelContext` ceiling).
-# they fit their tiles to the vmem they get; so do the matmuls no stream lowers (attention's at one token)
+# they fit their tiles to the vmem they get; so do the matmuls no stream lowers (attention's at one token:
+# matmuls of at most SMALL_ROWS rows, so that a prefill's matmuls keep the whole vmem)
+SMALL_ROWS = 8
+LONG_RUN = 4  # kernels before a stream that leave the channel idle long enough to load its larger groups
 PREFETCH_KERNELS = (GenericKernel, FillKernel, IotaKernel, KernelChain, GatherKernel, ScatterKernel)
 
 
 @dataclass(frozen=True)
 class Issue:
-    """Groups `groups` of `kernel`'s first ring half (laid out by `plan`), loaded into vmem rows from `row`."""
+    """Tiles `tiles` of `kernel`'s first ring half (laid out by `plan`), loaded into vmem rows from `row`."""
 
     kernel: MatmulKernel
     plan: DecodePlan
-    groups: range
+    tiles: range
     row: int
 
 
@@ -145,7 +152,7 @@ class Issue:
 class Prefetch:
     """A kernel's part in the prefetches: `ceiling` is the first vmem row it may not use (the slots above);
     `carried` the rows that hold prefetched weights when it starts (kept across the kernel boundary); an
-    issuer has `issue`; a stream has `prefetched` (groups loaded for it, in `carried`) and `stream`, the plan
+    issuer has `issue`; a stream has `prefetched` (tiles loaded for it, in `carried`) and `stream`, the plan
     they followed (planned under the slots, it could group differently than `plan` would)."""
 
     ceiling: int
@@ -159,25 +166,43 @@ def plan_prefetches(config: HardwareConfig, kernels: list[tuple[Kernel | None, i
                     ) -> dict[int, Prefetch]:
     """Which kernels prefetch for which stream. `kernels`: what each kernel lowers to (None: nothing) and its
     segment (a prefetch never crosses a loop's init, header or footer). The issuers of a stream are the
-    stream just before its run of small kernels, if any, then the run's first kernels: two groups in all,
-    one each (both when a stream is the only issuer)."""
+    stream just before its run of small kernels, if any, then the run's first kernels: a group each (both
+    when a stream is the only issuer), or after a long run (LONG_RUN kernels or more) a quarter each of
+    the stream's first half, planned with groups as large as the slot allows."""
     L, V = config.lanes, config.vmem_rows
 
-    def streams(rows: int) -> dict[int, DecodePlan]:
+    def streams(rows: int, both: set[int]) -> dict[int, DecodePlan]:
         out = {}
         for j, (k, _) in enumerate(kernels):
-            p = plan(config, k, rows) if isinstance(k, MatmulKernel) else None
+            p = plan(config, k, rows, prefetched=j in both) if isinstance(k, MatmulKernel) else None
             if p is not None and 2 * p.G * L <= V // 4:
                 out[j] = p
         return out
 
-    def issues(k: Kernel | None) -> bool:  # a kernel that can issue a prefetch, and not a stream
-        return isinstance(k, PREFETCH_KERNELS) or (isinstance(k, MatmulKernel) and plan(config, k, free_rows) is None)
+    def issues(k: Kernel | None) -> bool:  # a kernel that can issue a prefetch: small, and not a stream
+        return isinstance(k, PREFETCH_KERNELS) or (isinstance(k, MatmulKernel) and k.a.shape[-2] <= SMALL_ROWS
+                                                   and plan(config, k, free_rows) is None)
 
-    slot = max((2 * p.G * L for p in streams(free_rows).values()), default=0)
+    def run(j: int, plans: dict[int, DecodePlan]) -> list[int]:
+        """The kernels before stream j that may load its first half: the stream before its run of small
+        kernels, if any, then the run's kernels (a chain counts once)."""
+        segment = kernels[j][1]
+        i = j
+        while i > 0 and issues(kernels[i - 1][0]) and kernels[i - 1][1] == segment:
+            i -= 1
+        units = [m for m in range(i, j) if m == i or kernels[m][0] is not kernels[m - 1][0]]  # a chain is one
+        if i > 0 and i - 1 in plans and kernels[i - 1][1] == segment:
+            units.insert(0, i - 1)
+        return units
+
+    # a stream after a long run of small kernels (attention's, before o_proj), which leave the channel
+    # idle, gets larger groups: the run loads twice the weights, the stream moves only the rest
+    candidates = streams(free_rows, set())
+    both = {j for j in candidates if len([m for m in run(j, candidates) if m not in candidates]) >= LONG_RUN}
+    slot = max((2 * p.G * L for p in streams(free_rows, both).values()), default=0)
     # planned with one slot taken: a prefetched stream's first half is its slot, the other half and its
     # operands must fit under both
-    plans = {j: p for j, p in streams(free_rows - slot).items()
+    plans = {j: p for j, p in streams(free_rows - slot, both).items()
              if 2 * p.G * L + p.KT + p.NT + 16 <= free_rows - 2 * slot}
     ceiling = V - 2 * slot
     out: dict[int, Prefetch] = {}
@@ -190,32 +215,31 @@ def plan_prefetches(config: HardwareConfig, kernels: list[tuple[Kernel | None, i
         return top - 2 * p.G * L, top
 
     for j, p in sorted(plans.items()):
-        segment = kernels[j][1]
-        i = j
-        while i > 0 and issues(kernels[i - 1][0]) and kernels[i - 1][1] == segment:
-            i -= 1
-        units = [m for m in range(i, j) if m == i or kernels[m][0] is not kernels[m - 1][0]]  # a chain is one
-        if i > 0 and i - 1 in plans and kernels[i - 1][1] == segment:
-            units.insert(0, i - 1)
-            if i - 1 not in out:  # a stream that issues has its first half in a slot too
-                out[i - 1] = Prefetch(ceiling, take_slot(plans[i - 1]), stream=plans[i - 1])
+        units = run(j, plans)[:LONG_RUN if j in both else 2]  # the first ones issue
         if not units:
             continue
+        if units[0] in plans and units[0] not in out:  # a stream that issues has its first half in a slot too
+            out[units[0]] = Prefetch(ceiling, take_slot(plans[units[0]]), stream=plans[units[0]])
         carried = take_slot(p)
-        groups = [range(0, 2)] if len(units) == 1 and units[0] in plans else [range(0, 1), range(1, 2)]
-        issuers = dict(zip(units, groups, strict=False))
+        first = 2 * p.G  # tiles of the first half
+        if len(units) == 1 and units[0] in plans:  # a stream alone before: along its last iteration
+            shares = [range(0, first)]
+        else:  # a group each, or (larger groups, after a long run) a quarter each
+            share = first // (LONG_RUN if j in both else 2)
+            shares = [range(q * share, min(first, (q + 1) * share)) for q in range(len(units))]
+        issued = dict(zip(units, shares, strict=True))
         for m in range(units[0], j):
-            issue = Issue(kernels[j][0], p, issuers[m], carried[0]) if m in issuers else None
+            issue = Issue(kernels[j][0], p, issued[m], carried[0]) if m in issued else None
             if m in out:  # the stream before: its own first half stays where it is
                 out[m] = dataclasses.replace(out[m], issue=issue)
             else:
                 out[m] = Prefetch(ceiling, carried, issue)
-        out[j] = Prefetch(ceiling, carried, prefetched=sum(len(g) for g in issuers.values()), stream=p)
+        out[j] = Prefetch(ceiling, carried, prefetched=sum(len(g) for g in issued.values()), stream=p)
     return out
 
 
 def issue_prefetch(ctx: KernelContext) -> None:
-    """In a small kernel already lowered: its groups of the stream's prefetch, spliced in after its first
+    """In a small kernel already lowered: its tiles of the stream's prefetch, spliced in after its first
     loads (before its first wait that is not in a loop, or before the first loop that waits)."""
     assert ctx.prefetch is not None and ctx.prefetch.issue is not None
     b = ctx.b
@@ -260,7 +284,7 @@ def _issue_dmas(ctx: KernelContext, issue: Issue) -> list[Callable[[], None]]:
     """The tile DMAs of a prefetch, on flag PREFETCH: not marked used, so the issuer does not wait for them
     at its end."""
     half = Region("ring_prefetched", issue.row, 2 * issue.plan.G * ctx.lanes)
-    return _group_dmas(ctx, issue.kernel, issue.plan, half, issue.groups, lambda _: int(Flag.PREFETCH),
+    return _first_half_dmas(ctx, issue.kernel, issue.plan, half, issue.tiles, lambda _: int(Flag.PREFETCH),
                        (half.mem(write=True),))
 
 
@@ -268,7 +292,7 @@ def early_tiles(config: HardwareConfig, p: DecodePlan, prefetched: int) -> int:
     """How many of the second iteration's tiles a stream whose first half is prefetched issues before its
     first waits: what the channel moves in a DMA latency plus what its queue holds (issue stalls no longer
     than the waits would)."""
-    if prefetched < 2 or p.iterations < 2:
+    if prefetched < 2 * p.G or p.iterations < 2:
         return 0
     return min(2 * p.G, config.dma_latency // _tile_cycles(config) + config.dma_queue - 1)
 
@@ -300,7 +324,8 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
 
     # the first iteration's two groups (those the kernels before did not prefetch), then (below) each
     # iteration issues the next one's along its commands
-    for dma in _group_dmas(ctx, k, p, ring[0], range(prefetched, 2), lambda q: ctx.flag(Flag.LOAD, q), ring_mem):
+    for dma in _first_half_dmas(ctx, k, p, ring[0], range(prefetched, 2 * p.G), lambda q: ctx.flag(Flag.LOAD, q),
+                                ring_mem):
         dma()
     cur, nxt, h_next, c_row = b.sreg(), b.sreg(), b.sreg(), b.sreg()
     b.emit("li", cur, imm=ring[0].row)

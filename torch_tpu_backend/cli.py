@@ -30,7 +30,7 @@
                                          1e-5, 2^-9 with --autocast bf16; --plot: the loss curve as a PNG)
     ctpu bench [--models-only]           benchmarks (JSON): compiled GEMM utilization vs the hand-written one,
                                          bundles / cycles / ops per bundle per graph, whole models (Llama)
-    ctpu bench --llama 1b|1b-2l|mini [--prompt 17] [--top N]
+    ctpu bench --llama 1b|1b-2l|mini [--prompt 17 | --context 4096] [--top N]
                                          a bf16 Llama on large: decode cycles / token against the HBM
                                          roofline, prefill MXU utilization (JSON)
     ctpu bench --train [--config small] [--autocast bf16]
@@ -194,8 +194,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.llama is not None:
         from torch_tpu_backend import llama_bench
 
-        print(f"ctpu bench: Llama {args.llama}, a prefill and one decode step on large (compiling)", file=sys.stderr)
-        print(json.dumps(llama_bench.run(args.llama, prompt=args.prompt, top=args.top), indent=2))
+        if args.context is not None:
+            print(f"ctpu bench: Llama {args.llama}, one decode step at context {args.context} on large (compiling)",
+                  file=sys.stderr)
+            result = llama_bench.run_context(args.llama, args.context, top=args.top)
+        else:
+            print(f"ctpu bench: Llama {args.llama}, a prefill and one decode step on large (compiling)",
+                  file=sys.stderr)
+            result = llama_bench.run(args.llama, prompt=args.prompt, top=args.top)
+        print(json.dumps(result, indent=2))
         return 0
     if args.train:
         from torch_tpu_backend import train
@@ -334,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "MXU utilization of its forward, backward and optimizer (JSON)")
     b.add_argument("--autocast", choices=["bf16"], help="with --train: the step under torch.autocast('ctpu', bf16)")
     b.add_argument("--prompt", type=int, default=17, help="prompt tokens (--llama)")
+    b.add_argument("--context", type=_positive, help="with --llama: only one decode step, at the last of this many "
+                   "cached positions (random keys and values; no prefill)")
     b.add_argument("--top", type=int, help="with --llama: profile the decode step, its N longest kernels")
     b.set_defaults(fn=_cmd_bench)
 

@@ -5,6 +5,7 @@ plus the KV cache bytes the step must read, from the model's config), their rati
 utilization; `--top N` adds the decode step's N longest kernels from the profiler's roofline table.
 
     ctpu bench --llama 1b-2l [--prompt 17] [--top 10]
+    ctpu bench --llama 1b-2l --context 4096 [--top 10]   # one decode step at a long context, no prefill
 """
 
 from __future__ import annotations
@@ -75,6 +76,58 @@ def run(geometry: str, prompt: int = 17, config: str = "large", top: int | None 
         "decode_roofline_ratio": round(decode.stats.cycles / roof, 3),
         "decode_dma_bytes": decode.stats.dma_bytes_loaded + decode.stats.dma_bytes_stored,
         "prefill_cycles": prefill.stats.cycles, "prefill_mxu_utilization": round(prefill.stats.mxu_utilization, 4),
+    }
+    if top is not None and decode.profile is not None:
+        rows = sorted(decode.profile.roofline(), key=lambda r: -r["cycles"])
+        result["decode_kernels"] = rows[:top]
+    return result
+
+
+def run_context(geometry: str, context: int, config: str = "large", top: int | None = None) -> dict[str, Any]:
+    """One decode step at position `context` - 1 of a static KV cache of `context` positions, filled with
+    random bf16 keys and values (no prefill to compile: long contexts cost only the step), compiled and
+    eager from the same cache; the figures as a JSON-able dict, as `run` gives them for its decode step."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+
+    if geometry not in GEOMETRIES:
+        raise ValueError(f"unknown Llama geometry {geometry!r}; known: {', '.join(GEOMETRIES)}")
+    if context < 2:
+        raise ValueError(f"--context {context}: a decode step needs a cached position before it (>= 2)")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**GEOMETRIES[geometry], max_position_embeddings=context)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    cache = StaticCache(config=cfg, max_cache_len=context)
+    g = torch.Generator().manual_seed(1)
+    step = {"input_ids": torch.randint(0, cfg.vocab_size, (1, 1), generator=g),
+            "cache_position": torch.tensor([context - 1]), "use_cache": True}
+    with torch.no_grad(), warnings.catch_warnings(), tempfile.TemporaryDirectory() as folder:
+        warnings.simplefilter("ignore")
+        model(**step, past_key_values=cache)  # lays out the cache's tensors
+        for layer in cache.layers:  # the cached positions: random keys and values, as a long prompt leaves them
+            for t in (layer.keys, layer.values):
+                t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+        eager_cache = copy.deepcopy(cache)
+        eager = model(**step, past_key_values=eager_cache).logits
+        torch._dynamo.reset()
+        options = {"config": config} | ({"profile": folder} if top is not None else {})
+        model.forward = torch.compile(model.forward, backend="ctpu", options=options)
+        ctpu_stats.reset()
+        logits = model(**step, past_key_values=cache).logits
+    (decode,) = ctpu_stats.last().launches
+    hw = get_config(config)
+    need = roofline_bytes(cfg, context)
+    roof = (need["weight_bytes"] + need["kv_bytes"]) / hw.hbm_bytes_per_cycle
+    error = (logits.float() - eager.float()).abs().max().item() / eager.float().abs().max().item()
+    result: dict[str, Any] = {
+        "geometry": geometry, "config": config, "dtype": "bfloat16", "layers": cfg.num_hidden_layers,
+        "vocab": cfg.vocab_size, "context": context,
+        "token_equal_eager": logits[0, -1].argmax().item() == eager[0, -1].argmax().item(),
+        "logits_max_error_vs_eager": round(error, 5), "cpu_ops": sum(ctpu_stats.last().fallback_ops.values()),
+        "decode_cycles_per_token": decode.stats.cycles, **need, "hbm_roofline_cycles": round(roof),
+        "decode_roofline_ratio": round(decode.stats.cycles / roof, 3),
+        "decode_dma_bytes": decode.stats.dma_bytes_loaded + decode.stats.dma_bytes_stored,
     }
     if top is not None and decode.profile is not None:
         rows = sorted(decode.profile.roofline(), key=lambda r: -r["cycles"])

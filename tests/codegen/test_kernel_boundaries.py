@@ -161,9 +161,10 @@ def test_each_prefetch_issuer_loads_its_own_group_of_the_ring_half() -> None:
     fill = FillKernel(View("t", 0, (8, 128), (128, 1), "f32"), 0.0)
     out = plan_prefetches(cfg, [(chain, 0), (chain, 0), (fill, 0), (stream, 0)], cfg.vmem_rows - 64)
     issued = [out[m].issue for m in range(3)]
-    assert [i.groups if i else None for i in issued] == [range(0, 1), None, range(1, 2)]
     plan = issued[0].plan if issued[0] else None
-    assert out[3].prefetched == 2 and out[3].stream == plan is not None
+    assert plan is not None and [i.tiles if i else None for i in issued] == [
+        range(0, plan.G), None, range(plan.G, 2 * plan.G)]  # a group each
+    assert out[3].prefetched == 2 * plan.G and out[3].stream == plan
     slot = (cfg.vmem_rows - 2 * plan.G * cfg.lanes, cfg.vmem_rows)
     assert {out[m].carried for m in range(4)} == {slot} and {i.row for i in issued if i} == {slot[0]}
     assert {out[m].ceiling for m in range(4)} == {cfg.vmem_rows - 2 * (slot[1] - slot[0])}  # both slots
@@ -183,13 +184,16 @@ def test_a_stream_prefetches_the_next_streams_first_weights() -> None:
     fill = FillKernel(View("t", 0, (8, 128), (128, 1), "f32"), 0.0)
     s0, s1, s2 = stream("w0"), stream("w1"), stream("w2")
     out = plan_prefetches(cfg, [(fill, 0), (s0, 0), (s1, 0), (fill, 0), (s2, 0)], cfg.vmem_rows - 64)
-    assert out[0].issue is not None and out[0].issue.groups == range(0, 1)  # the only small kernel before s0
-    assert out[1].issue is not None and out[1].issue.kernel is s1 and out[1].issue.groups == range(0, 2)
-    assert out[2].issue is not None and out[2].issue.kernel is s2 and out[2].issue.groups == range(0, 1)
-    assert out[3].issue is not None and out[3].issue.groups == range(1, 2)
-    assert [out[j].prefetched for j in (1, 2, 4)] == [1, 2, 2]
+    G = [out[j].stream.G for j in (1, 2, 4)]  # type: ignore[union-attr]
+    assert out[0].issue is not None and out[0].issue.tiles == range(0, G[0])  # the only small kernel before s0
+    assert out[1].issue is not None and out[1].issue.kernel is s1 and out[1].issue.tiles == range(0, 2 * G[1])
+    assert out[2].issue is not None and out[2].issue.kernel is s2 and out[2].issue.tiles == range(0, G[2])
+    assert out[3].issue is not None and out[3].issue.tiles == range(G[2], 2 * G[2])
+    assert [out[j].prefetched for j in (1, 2, 4)] == [G[0], 2 * G[1], 2 * G[2]]
     slots = [out[j].carried for j in (1, 2, 4)]
-    assert slots[0] != slots[1] and slots[1] != slots[2] and slots[0] == slots[2]
+    tops = [slot[1] for slot in slots]  # a slot's top; a stream fills it down as far as its half needs
+    assert tops[0] != tops[1] and tops[1] != tops[2] and tops[0] == tops[2]
+    assert slots[1][1] <= slots[2][0]  # s1 still reads its half while it loads s2's
     assert out[1].carried == slots[0] and out[2].issue.row == slots[2][0]  # s1 keeps its half, loads s2's
     assert out[3].carried == slots[2]  # the small kernel keeps what s1 loaded for s2
 
@@ -357,8 +361,64 @@ def test_scatters_and_small_matmuls_are_prefetch_issuers_too() -> None:
     fill = FillKernel(View("t", 0, (8, 128), (128, 1), "f32"), 0.0)
     s0, s1 = stream("w0"), stream("w1")
     out = plan_prefetches(cfg, [(s0, 0), (scatter, 0), (scores, 0), (fill, 0), (s1, 0)], cfg.vmem_rows - 64)
-    assert out[0].issue is not None and out[0].issue.kernel is s1 and out[0].issue.groups == range(0, 1)
-    assert out[1].issue is not None and out[1].issue.groups == range(1, 2)
-    assert out[2].issue is None and out[3].issue is None and out[4].prefetched == 2
+    G = out[4].stream.G  # type: ignore[union-attr]
+    assert out[0].issue is not None and out[0].issue.kernel is s1 and out[0].issue.tiles == range(0, G)
+    assert out[1].issue is not None and out[1].issue.tiles == range(G, 2 * G)
+    assert out[2].issue is None and out[3].issue is None and out[4].prefetched == 2 * G
     assert {out[m].carried for m in (1, 2, 3, 4)} == {out[4].carried}  # the matmul keeps the slot's rows
     assert out[2].ceiling == out[4].ceiling < cfg.vmem_rows
+
+
+def test_a_prefetch_goes_after_the_loads_that_follow_a_zeroing_loop() -> None:
+    # attention's P @ V zeroes its weight panels' padding rows in a loop before it loads them: its prefetch
+    # DMAs go after those loads, before their wait (not ahead of them, where they would delay the kernel);
+    # in a kernel whose first wait is inside a loop, they go before that loop
+    def kernel(wait_in_loop: bool) -> Function:
+        f = Function()
+        b = Builder(f)
+        shape = b.const(8 << 16 | 8)
+
+        def body() -> None:
+            b.vst(b.vconst(0.0), b.const(0), 64, Mem("panel", 0, 8, True))
+            if wait_in_loop:
+                b.emit("dma.ld", None, (b.const(0), b.const(64), shape, b.const(8)), flag=Flag.LOAD,
+                       mem=(Mem("in", write=True),))
+                b.emit("wait", flag=Flag.LOAD)
+
+        b.counted_loop(3, body, "zero")
+        b.emit("dma.ld", None, (b.const(0), b.const(128), shape, b.const(8)), flag=Flag.LOAD,
+               mem=(Mem("b", write=True),))
+        b.emit("wait", flag=Flag.LOAD)
+        return f
+
+    f = kernel(False)
+    block, at = isel_decode._first_wait(f.blocks)
+    assert block is f.blocks[-1] and block.instrs[at].op == "wait" and block.instrs[at - 1].op == "dma.ld"
+    f = kernel(True)
+    block, at = isel_decode._first_wait(f.blocks)
+    assert block is f.blocks[0] and at == len(block.instrs)  # after the loop counter's li, before the loop
+
+
+def test_a_stream_after_a_long_run_gets_larger_groups_loaded_a_quarter_each() -> None:
+    # o_proj follows attention's rope, KV-cache and softmax kernels, which leave the channel idle for
+    # thousands of cycles: it is planned with groups twice as large, and the stream before the run and the
+    # run's first three kernels each load a quarter of its first half (a quarter being what one of them moves
+    # while it waits a latency for its own loads)
+    cfg = get_config("large")
+
+    def stream(name: str, rows: int) -> MatmulKernel:
+        w = View(name, 0, (2048, rows), (1, 2048), "bf16")
+        y = View(name + "y", 0, (1, rows), (rows, 1), "f32")
+        return MatmulKernel(View("x", 0, (1, 2048), (2048, 1), "bf16"), w, y)
+
+    fills = [FillKernel(View(f"t{n}", 0, (8, 128), (128, 1), "f32"), 0.0) for n in range(5)]
+    v_proj, o_proj, gate = stream("v", 512), stream("o", 2048), stream("g", 2048)
+    kernels = [(v_proj, 0), *((f, 0) for f in fills), (o_proj, 0), (fills[0], 0), (gate, 0)]
+    out = plan_prefetches(cfg, kernels, cfg.vmem_rows - 64)
+    o, g = out[6].stream, out[8].stream
+    assert o is not None and g is not None and o.G == 2 * g.G  # larger groups after the long run only
+    quarter = o.G // 2
+    shares = [range(q * quarter, (q + 1) * quarter) for q in range(4)]
+    assert [out[m].issue.tiles if out[m].issue else None for m in range(6)] == [*shares, None, None]
+    assert out[6].prefetched == 2 * o.G and out[6].issue is not None and out[6].issue.kernel is gate
+    assert out[8].prefetched == 2 * g.G  # o_proj and the fill after it: a group each
