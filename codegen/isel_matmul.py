@@ -150,13 +150,17 @@ def _lower_general(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool, M
                     _At(None, c0 + m0 * c.strides[-2]))
 
 
+RESIDENT_FLAGS = ((Flag.LOAD, 0), (Flag.LOAD, 1), (Flag.MATMUL_A, 0), (Flag.MATMUL_A, 1))  # a group of batches each
+
+
 def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool, KT: int, NT: int,
                       trans_b: bool, precision: str) -> bool:
-    """Many small matmuls (decode attention: q @ K^T and P @ V for each KV head) with every batch's A, B
-    and C in vmem at once: all loads issued back to back, one wait, the splits (fp32 parts), every batch's
-    MXU commands, one wait, all stores. The batch loop pays a DMA latency in and one out per batch; a
-    batch whose MXU work is shorter than a latency is worth that. False (nothing emitted) when it does not
-    apply or fit."""
+    """Many small matmuls (decode attention: q @ K^T and P @ V for each KV head) with many batches' A, B and
+    C in vmem at once: in rounds of as many batches as vmem holds (all of them, unless the context is long),
+    each round's loads issued back to back, then per group of batches (RESIDENT_FLAGS) a wait, the splits
+    (fp32 parts), its MXU commands and the previous group's stores. The batch loop pays a DMA latency in and
+    one out per batch; a batch whose MXU work is shorter than a latency is worth that. False (nothing
+    emitted) when it does not apply or two batches do not fit."""
     a, bm, c = k.a, k.b, k.c
     L, b = ctx.lanes, ctx.b
     M, K = a.shape[-2:]
@@ -164,16 +168,17 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
     names = ["hi_full", *RESIDUALS[precision]]  # hi in place, carrying nothing non-finite (`_layout`)
     parts = len(names)
     passes = _passes(precision, names, False, a.dtype == "bf16", bm.dtype == "bf16")
-    need = B * parts * (KT * mt + 8 + NT * (KT * L + 8)) + B * NT * (mt + 8)
+    per_batch = parts * (KT * mt + 8 + NT * (KT * L + 8)) + NT * (mt + 8)
+    R = min(B, ctx.vmem_free() // per_batch)  # batches a round
     if not 1 < B <= MAX_RESIDENT_BATCHES or mt > MAX_M_TILE or len(passes) * NT * KT * mt > ctx.config.dma_latency \
-            or need > ctx.vmem_free():
+            or R < 2:
         return False
-    a_parts = [[ctx.region(KT * mt, f"a{q}_") for q in range(parts)] for _ in range(B)]
-    panels = [[[ctx.region(KT * L, f"b{q}_") for q in range(parts)] for _ in range(NT)] for _ in range(B)]
-    c_tiles = [[ctx.region(mt, "c") for _ in range(NT)] for _ in range(B)]
+    a_parts = [[ctx.region(KT * mt, f"a{q}_") for q in range(parts)] for _ in range(R)]
+    panels = [[[ctx.region(KT * L, f"b{q}_") for q in range(parts)] for _ in range(NT)] for _ in range(R)]
+    c_tiles = [[ctx.region(mt, "c") for _ in range(NT)] for _ in range(R)]
     t = _Tiling(a_sets=[], b_sets=[], c_tiles=[], passes=passes, mt=mt, KT=KT, KC=KT, NT=NT, hi_full=False,
                 trans_b=trans_b, a_chunked=False)
-    if K % L and not trans_b:  # weight rows past K must be zero (0 x stale NaN / inf is NaN)
+    if K % L and not trans_b:  # weight rows past K must be zero (0 x stale NaN / inf is NaN): no DMA writes them
         _zero_rows(ctx, [p[0] for row in panels for p in row], K // 8 * 8, KT * L)
 
     def at(v: View, batch: int) -> int:
@@ -182,31 +187,52 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
     def cols(nt: int) -> int:
         return min(L, bm.shape[-1] - nt * L)
 
-    for i in range(B):
-        _dma_tiles(ctx, a, ctx.hbm_addr(a, at(a, i)), a_parts[i][0], mt, KT, M, K, Flag.LOAD, 0)
-        for nt in range(NT):
-            if trans_b:
-                hbm = ctx.hbm_addr(bm, at(bm, i) + nt * L * bm.strides[-1])
-                _dma_tiles(ctx, bm, hbm, panels[i][nt][0], L, KT, cols(nt), K, Flag.LOAD, 0)
-            else:
-                ctx.dma(True, bm.dtype, ctx.hbm_addr(bm, at(bm, i) + nt * L), panels[i][nt][0], 0, K, cols(nt),
-                        bm.strides[-2], Flag.LOAD, 0)
-    b.emit("wait", flag=ctx.flag(Flag.LOAD, 0))
-    if parts > 1:
-        for i in range(B):
-            _split(ctx, a_parts[i], KT * mt, False)
-            for nt in range(NT):
-                _split(ctx, panels[i][nt], KT * L, False)
     commands = [(qa, qb, kt, kt) for qa, qb in passes for kt in range(KT)]
-    for i in range(B):
-        for nt in range(NT):
-            _mxu(ctx, t, a_parts[i], panels[i][nt], c_tiles[i][nt], commands, M, first=True, overwrite=True,
-                 parity=0)
-    b.emit("wait", flag=ctx.flag(Flag.MXU, 0))
-    for i in range(B):
-        for nt in range(NT):
-            ctx.dma(False, c.dtype, ctx.hbm_addr(c, at(c, i) + nt * L), c_tiles[i][nt], 0, M, cols(nt),
-                    c.strides[-2], Flag.STORE, 0)
+    for r0 in range(0, B, R):
+        if r0:  # the previous round's last stores still read its C tiles, which this round's MXU writes
+            b.emit("wait", flag=ctx.flag(Flag.STORE, 0))
+        rnd = range(r0, min(B, r0 + R))
+        # the round's batches in up to four groups, each loading on a flag of its own: a group's MXU work
+        # starts when its operands have landed, along the next groups' DMA, and its stores go along the next
+        # group's MXU work. A group per half latency of transfer: short loads (a few positions of context)
+        # stay one group, as each group's wait drains the MXU
+        load_bytes = len(rnd) * (M * K * _esize(a) + K * bm.shape[-1] * _esize(bm))
+        half_latency = ctx.config.hbm_bytes_per_cycle * ctx.config.dma_latency // 2  # bytes
+        n = max(1, min(len(RESIDENT_FLAGS), load_bytes // half_latency))
+        groups = [rnd[g * len(rnd) // n:(g + 1) * len(rnd) // n] for g in range(n)]
+        groups = [batches for batches in groups if batches]
+        for batches, (role, parity) in zip(groups, RESIDENT_FLAGS, strict=False):
+            for i in batches:
+                s = i - r0  # its regions
+                _dma_tiles(ctx, a, ctx.hbm_addr(a, at(a, i)), a_parts[s][0], mt, KT, M, K, role, parity)
+                for nt in range(NT):
+                    if trans_b:
+                        hbm = ctx.hbm_addr(bm, at(bm, i) + nt * L * bm.strides[-1])
+                        _dma_tiles(ctx, bm, hbm, panels[s][nt][0], L, KT, cols(nt), K, role, parity)
+                    else:
+                        ctx.dma(True, bm.dtype, ctx.hbm_addr(bm, at(bm, i) + nt * L), panels[s][nt][0], 0, K,
+                                cols(nt), bm.strides[-2], role, parity)
+
+        def store(g: int, groups: list[range] = groups, r0: int = r0) -> None:
+            b.emit("wait", flag=ctx.flag(Flag.MXU, g % 2))  # only group g's commands are on it: g - 2's were waited
+            for i in groups[g]:
+                for nt in range(NT):
+                    ctx.dma(False, c.dtype, ctx.hbm_addr(c, at(c, i) + nt * L), c_tiles[i - r0][nt], 0, M, cols(nt),
+                            c.strides[-2], Flag.STORE, 0)
+
+        for g, (batches, (role, parity)) in enumerate(zip(groups, RESIDENT_FLAGS, strict=False)):
+            b.emit("wait", flag=ctx.flag(role, parity))
+            for i in batches if parts > 1 else ():
+                _split(ctx, a_parts[i - r0], KT * mt, False)
+                for nt in range(NT):
+                    _split(ctx, panels[i - r0][nt], KT * L, False)
+            for i in batches:
+                for nt in range(NT):
+                    _mxu(ctx, t, a_parts[i - r0], panels[i - r0][nt], c_tiles[i - r0][nt], commands, M, first=True,
+                         overwrite=True, parity=g % 2)
+            if g:
+                store(g - 1)
+        store(len(groups) - 1)
     return True
 
 

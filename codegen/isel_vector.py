@@ -516,7 +516,9 @@ def evaluate(b: Builder, body: ScalarProgram, env: dict[str, Reg], result: str) 
 # reads what an earlier member wrote from that member's output tile in vmem (the tile holds exactly what
 # the store writes, and a load would bring back: bf16 values are bf16-exact, other types are raw words).
 # Every member still stores its output, so HBM ends as it would have.
-CHAIN_MAX_TILE_ROWS = 64  # vmem rows of one operand's single tile: chains are for small kernels
+# vmem rows of one operand's single tile (chains are for small kernels): at least 64, a 64th of the vmem a
+# chain may take on a larger configuration (`large`: a decode step's softmax over 1024 positions, 32 heads)
+CHAIN_MIN_TILE_ROWS, CHAIN_TILE_SHARE = 64, 32
 CHAIN_MAX_MEMBERS = 16
 
 
@@ -548,7 +550,7 @@ class KernelChain:
     members: list[ChainMember]
 
 
-def chain_member(k: object, lanes: int) -> ChainMember | None:
+def chain_member(k: object, lanes: int, max_rows: int = CHAIN_MIN_TILE_ROWS) -> ChainMember | None:
     if not isinstance(k, GenericKernel):
         return None
     sizes, strides = _iteration(k)
@@ -557,7 +559,7 @@ def chain_member(k: object, lanes: int) -> ChainMember | None:
         return None
     split, rows, row_strides = _merge_rows(sizes[:-1], strides)
     C, P = sizes[-1], -(-sizes[-1] // lanes)
-    if split or rows * P > CHAIN_MAX_TILE_ROWS:
+    if split or rows * P > max_rows:
         return None
     operands = [*k.inputs, k.output]
     streams = [Stream(o.view, rs, o.view.offset, "row" if st[-1] == 1 else "col", arg)
@@ -598,7 +600,7 @@ def form_chains(kernels: list[tuple[object, int]], lanes: int, vmem_rows: int) -
         rows = 0
         j = i
         while j < len(kernels) and len(members) < CHAIN_MAX_MEMBERS and kernels[j][1] == kernels[i][1]:
-            m = chain_member(kernels[j][0], lanes)
+            m = chain_member(kernels[j][0], lanes, max(CHAIN_MIN_TILE_ROWS, vmem_rows // CHAIN_TILE_SHARE))
             if m is None:
                 break
             forwarded = set()

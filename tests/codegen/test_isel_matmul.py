@@ -202,6 +202,55 @@ def test_resident_batches_pay_one_latency_not_one_per_batch(heads: int, rows: in
     assert stats.cycles < loop_stats.cycles - (heads - 2) * cg.hardware.dma_latency
 
 
+@pytest.mark.parametrize("fn", ["qk", "pv"])
+def test_resident_batches_compute_a_group_while_the_next_loads(fn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a decode step at context 1024 (8 KV heads, 4 query rows each, head dim 64, bf16): 1 MiB of K or V. The
+    # heads load in four groups on flags of their own, so the MXU starts on the first group while the others
+    # still stream in, and a group's stores go along the next group's MXU work; same bits as one group
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(8, 4, 64, generator=g).bfloat16()
+    kv = torch.randn(8, 1024, 64, generator=g).bfloat16()
+    p = torch.softmax(torch.randn(8, 4, 1024, generator=g), -1).bfloat16()
+    kv[7, 1023, 63], kv[2, 500, 0], kv[5, 9, 9] = float("inf"), float("nan"), -0.0  # in the last, middle groups
+    args = [q, kv] if fn == "qk" else [p, kv]
+    fn_ = _bmm_kt if fn == "qk" else torch.matmul
+    inputs = [t.float().numpy() for t in args]
+    cg = compile_graph(trace(fn_, *args), args, "large")
+    (out,) = run_with_poisoned_vmem(cg, inputs)
+    _, stats = run_fresh(cg, inputs, SimulatorRunner("large"))
+    a, b = (t.double() for t in args)
+    ref = (a @ b.transpose(-1, -2) if fn == "qk" else a @ b).numpy()
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    finite = np.isfinite(ref)
+    np.testing.assert_allclose(out[finite], ref[finite], rtol=2e-2, atol=2e-2)
+    monkeypatch.setattr(isel_matmul, "RESIDENT_FLAGS", ((isel_matmul.Flag.LOAD, 0),))  # one group: all, then MXU
+    whole = compile_graph(trace(fn_, *args), args, "large")
+    (out_whole,), whole_stats = run_fresh(whole, inputs, SimulatorRunner("large"))
+    np.testing.assert_array_equal(out.view(np.uint32), out_whole.view(np.uint32))
+    assert stats.cycles < whole_stats.cycles - 500
+
+
+def test_resident_batches_run_in_rounds_when_vmem_holds_only_some() -> None:
+    # context 4096: 8 KV heads' K (4 MiB of bf16) take more vmem than `large` has, so the heads run in rounds
+    # of as many as fit (the batch loop paid a DMA latency per head and n-tile: 71,270 cycles a kernel on
+    # the 1B geometry); same bits as the batch loop, specials in the last round included
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(8, 4, 64, generator=g).bfloat16()
+    k = torch.randn(8, 4096, 64, generator=g).bfloat16()
+    k[7, 4095, 0], k[6, 17, 3], k[0, 0, 0] = float("inf"), float("nan"), -0.0
+    args = [q, k]
+    inputs = [t.float().numpy() for t in args]
+    cg = compile_graph(trace(_bmm_kt, *args), args, "large")
+    (out,), stats = run_fresh(cg, inputs, SimulatorRunner("large"))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(isel_matmul, "MAX_RESIDENT_BATCHES", 0)  # the batch loop
+        looped = compile_graph(trace(_bmm_kt, *args), args, "large")
+    (out_looped,), loop_stats = run_fresh(looped, inputs, SimulatorRunner("large"))
+    np.testing.assert_array_equal(out.view(np.uint32), out_looped.view(np.uint32))
+    assert np.isinf(out[7, :, 4095]).all() and np.isnan(out[6, :, 17]).all()
+    assert stats.cycles < loop_stats.cycles / 4
+
+
 # ---- fp32 x bf16: an operand loaded from bf16 has no residual parts ----------------------------------------
 # issue 13: attention with fp32 queries over a bf16 KV cache multiplies fp32 operands by bf16 K and V (the
 # cast fused into the matmul's load); at "highest" it ran all 6 bf16 passes, 3 of them against the bf16
