@@ -41,11 +41,14 @@ def test_1b_two_layers_decode_ratio() -> None:
     # kernel-boundary work)
 
 
-@pytest.mark.slow  # minutes: one decode step of the 1B's layers over 1024 cached positions
-def test_1b_two_layers_decode_ratio_at_context_1024() -> None:
-    r = llama_bench.run_context("1b-2l", 1024)
+@pytest.mark.slow  # minutes: one decode step of the 1B's layers over 1024 and 4096 cached positions
+@pytest.mark.parametrize(("context", "bound"), [(1024, 1.13), (4096, 1.36)])
+def test_1b_two_layers_decode_ratio_at_long_contexts(context: int, bound: float) -> None:
+    r = llama_bench.run_context("1b-2l", context)
     assert r["token_equal_eager"] and r["cpu_ops"] == 0
-    assert r["decode_roofline_ratio"] <= 1.17, r  # measured 1.163: attention's kernels, not its bytes
+    # measured 1.128 and 1.356 (1.163 and 2.429 before larger softmax chains and resident batches in groups
+    # and rounds): attention's kernels, not its bytes, are the gap
+    assert r["decode_roofline_ratio"] <= bound, r
 
 
 def test_a_decode_step_at_a_long_context_without_a_prefill() -> None:
