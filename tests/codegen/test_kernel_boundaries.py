@@ -170,19 +170,21 @@ def test_each_prefetch_issuer_loads_its_own_group_of_the_ring_half() -> None:
     assert {out[m].ceiling for m in range(4)} == {cfg.vmem_rows - 2 * (slot[1] - slot[0])}  # both slots
 
 
+def _stream(name: str, rows: int = 2048) -> MatmulKernel:
+    """A decode projection x[1, 2048] @ W.T, W [rows, 2048] bf16: a weight stream."""
+    w = View(name, 0, (2048, rows), (1, 2048), "bf16")
+    y = View(name + "y", 0, (1, rows), (rows, 1), "f32")
+    return MatmulKernel(View("x", 0, (1, 2048), (2048, 1), "bf16"), w, y)
+
+
 def test_a_stream_prefetches_the_next_streams_first_weights() -> None:
     # a stream just before the next one (gate then up projection) or before its run of small kernels loads
     # the next stream's first groups along its last iteration; streams that are prefetched in turn take the
     # two slots at the top of vmem alternately, so a stream never loads into the half it still reads
     cfg = get_config("large")
 
-    def stream(name: str) -> MatmulKernel:
-        w = View(name, 0, (2048, 2048), (1, 2048), "bf16")
-        y = View(name + "y", 0, (1, 2048), (2048, 1), "f32")
-        return MatmulKernel(View("x", 0, (1, 2048), (2048, 1), "bf16"), w, y)
-
     fill = FillKernel(View("t", 0, (8, 128), (128, 1), "f32"), 0.0)
-    s0, s1, s2 = stream("w0"), stream("w1"), stream("w2")
+    s0, s1, s2 = _stream("w0"), _stream("w1"), _stream("w2")
     out = plan_prefetches(cfg, [(fill, 0), (s0, 0), (s1, 0), (fill, 0), (s2, 0)], cfg.vmem_rows - 64)
     G = [out[j].stream.G for j in (1, 2, 4)]  # type: ignore[union-attr]
     assert out[0].issue is not None and out[0].issue.tiles == range(0, G[0])  # the only small kernel before s0
@@ -349,17 +351,12 @@ def test_scatters_and_small_matmuls_are_prefetch_issuers_too() -> None:
     # kernels before o_proj (which then got one group from the last generic instead of two)
     cfg = get_config("large")
 
-    def stream(name: str) -> MatmulKernel:
-        w = View(name, 0, (2048, 2048), (1, 2048), "bf16")
-        y = View(name + "y", 0, (1, 2048), (2048, 1), "f32")
-        return MatmulKernel(View("x", 0, (1, 2048), (2048, 1), "bf16"), w, y)
-
     scores = MatmulKernel(View("q", 0, (1, 64), (64, 1), "bf16"), View("k", 0, (64, 17), (1, 64), "bf16"),
                           View("s", 0, (1, 17), (17, 1), "f32"))
     scatter = ScatterKernel(View("cache", 0, (33, 64), (64, 1), "bf16"), View("idx", 0, (1, 1), (1, 1), "i32"),
                             View("new", 0, (1, 64), (64, 1), "bf16"))
     fill = FillKernel(View("t", 0, (8, 128), (128, 1), "f32"), 0.0)
-    s0, s1 = stream("w0"), stream("w1")
+    s0, s1 = _stream("w0"), _stream("w1")
     out = plan_prefetches(cfg, [(s0, 0), (scatter, 0), (scores, 0), (fill, 0), (s1, 0)], cfg.vmem_rows - 64)
     G = out[4].stream.G  # type: ignore[union-attr]
     assert out[0].issue is not None and out[0].issue.kernel is s1 and out[0].issue.tiles == range(0, G)
@@ -406,13 +403,8 @@ def test_a_stream_after_a_long_run_gets_larger_groups_loaded_a_quarter_each() ->
     # while it waits a latency for its own loads)
     cfg = get_config("large")
 
-    def stream(name: str, rows: int) -> MatmulKernel:
-        w = View(name, 0, (2048, rows), (1, 2048), "bf16")
-        y = View(name + "y", 0, (1, rows), (rows, 1), "f32")
-        return MatmulKernel(View("x", 0, (1, 2048), (2048, 1), "bf16"), w, y)
-
     fills = [FillKernel(View(f"t{n}", 0, (8, 128), (128, 1), "f32"), 0.0) for n in range(5)]
-    v_proj, o_proj, gate = stream("v", 512), stream("o", 2048), stream("g", 2048)
+    v_proj, o_proj, gate = _stream("v", 512), _stream("o"), _stream("g")
     kernels = [(v_proj, 0), *((f, 0) for f in fills), (o_proj, 0), (fills[0], 0), (gate, 0)]
     out = plan_prefetches(cfg, kernels, cfg.vmem_rows - 64)
     o, g = out[6].stream, out[8].stream
