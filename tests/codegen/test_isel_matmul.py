@@ -232,23 +232,23 @@ def test_resident_batches_compute_a_group_while_the_next_loads(fn: str, monkeypa
 
 def test_resident_batches_run_in_rounds_when_vmem_holds_only_some() -> None:
     # context 4096: 8 KV heads' K (4 MiB of bf16) take more vmem than `large` has, so the heads run in rounds
-    # of as many as fit (the batch loop paid a DMA latency per head and n-tile: 71,270 cycles a kernel on
-    # the 1B geometry); same bits as the batch loop, specials in the last round included
+    # of as many as fit. The batch loop paid a DMA latency per head and n-tile (71,270 cycles a kernel on the
+    # 1B geometry); poisoned vmem checks that no round reads rows an earlier one left (the zeroed rows)
     g = torch.Generator().manual_seed(6)
     q = torch.randn(8, 4, 64, generator=g).bfloat16()
     k = torch.randn(8, 4096, 64, generator=g).bfloat16()
-    k[7, 4095, 0], k[6, 17, 3], k[0, 0, 0] = float("inf"), float("nan"), -0.0
+    k[7, 4095, 0], k[6, 17, 3], k[0, 0, 0] = float("inf"), float("nan"), -0.0  # the last round's included
     args = [q, k]
-    inputs = [t.float().numpy() for t in args]
     cg = compile_graph(trace(_bmm_kt, *args), args, "large")
-    (out,), stats = run_fresh(cg, inputs, SimulatorRunner("large"))
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(isel_matmul, "MAX_RESIDENT_BATCHES", 0)  # the batch loop
-        looped = compile_graph(trace(_bmm_kt, *args), args, "large")
-    (out_looped,), loop_stats = run_fresh(looped, inputs, SimulatorRunner("large"))
-    np.testing.assert_array_equal(out.view(np.uint32), out_looped.view(np.uint32))
-    assert np.isinf(out[7, :, 4095]).all() and np.isnan(out[6, :, 17]).all()
-    assert stats.cycles < loop_stats.cycles / 4
+    assert [k["kind"] for k in cg.summary["kernels"]] == ["matmul"]
+    (out,) = run_with_poisoned_vmem(cg, [t.float().numpy() for t in args])
+    _, stats = run_fresh(cg, [t.float().numpy() for t in args], SimulatorRunner("large"))
+    ref = (q.double() @ k.double().transpose(1, 2)).numpy()
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    np.testing.assert_array_equal(np.isinf(out), np.isinf(ref))
+    finite = np.isfinite(ref)
+    np.testing.assert_allclose(out[finite], ref[finite], rtol=2e-2, atol=2e-2)
+    assert stats.cycles < 20_000  # measured 14,837 (its 32 tile DMAs a head fill the DMA queue); ~70,000 looped
 
 
 # ---- fp32 x bf16: an operand loaded from bf16 has no residual parts ----------------------------------------
