@@ -184,10 +184,8 @@ class KernelContext:
         stores = [self._rows(m) for blk in func.blocks for ins in blk.instrs if ins.op.startswith("dma.st")
                   for m in (ins.mem or (None,)) if m is None or not m.write]
         mine: Rows = None if None in stores else stores
-        if not (waits or loads) and before is None:
-            mine = None
-        elif not (waits or loads) and mine is not None:
-            mine = mine + before
+        if not (waits or loads):  # the earlier stores may still be in flight too
+            mine = None if mine is None or before is None else mine + before
         self._in_flight = mine
 
     def _rows(self, m: Mem | None) -> tuple[int, int] | None:

@@ -268,10 +268,10 @@ def _first_wait(blocks: list[Block]) -> tuple[Block, int]:
                 looped[head:n + 1] = [True] * (n + 1 - head)
     for n, blk in enumerate(blocks):
         waits = [m for m, ins in enumerate(blk.instrs) if ins.op == "wait"]
-        if looped[n] and waits:
-            n = max(m for m in range(n) if not looped[m])
-            return blocks[n], _before_branch(blocks[n])
-        if waits and not looped[n]:
+        if waits and looped[n]:
+            before = blocks[max(m for m in range(n) if not looped[m])]
+            return before, _before_branch(before)
+        if waits:
             return blk, waits[0]
     return blocks[-1], _before_branch(blocks[-1])
 
@@ -285,7 +285,7 @@ def _issue_dmas(ctx: KernelContext, issue: Issue) -> list[Callable[[], None]]:
     at its end."""
     half = Region("ring_prefetched", issue.row, 2 * issue.plan.G * ctx.lanes)
     return _first_half_dmas(ctx, issue.kernel, issue.plan, half, issue.tiles, lambda _: int(Flag.PREFETCH),
-                       (half.mem(write=True),))
+                            (half.mem(write=True),))
 
 
 def early_tiles(config: HardwareConfig, p: DecodePlan, prefetched: int) -> int:

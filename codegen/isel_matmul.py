@@ -188,6 +188,7 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
         return min(L, bm.shape[-1] - nt * L)
 
     commands = [(qa, qb, kt, kt) for qa, qb in passes for kt in range(KT)]
+    half_latency = ctx.config.hbm_bytes_per_cycle * ctx.config.dma_latency // 2  # bytes
     for r0 in range(0, B, R):
         if r0:  # the previous round's last stores still read its C tiles, which this round's MXU writes
             b.emit("wait", flag=ctx.flag(Flag.STORE, 0))
@@ -197,10 +198,8 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
         # group's MXU work. A group per half latency of transfer: short loads (a few positions of context)
         # stay one group, as each group's wait drains the MXU
         load_bytes = len(rnd) * (M * K * _esize(a) + K * bm.shape[-1] * _esize(bm))
-        half_latency = ctx.config.hbm_bytes_per_cycle * ctx.config.dma_latency // 2  # bytes
-        n = max(1, min(len(RESIDENT_FLAGS), load_bytes // half_latency))
+        n = max(1, min(len(RESIDENT_FLAGS), len(rnd), load_bytes // half_latency))
         groups = [rnd[g * len(rnd) // n:(g + 1) * len(rnd) // n] for g in range(n)]
-        groups = [batches for batches in groups if batches]
         for batches, (role, parity) in zip(groups, RESIDENT_FLAGS, strict=False):
             for i in batches:
                 s = i - r0  # its regions
