@@ -33,6 +33,7 @@ from codegen.isel_common import Flag, KernelContext, Region, chunk_loop, row_mem
 from codegen.kernel_graph import ESIZE, Access, FillKernel, GenericKernel, LoweringError, ScalarProgram, View
 from codegen.math_seqs import vdivide, vexp, vrecip, vrsqrt, vsqrt, vtanh
 from codegen.mir import Reg
+from device_sim.config import HardwareConfig
 
 MAX_TILE_VMEM_ROWS = 512  # vmem rows of one operand's tile (64 chunks): keeps double buffering useful
 UNROLL_CHUNKS = 4  # chunk sequences up to this long are unrolled, longer ones run as loops
@@ -78,7 +79,26 @@ def _iteration(k: GenericKernel) -> tuple[list[int], list[list[int]]]:
     # around it from merging into rows ([1, H, 1, D] by [*, D, *, 1] is H rows, not H groups of one row,
     # each paying a DMA latency: a decode step's per-head permutes and rope)
     keep = [d for d in range(len(sizes) - 1) if sizes[d] != 1] + [len(sizes) - 1]
-    return [sizes[d] for d in keep], [[st[d] for d in keep] for st in strides]
+    sizes, strides = [sizes[d] for d in keep], [[st[d] for d in keep] for st in strides]
+    if any(a.view.buffer == k.output.view.buffer for a in k.inputs):  # in place: keep the program's order
+        return sizes, strides
+    order = _row_order(sizes[:-1], strides) + [len(sizes) - 1]
+    return [sizes[d] for d in order], [[st[d] for d in order] for st in strides]
+
+
+def _row_order(outer: list[int], strides: list[list[int]]) -> list[int]:
+    """The order of the outer (parallel) dims that merges the most of them into rows: the program's, or
+    one operand's layout order (largest stride first). A transpose's [L, H] iteration over an [H, L, D]
+    input merges nothing in the output's order (L groups of H rows, a DMA latency each) but L rows in the
+    input's (H groups)."""
+    candidates = [list(range(len(outer)))]
+    for st in strides:
+        candidates.append(sorted(range(len(outer)), key=lambda d, st=st: -abs(st[d])))
+
+    def rows(order: list[int]) -> int:
+        return _merge_rows([outer[d] for d in order], [[st[d] for d in order] + [st[-1]] for st in strides])[1]
+
+    return max(candidates, key=rows)  # the first of the best: the program's order when it is as good
 
 
 def _merge_rows(outer: list[int], strides: list[list[int]]) -> tuple[int, int, list[int]]:
@@ -119,9 +139,13 @@ def lower_generic(ctx: KernelContext, k: GenericKernel) -> None:
         streams = [Stream(v, rs, v.offset + bo, "row" if st[-1] == 1 else "col", arg)
                    for v, rs, bo, st, arg in zip(views, row_strides, base, strides, body_args, strict=True)]
         if buffers is None:  # groups run one after another and share one set of tiles (vmem is not freed)
-            buffers = _tile_buffers(ctx, k, streams, rows, P)
+            buffers = _tile_buffers(ctx, k, streams, rows * looped, P)
         if looped == 1:
             _tile_loop(ctx, k, streams, buffers, rows, C, P)
+            continue
+        if rows <= buffers.tile_rows:  # whole groups fit a tile: the group loop is the tile loop
+            steps = [st[d] * ESIZE[s.view.dtype] for s, st in zip(streams, strides, strict=True)]
+            _tile_loop(ctx, k, streams, buffers, rows, C, P, groups=(looped, steps))
             continue
         for s in streams:
             s.base_reg = ctx.b.sreg()
@@ -206,9 +230,15 @@ def _round8(rows: int) -> int:
     return max(8, -(-rows // 8) * 8)
 
 
+def max_tile_vmem_rows(config: HardwareConfig) -> int:
+    """vmem rows of one operand's tile: MAX_TILE_VMEM_ROWS, or more where a DMA latency moves more rows
+    (`large`: 500 cycles x 4 rows, 2048), so that two tiles in flight keep the channel busy."""
+    return max(MAX_TILE_VMEM_ROWS, 1 << (config.dma_latency * config.vmem_port_rows - 1).bit_length())
+
+
 def _choose_tile_rows(ctx: KernelContext, k: GenericKernel, streams: list[Stream], rows: int, P: int) -> int:
-    """The most rows per tile (<= MAX_TILE_VMEM_ROWS vmem rows per operand) whose double-buffered tiles fit
-    the free vmem."""
+    """The most rows per tile (<= `max_tile_vmem_rows` per operand) whose double-buffered tiles fit the free
+    vmem."""
     out = streams[-1]
     loads = streams[:-1] + ([out] if _reads_output(k) else [])
 
@@ -220,7 +250,7 @@ def _choose_tile_rows(ctx: KernelContext, k: GenericKernel, streams: list[Stream
                 total += _round8(t * P + 8)
         return total
 
-    t = max(1, min(rows, MAX_TILE_VMEM_ROWS // P))
+    t = max(1, min(rows, max_tile_vmem_rows(ctx.config) // P))
     while t > 1 and need(t) > ctx.vmem_free():
         t = max(1, min(t - 1, t * ctx.vmem_free() // need(t)))
     if need(t) > ctx.vmem_free():
@@ -256,35 +286,59 @@ def _tile_buffers(ctx: KernelContext, k: GenericKernel, streams: list[Stream], r
 
 
 def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buffers: TileBuffers, rows: int,
-               C: int, P: int) -> None:
+               C: int, P: int, groups: tuple[int, list[int]] | None = None) -> None:
     """Double-buffered tiles of T rows: tile i waits for its loads (flag LOAD + i % 2), issues the loads of
     tile i + 1, waits for the store of tile i - 2 (STORE + i % 2), computes, and stores. Pairs of full tiles
-    run in a runtime loop; the last one or two tiles follow it (the last tile may be partial)."""
+    run in a runtime loop; the last one or two tiles follow it (the last tile may be partial).
+
+    `groups` (count, each stream's byte step from a group to the next): `count` groups of `rows` rows run
+    as the tiles, as many whole groups a tile as fit (one DMA per group and stream), so that groups do not
+    each pay a DMA latency (a transpose's heads)."""
     b = ctx.b
     out = streams[-1]
     loads = streams[:-1] + ([out] if _reads_output(k) else [])  # a reduction reads its output's initial value
     tile_rows, out_tiles = buffers.tile_rows, buffers.out
     for s, tiles, expanded in zip(streams, buffers.tiles, buffers.expanded, strict=True):
         s.tiles, s.expanded = tiles, expanded
-    sizes = [min(tile_rows, rows - t0) for t0 in range(0, rows, tile_rows)]
+    # each tile: (rows of one DMA piece, pieces)
+    if groups is None:
+        sizes = [(min(tile_rows, rows - t0), 1) for t0 in range(0, rows, tile_rows)]
+        steps: list[int | None] = [None] * len(streams)
+    else:
+        count, steps = groups[0], list(groups[1])
+        per = tile_rows // rows
+        sizes = [(rows, min(per, count - g0)) for g0 in range(0, count, per)]
+    step = {id(s): st for s, st in zip(streams, steps, strict=True)}
+
+    def move(load: bool, s: Stream, region: Region, p: int, n: int, pieces: int) -> None:
+        """The DMAs of one tile of stream s, a piece after another in vmem, advancing its HBM pointer."""
+        ptr = s.ptr if load else out_ptr
+        assert ptr is not None
+        cols = C if s.kind == "row" and not (s is out and k.reduction) else 1
+        pitch = -(-cols // ctx.lanes)
+        for j in range(pieces):
+            ctx.dma(load, s.view.dtype, ptr, region, j * n * pitch, n, cols, s.row_stride,
+                    Flag.LOAD if load else Flag.STORE, p)
+            nbytes = n * s.row_stride * ESIZE[s.view.dtype] if step[id(s)] is None else step[id(s)]
+            if nbytes:
+                b.addi(ptr, nbytes, ptr)
+
     for s in loads:
         s.ptr = b.sreg()
         b.emit("addi", s.ptr, (s.base_reg or ctx.hbm_addr(s.view, s.base),), imm=0)
     out_ptr = b.sreg()
     b.emit("addi", out_ptr, (out.base_reg or ctx.hbm_addr(out.view, out.base),), imm=0)
 
-    def issue_loads(p: int, n: int) -> None:
+    def issue_loads(p: int, size: tuple[int, int]) -> None:
         for s in loads:
-            assert s.ptr is not None and s.tiles is not None
-            cols = C if s.kind == "row" else 1
-            ctx.dma(True, s.view.dtype, s.ptr, s.tiles[p], 0, n, cols, s.row_stride, Flag.LOAD, p)
-            if s.row_stride:
-                b.addi(s.ptr, n * s.row_stride * ESIZE[s.view.dtype], s.ptr)
+            assert s.tiles is not None
+            move(True, s, s.tiles[p], p, *size)
 
-    def tile(p: int, n: int, n_next: int) -> None:
+    def tile(p: int, size: tuple[int, int], next_size: tuple[int, int] | None) -> None:
+        n = size[0] * size[1]
         b.emit("wait", flag=ctx.flag(Flag.LOAD, p))
-        if n_next:
-            issue_loads(1 - p, n_next)
+        if next_size:
+            issue_loads(1 - p, next_size)
         for s in streams[:-1]:
             if s.expanded is not None:
                 assert s.tiles is not None
@@ -294,18 +348,15 @@ def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buff
             _reduce_tile(ctx, k.body, streams, p, out_tiles[p], n, C, P, k.init)
         else:
             _map_tile(ctx, k.body, streams, p, out_tiles[p], n, P)
-        cols = 1 if k.reduction else C
-        ctx.dma(False, out.view.dtype, out_ptr, out_tiles[p], 0, n, cols, out.row_stride, Flag.STORE, p)
-        if out.row_stride:
-            b.addi(out_ptr, n * out.row_stride * ESIZE[out.view.dtype], out_ptr)
+        move(False, out, out_tiles[p], p, *size)
         b.new_block("tile_next")  # a tile's code ends a block: its DMA issues before the next tile's waits
 
     issue_loads(0, sizes[0])
     pairs = (len(sizes) - 1) // 2  # tiles 0 .. 2 * pairs - 1 are full and each has a next tile
     if pairs:
-        b.counted_loop(pairs, lambda: (tile(0, tile_rows, tile_rows), tile(1, tile_rows, tile_rows)), "tiles")
+        b.counted_loop(pairs, lambda: (tile(0, sizes[0], sizes[0]), tile(1, sizes[0], sizes[0])), "tiles")
     for i in range(2 * pairs, len(sizes)):
-        tile(i % 2, sizes[i], sizes[i + 1] if i + 1 < len(sizes) else 0)
+        tile(i % 2, sizes[i], sizes[i + 1] if i + 1 < len(sizes) else None)
 
 
 def _lane0_mask(b: Builder) -> Reg:

@@ -31,3 +31,84 @@ def test_size_one_dims_do_not_split_rows() -> None:
     for got in (out, poisoned):  # the same bits (-0 and subnormals too); NaN is the canonical one
         assert np.isnan(got[nan]).all()
         np.testing.assert_array_equal(got[~nan].view(np.uint32), ref[~nan].view(np.uint32))
+
+
+def _same_bits(got: np.ndarray, ref: np.ndarray) -> None:
+    nan = np.isnan(ref)
+    assert np.isnan(got[nan]).all()
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), ref[~nan].view(np.uint32))
+
+
+def test_a_transpose_merges_rows_in_its_input_order_and_pipelines_the_groups() -> None:
+    """Attention's output [1, H, L, D] -> [L, H * D] before o_proj (a prefill of 256 tokens, bf16, `large`):
+    in the output's order the heads merged into rows and the L positions were groups, one DMA latency each
+    (144,121 cycles: 11% of a 1b-2l prefill, twice). In the input's order the positions are the rows (H
+    groups), and whole groups share a tile, so the groups' loads overlap: 5,868 cycles for 2 MiB moved."""
+    L = 256
+    x = torch.randn(1, 32, L, 64).to(torch.bfloat16)
+    x[0, 5, 7, :6] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 1e-39, 3.3e38])
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2).reshape(1, L, 2048) * 2
+
+    exe = compile_graph(trace(f, x), [x], "large")
+    (out,), stats = run_fresh(exe, [x.float().numpy()], SimulatorRunner("large"))
+    hbm_cycles = 2 * x.numel() * 2 / get_config("large").hbm_bytes_per_cycle
+    assert stats.cycles < hbm_cycles + 8 * get_config("large").dma_latency, stats.cycles
+    _same_bits(out, f(x).float().numpy())
+
+
+def test_groups_share_tiles_with_a_partial_last_tile_wide_rows_and_a_column_operand() -> None:
+    """Groups as tiles on `small` (8 lanes, 512-row tiles): 7 groups of 40 rows of 20 elements (3 vmem rows
+    a row), times a per-row column; 4 groups a tile, so the second tile is partial. Every element's bits
+    equal eager's, NaN in the vmem the kernel does not write changes nothing."""
+    x = torch.randn(40, 7, 20)
+    y = torch.randn(7, 40, 1)
+    x[3, 2, :5] = torch.tensor([float("inf"), float("nan"), -0.0, 1e-40, -3.4e38])
+    y[6, 39, 0] = float("-inf")
+
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x.transpose(0, 1) * y
+
+    exe = compile_graph(trace(f, x, y), [x, y], "small")
+    (out,), _ = run_fresh(exe, [x.numpy(), y.numpy()], SimulatorRunner("small"))
+    ref = f(x, y).numpy()
+    _same_bits(out, ref)
+    (poisoned,) = run_with_poisoned_vmem(exe, [x.numpy(), y.numpy()])
+    _same_bits(poisoned, ref)
+
+
+def test_a_prefill_reads_v_in_its_own_layout_not_transposed(monkeypatch) -> None:
+    """P @ V's V ([S, Hkv, D] from v_proj, f32) was computed into its bf16 factor in the contraction's
+    [D, S] order: a transposed read, one DMA pair per column (67,702 cycles a layer at a 256-token 1b-2l
+    prefill). The factor now follows V's layout (the matmul takes B either way). The rope'd K^T factors
+    are still transposed copies (their output is [D, S]): 4 of them in the mini geometry's prefill; the
+    count may only go down, and the logits stay eager's."""
+    import warnings
+
+    import codegen.isel_vector as isel_vector
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from torch_tpu_backend.llama_bench import GEOMETRIES
+
+    transposed: list[tuple] = []
+    materialize = isel_vector._materialize
+
+    def counting(ctx, view, st, sizes):  # type: ignore[no-untyped-def]
+        transposed.append((view.shape, view.dtype))
+        return materialize(ctx, view, st, sizes)
+
+    monkeypatch.setattr(isel_vector, "_materialize", counting)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**{**GEOMETRIES["mini"], "num_hidden_layers": 1}, max_position_embeddings=33)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, 33), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = model(ids, use_cache=False).logits.float()
+        torch._dynamo.reset()
+        got = torch.compile(model.forward, backend="ctpu", options={"config": "large", "cache": False})(
+            ids, use_cache=False).logits.float()
+    assert not [t for t in transposed if t[1] == "f32"], transposed  # V is the f32 one
+    assert len(transposed) <= 4, transposed
+    assert (got - ref).abs().max() <= 0.02 * ref.abs().max()
