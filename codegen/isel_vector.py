@@ -82,7 +82,7 @@ def _iteration(k: GenericKernel) -> tuple[list[int], list[list[int]]]:
     sizes, strides = [sizes[d] for d in keep], [[st[d] for d in keep] for st in strides]
     if any(a.view.buffer == k.output.view.buffer for a in k.inputs):  # in place: keep the program's order
         return sizes, strides
-    order = _row_order(sizes[:-1], strides) + [len(sizes) - 1]
+    order = [*_row_order(sizes[:-1], strides), len(sizes) - 1]
     return [sizes[d] for d in order], [[st[d] for d in order] for st in strides]
 
 

@@ -86,9 +86,9 @@ def test_a_prefill_reads_v_in_its_own_layout_not_transposed(monkeypatch) -> None
     count may only go down, and the logits stay eager's."""
     import warnings
 
-    import codegen.isel_vector as isel_vector
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    import codegen.isel_vector as isel_vector
     from torch_tpu_backend.llama_bench import GEOMETRIES
 
     transposed: list[tuple] = []
