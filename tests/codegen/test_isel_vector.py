@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from codegen_helpers import run_with_poisoned_vmem, trace
 
@@ -112,3 +113,38 @@ def test_a_prefill_reads_v_in_its_own_layout_not_transposed(monkeypatch) -> None
     assert not [t for t in transposed if t[1] == "f32"], transposed  # V is the f32 one
     assert len(transposed) <= 4, transposed
     assert (got - ref).abs().max() <= 0.02 * ref.abs().max()
+
+
+@pytest.mark.parametrize("perm, shape, op", [
+    ((1, 0, 2), (9, 37, 20), "sum"),  # groups of 9 rows, a partial last tile; rows 3 vmem rows wide
+    ((2, 0, 1), (5, 6, 70), "amax"),  # the reduced dim strided: copied into row order first
+    ((1, 0, 2), (6, 40, 11), "map"),  # in the input's order: 6 groups of 40 rows, all in one tile
+    ((0, 2, 1), (40, 6, 11), "map"),  # the row dim strided: copied into row order first
+])
+def test_reordered_rows_and_group_tiles_give_eager_bits(perm: tuple[int, ...], shape: tuple[int, ...],
+                                                        op: str) -> None:
+    """Permuted views through maps and last-dim reductions (with a reduction's initial value, NaN, inf and
+    -0 among the data), compiled on `small`: the reordered rows and the groups run as tiles give eager's
+    bits, on a zeroed and on a NaN-poisoned vmem."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g)
+    x.view(-1)[:5] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 1e-40])
+    y = torch.randn((*x.permute(perm).shape[:-1], 1), generator=g)
+
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        v = x.permute(perm)
+        if op == "sum":
+            return v.sum(-1) + y[..., 0]
+        if op == "amax":
+            return v.amax(-1) * y[..., 0]
+        return v * y + 1
+
+    exe = compile_graph(trace(f, x, y), [x, y], "small")
+    (out,), _ = run_fresh(exe, [x.numpy(), y.numpy()], SimulatorRunner("small"))
+    ref = f(x, y).numpy()
+    if op == "sum":  # a sum's order of additions differs from eager's: values, not bits
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+        return
+    _same_bits(out, ref)
+    (poisoned,) = run_with_poisoned_vmem(exe, [x.numpy(), y.numpy()])
+    _same_bits(poisoned, ref)
