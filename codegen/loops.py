@@ -70,6 +70,7 @@ def _hoist_one(loop: Block, pre: Block, defs: Counter[Reg], max_vregs: int) -> i
     hoisted = [i for i in loop.instrs if id(i) in chosen]
     loop.instrs = [i for i in loop.instrs if id(i) not in chosen]
     pre.instrs.extend(hoisted)
+    loop.hoisted = hoisted
     return len(hoisted)
 
 

@@ -122,6 +122,9 @@ class Block:
     instrs: list[MInstr] = field(default_factory=list)
     loop: LoopInfo | None = None  # set on a single-block counted loop (the body is this block)
     bundles: list[list[MInstr]] | None = None  # pre-scheduled (software pipelined) blocks
+    # a counted loop's instructions that `loops.hoist_invariants` moved to the end of its preheader (the
+    # pipeliner may move them back when registers, not slots, bound the loop); not kept by `Function.clone`
+    hoisted: list[MInstr] = field(default_factory=list)
 
     def successors(self, next_label: str | None) -> list[str]:
         last = self.instrs[-1] if self.instrs else None

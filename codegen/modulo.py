@@ -122,10 +122,7 @@ def modulo_schedule(body: list[MInstr], used_elsewhere: set[Reg], budget: dict[s
     for p, s, d, it in deps:
         preds[s].append((p, d, it))
         succs[p].append((s, d, it))
-    units = Counter(i.unit for i in body)
-    units[isa.Unit.SCALAR] += 1  # the kernel's counter decrement
-    units[isa.Unit.CTRL] += 1  # its branch
-    mii = max(-(-c // SLOT_COUNT[u]) for u, c in units.items())
+    mii = _resource_ii(body)
     sched = None
     for ii in range(mii, mii + MAX_II_SLACK):
         sched = _try_ii(body, ii, preds, succs, ivs, renameable)
@@ -337,6 +334,26 @@ def pipeline_loop(func: Function, index: int, log: list[str], fresh: Callable[[s
         used_elsewhere = {r for i in loop.instrs for r in i.regs() if uses[r] > here[r]}
     budget = budget or REGISTER_BUDGET
     sched = modulo_schedule(body, used_elsewhere, budget)
+    back = _hoisted_back(loop, pre, uses)
+    if back and sched is not None and sched.ii > _resource_ii(body):
+        # registers bound the loop, not slots: with its hoisted constants back inside (a vbcast a use
+        # costs a slot, but no register across the whole loop) the II may be lower (SwiGLU: 79 -> 69)
+        assert uses is not None
+        inside = back + body
+        here = Counter(r for i in back + loop.instrs for r in i.uses)
+        other = modulo_schedule(inside, {r for i in back + loop.instrs for r in i.regs() if uses[r] > here[r]},
+                                budget)
+        def cycles(m: ModuloSchedule) -> int:  # n iterations, and the pipeline's fill and drain
+            return m.ii * (n + m.stages - 1)
+
+        if other is not None and cycles(other) < cycles(sched) and \
+                all(max_live(inside, other, kind) <= budget[kind] for kind in budget):
+            chosen = {id(i) for i in back}
+            pre.instrs = [i for i in pre.instrs if id(i) not in chosen]
+            loop.instrs = back + loop.instrs
+            loop.hoisted = []
+            body, sched = inside, other
+            log.append(f"{loop.label}: {len(back)} hoisted instructions moved back (registers bound the II)")
     if sched is None:
         log.append(f"{loop.label}: not pipelined (no II within the slack)")
         return None
@@ -372,6 +389,29 @@ def pipeline_loop(func: Function, index: int, log: list[str], fresh: Callable[[s
     log.append(f"{loop.label}: pipelined, II={ii} stages={S} copies={u} peel={peel} kernel runs={runs} "
                f"(body {len(body)} instructions)")
     return PipelinedLoop(loop.label, body, sched, pro, ker, epi, runs, epi_len, tuple(b.label for b in blocks))
+
+
+def _resource_ii(body: list[MInstr]) -> int:
+    """The II the slots allow (the kernel's counter decrement and branch included)."""
+    units = Counter(i.unit for i in body)
+    units[isa.Unit.SCALAR] += 1  # the kernel's counter decrement
+    units[isa.Unit.CTRL] += 1  # its branch
+    return max(-(-c // SLOT_COUNT[u]) for u, c in units.items())
+
+
+def _hoisted_back(loop: Block, pre: Block, uses: Counter[Reg] | None) -> list[MInstr]:
+    """The instructions hoisted out of `loop` that are still at the end of its preheader and whose values
+    nothing but the loop (and each other) reads: what may move back into the body."""
+    hoisted = loop.hoisted
+    n = len(hoisted)
+    if not n or uses is None or len(pre.instrs) < n:
+        return []
+    if any(a is not b for a, b in zip(pre.instrs[-n:], hoisted, strict=True)):
+        return []
+    reads = Counter(r for i in hoisted + loop.instrs for r in i.uses)
+    if any(i.dst is None or uses[i.dst] != reads[i.dst] for i in hoisted):
+        return []
+    return list(hoisted)
 
 
 def pipeline_loops(func: Function, next_id: int, cuts: dict[str, int] | None = None

@@ -167,3 +167,37 @@ def test_live_out_value_is_live_until_its_redefinition_lands() -> None:
     bundles = {"a": [[first], [other], [use_other], [], [late]], "b": [[read, f.blocks[1].instrs[1]]]}
     segments = live_intervals(f, bundles)[v1].segments
     assert segments[0][0] == 0 and segments[0][1] >= 4, segments
+
+
+def test_a_register_bound_loop_takes_its_hoisted_constants_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SwiGLU's silu(gate) * up in bf16 (a 1b-2l prefill's down_proj factor, 74 vector ops a vreg): with its
+    polynomial constants hoisted, 12 of the 28 pipeline registers stay taken across the loop and the II
+    was 79 where the slots allow 37; with them back inside (a vbcast per use) it is lower. Same bits as
+    with the constants hoisted (NaN, inf, -0, subnormals included), at least 15% fewer cycles."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from codegen_helpers import trace
+
+    import codegen.modulo as modulo
+    from codegen import compile_graph
+    from device_sim.executable import run_fresh
+    from device_sim.runners import SimulatorRunner
+
+    a, b = torch.randn(64, 8192).to(torch.bfloat16), torch.randn(64, 8192).to(torch.bfloat16)
+    a[0, :6] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 1e-39, -3e38])
+    b[1, :3] = torch.tensor([float("nan"), float("inf"), 0.0])
+
+    def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.silu(a) * b
+
+    def run() -> tuple[np.ndarray, int]:
+        exe = compile_graph(trace(f, a, b), [a, b], "large")
+        (out,), stats = run_fresh(exe, [a.float().numpy(), b.float().numpy()], SimulatorRunner("large"))
+        return out, stats.cycles
+
+    back, cycles = run()
+    monkeypatch.setattr(modulo, "_hoisted_back", lambda *args: [])
+    hoisted, hoisted_cycles = run()
+    np.testing.assert_array_equal(back.view(np.uint32), hoisted.view(np.uint32))
+    assert cycles < 0.85 * hoisted_cycles, (cycles, hoisted_cycles)
