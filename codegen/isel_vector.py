@@ -314,7 +314,7 @@ def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buff
         """The DMAs of one tile of stream s, a piece after another in vmem, advancing its HBM pointer."""
         ptr = s.ptr if load else out_ptr
         assert ptr is not None
-        cols = C if s.kind == "row" and not (s is out and k.reduction) else 1
+        cols = C if s.kind == "row" else 1  # a reduction's output is a column
         pitch = -(-cols // ctx.lanes)
         for j in range(pieces):
             ctx.dma(load, s.view.dtype, ptr, region, j * n * pitch, n, cols, s.row_stride,
