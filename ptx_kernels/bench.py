@@ -24,13 +24,16 @@ GEMM_SIZES = (4096, 8192)
 ROWS, HIDDEN, FFN = 16384, 4096, 11008
 FP32_GEMM = 4096
 ATTN_Q, ATTN_KV = (1, 32, 2048, 128), (1, 8, 2048, 128)
-# Nominal HBM bandwidth in bytes/s by device name (the driver does not report it).
+# Nominal HBM bandwidth in bytes/s by the words of the device name (the driver does not report it); the
+# first entry whose words all occur in the name wins, so GH200 precedes H200. The H100 SXM calls itself
+# "NVIDIA H100 80GB HBM3".
 PEAK_BYTES_PER_S = {
     "H100 SXM": 3.35e12,
+    "H100 HBM3": 3.35e12,
     "H100 PCIe": 2.0e12,
     "H100 NVL": 3.9e12,
-    "H200": 4.8e12,
     "GH200": 4.0e12,
+    "H200": 4.8e12,
 }
 
 
@@ -65,8 +68,9 @@ def _time_ms(fn: Callable[[], object], iters: int = 20) -> float:
 
 
 def _peak(name: str) -> float | None:
+    words = name.split()
     for key, value in PEAK_BYTES_PER_S.items():
-        if all(part in name for part in key.split()):
+        if all(any(w.startswith(part) for w in words) for part in key.split()):
             return value
     return None
 

@@ -8,7 +8,8 @@
 #    kind against eager torch, the fp32 SIMT GEMM / any-head-dim attention / generated indexing kernels, and
 #    the tiny Llama fp32 + bf16 end to end through torch.compile(target="ptx") vs eager CUDA), in parallel
 #    and with a per-test time limit when pytest-xdist / pytest-timeout are there (a hung kernel fails its test);
-# 3. runs the benchmark (python -m ptx_kernels.bench) and writes its JSON to ptx_bench.json.
+# 3. runs the benchmark (python -m ptx_kernels.bench, at most CTPU_BENCH_TIMEOUT s, default 300) and writes
+#    its JSON to ptx_bench.json.
 # Exit status is non-zero if any test fails; the benchmark still runs so that its figures are kept.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +54,7 @@ status=0
 # -rs lists every skip with its reason: on a Hopper GPU no gpu test may be skipped.
 "$PY" -m pytest -q tests/ptx_kernels -rs "${PARALLEL[@]}" --junitxml="$OUT/ptx_gpu_tests.xml" -p no:cacheprovider \
   || status=1
-"$PY" -m ptx_kernels.bench | tee "$OUT/ptx_bench.json" || status=1
+# A hung kernel must not hold the machine: the bench gets its own time limit (~30 s on an H200).
+timeout "${CTPU_BENCH_TIMEOUT:-300}" "$PY" -m ptx_kernels.bench | tee "$OUT/ptx_bench.json" || status=1
 echo "gpu_check: tests + bench finished with status $status (junit: $OUT/ptx_gpu_tests.xml, bench: $OUT/ptx_bench.json)"
 exit $status

@@ -42,3 +42,20 @@ def test_bench_dry_run(capsys):
     bench.main(["--dry-run"])
     out = capsys.readouterr().out
     assert '"mode": "dry-run"' in out and "gemm_8192" in out
+
+
+@pytest.mark.parametrize(
+    "name,peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 3.35e12),  # what an H100 SXM calls itself
+        ("NVIDIA H100 PCIe", 2.0e12),
+        ("NVIDIA H100 NVL", 3.9e12),
+        ("NVIDIA H200", 4.8e12),
+        ("NVIDIA GH200 480GB", 4.0e12),
+        ("NVIDIA A100-SXM4-80GB", None),
+    ],
+)
+def test_bench_peak_by_device_name(name, peak):
+    from ptx_kernels import bench
+
+    assert bench._peak(name) == peak
