@@ -37,8 +37,9 @@ SCORE_HBM_SHARE = 64
 MAX_KEY_TILES = 8
 # linalg-fuse-elementwise-ops fuses the running sum and output updates of consecutive tiles into one generic
 # (3 operands per tile; at 8 tiles register allocation ran out of spill slots): the running values go
-# through a copy it does not fuse through after every FUSED_TILES tiles
-FUSED_TILES = 4
+# through a copy it does not fuse through after every FUSED_TILES tiles. The last tiles' updates also fuse
+# with the final division into the next matmul's factor (o_proj): 4 tiles there ran out of spill slots too
+FUSED_TILES = 2
 
 
 def key_tile(cfg: HardwareConfig, query_rows: int, keys: int) -> int:

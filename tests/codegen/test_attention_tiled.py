@@ -242,3 +242,25 @@ def test_kv_len_keys_past_it_are_never_read(config: str, keys: int, kv_len: int,
     ref = F.scaled_dot_product_attention(q, k[:, :, :kv_len].repeat_interleave(4, 1),
                                          v[:, :, :kv_len].repeat_interleave(4, 1), attn_mask=keep, scale=0.125)
     np.testing.assert_allclose(out, ref.numpy(), **TOL[F32])
+
+
+def test_a_2048_token_prefill_with_its_output_projection_compiles_as_one_program() -> None:
+    """32 heads x 2048 queries over 2048 keys on `large`: 8 key tiles of 256 keys (a tile's f32 scores are
+    bounded by SCORE_HBM_SHARE), then o_proj. The final normalization, the rescales of the tiles since the
+    last fusion barrier and the transpose into o_proj's rows fuse into the matmul's factor: with 4 tiles
+    there (FUSED_TILES was 4) its register allocation ran out of spill slots, and a 1B-geometry layer at
+    2048 tokens was split into two programs with a permute on the CPU between them. Compiled, not run."""
+    import fx_passes.ops  # noqa: F401  (torch.ops.ctpu)
+
+    b, h, kvh, length, d = 1, 32, 2, 2048, 16
+    assert key_tile(get_config("large"), b * h * length, length) == 256
+    q, k, v = _qkv(b, h, kvh, length, length, d, BF16)
+    w = _r(h * d, h * d, seed=3, dtype=BF16)
+
+    def f(q, k, v, w):
+        o = torch.ops.ctpu.attention(q, k, v, None, True, d ** -0.5, True)
+        return o.transpose(1, 2).reshape(b, length, h * d) @ w.t()
+
+    exe = compile_graph(trace(f, q, k, v, w), [q, k, v, w], "large")
+    assert len(exe.program) <= get_config("large").imem_bundles
+    assert exe.summary["kernels"][-1]["kind"] == "matmul"
