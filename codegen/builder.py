@@ -197,3 +197,19 @@ class Builder:
         if self.block is loop:  # a single-block loop: candidate for software pipelining
             loop.loop = LoopInfo(count, counter)
         self.new_block(f"{hint}_exit")
+
+    def while_positive(self, left: Reg, step: int, body: Callable[[], None], hint: str = "loop") -> None:
+        """Run `body`, then `left -= step`, again while left > 0: a loop whose trip count is a runtime value
+        (rows left of a runtime size). The body runs at least once; it may read `left`."""
+        frame = _LoopFrame(self.block, {})
+        self._loops.append(frame)
+        loop = self.new_block(hint)
+        body()
+        self._loops.pop()
+        for r, s in frame.companions:
+            self.addi(r, s, r)
+        self.addi(left, -step, left)
+        more = self.sreg()
+        self.emit("slt", more, (ZERO, left))
+        self.emit("bnz", None, (more,), target=loop.label)
+        self.new_block(f"{hint}_exit")

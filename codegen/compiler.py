@@ -84,7 +84,7 @@ class BufferPlacement:
 
 def plan_memory(g: KernelGraph, extra_words: int = 0) -> tuple[dict[str, BufferPlacement], int]:
     """Arena offsets for temporaries by liveness (first-fit reuse); outputs live to the end. The arena
-    starts with the argument table (+ `extra_words`: the layer loops' address tables)."""
+    starts with the argument table (+ `extra_words`: runtime values and the layer loops' address tables)."""
     last = len(g.kernels)
     live: dict[str, list[int]] = {}
     for i, k in enumerate(g.kernels):
@@ -228,12 +228,13 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
     with mlir.context:
         graph = read_function(mlir.module)
     mutated = _mutated_inputs(graph, len(user_results))
-    graph.kernels = _fold_output_casts(graph, _fold_fills(sink_fills(graph.kernels)))
+    graph.kernels = bound_padded_rows(_fold_output_casts(graph, _fold_fills(sink_fills(graph.kernels))), gm)
     loops = find_loops(graph) if layer_loops else []
     stages["kernels.txt"] = describe(graph) + "".join(
         f"loop: kernels {lp.first}..{lp.first + lp.period - 1} run {lp.repeats} times over {len(lp.slots[0])} "
         f"address slots\n" for lp in loops)
-    placements, arena_bytes = plan_memory(graph, sum(lp.repeats * len(lp.slots[0]) for lp in loops))
+    placements, arena_bytes = plan_memory(graph, len(_value_inputs(graph)) + sum(lp.repeats * len(lp.slots[0])
+                                                                                for lp in loops))
     address_table = _address_table(graph, placements, loops)
     clock.lap("kernels_and_memory_plan")
     chains_undone: list[str] = []
@@ -276,7 +277,8 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
     outputs = [_output_view(v, placements[v.buffer], graph.arguments) for v in graph.results]
     summary = {"config": cfg.name, "kernels": per_kernel, "bundles": len(mc.program), "spilled": mc.spilled,
                "matmul_precision": precision, "arena_bytes": arena_bytes,
-               "launch": {"s1": "arena", "argument_table": [*graph.arguments, "arena"]},
+               "launch": {"s1": "arena", "argument_table": [*graph.arguments, "arena", *(
+                   f"value of {graph.arguments[i]}" for i in _value_inputs(graph))]},
                "buffers": {n: dataclasses.asdict(p) for n, p in placements.items()},
                "outputs": [dataclasses.asdict(v) for v in graph.results], "compile_seconds": clock.laps}
     summary["mutated_inputs"] = [graph.arguments[i] for i in mutated]
@@ -286,7 +288,39 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
     summary["loops"] = [{"kernels": [lp.first, lp.first + lp.period - 1], "runs": lp.repeats,
                          "slots": len(lp.slots[0])} for lp in loops]
     summary["vmem_table_rows"] = [SPILL_ROWS, SPILL_ROWS + table_rows(table_entries, cfg.lanes)]
-    return Executable(cfg.name, mc.program, inputs, outputs, arena_bytes, stages, summary, mutated, address_table)
+    return Executable(cfg.name, mc.program, inputs, outputs, arena_bytes, stages, summary, mutated, address_table,
+                      _value_inputs(graph))
+
+
+# set by fx_passes/dynamic.py (PADDING_META) on nodes of a dynamic-shape bucket's program: {dim counted from
+# the last: name of the placeholder holding its valid length} for padded dims whose padding nothing reads
+PADDING_META = "ctpu_padding"
+# the FX ops whose matmul kernel computes the node's value row for row (fused ops with inner matmuls, such as
+# attention, have other rows)
+_ROW_MATMULS = ("aten.mm.default", "aten.bmm.default", "aten.addmm.default", "ctpu.linear.default")
+
+
+def bound_padded_rows(kernels: list[Kernel], gm: torch.fx.GraphModule) -> list[Kernel]:
+    """Matmul kernels of a dynamic-shape bucket's program compute only the valid rows of their M dim: each
+    whose FX node (a matmul op) has padding along its rows (PADDING_META at dim -2) reads the valid length
+    from that placeholder at run time (`MatmulKernel.valid_rows`)."""
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out = []
+    for k in kernels:
+        node = nodes.get(k.origin[0]) if isinstance(k, MatmulKernel) else None
+        padding = node.meta.get(PADDING_META, {}) if node is not None and str(node.target) in _ROW_MATMULS else {}
+        value = node.meta.get("val") if node is not None else None
+        if -2 in padding and isinstance(value, torch.Tensor) and value.dim() >= 2 and \
+                tuple(value.shape[-2:]) == tuple(k.c.shape[-2:]) and padding[-2] in placeholders:
+            k = dataclasses.replace(k, valid_rows=placeholders.index(padding[-2]))
+        out.append(k)
+    return out
+
+
+def _value_inputs(graph: KernelGraph) -> list[int]:
+    """The arguments whose values the argument table holds (after the arena's entry), in order."""
+    return sorted({k.valid_rows for k in graph.kernels if isinstance(k, MatmulKernel) and k.valid_rows is not None})
 
 
 def _address_table(graph: KernelGraph, placements: dict[str, BufferPlacement],
@@ -345,16 +379,19 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
     chains: lower runs of small generics as one kernel each (`isel_vector.form_chains`)."""
     n_in = len(graph.arguments)
     arena = n_in  # the arena's entry in the argument table
+    values = {arg: arena + 1 + j for j, arg in enumerate(_value_inputs(graph))}  # their entries follow it
+    fixed = n_in + 1 + len(values)
     buffers = {name: (i, 0) for i, name in enumerate(graph.arguments)}
     buffers |= {name: (arena, p.offset) for name, p in placements.items() if p.kind == "arena"}
-    layout = loop_layout(n_in + 1, loops, cfg.lanes) if loops else None
-    entries = layout.entries if layout else n_in + 1
+    layout = loop_layout(fixed, loops, cfg.lanes) if loops else None
+    entries = layout.entries if layout else fixed
     table = Region("args", SPILL_ROWS, table_rows(entries, cfg.lanes))
     entry = Function(pinned=(ARENA_REG,), name="entry")
     b = Builder(entry)
-    ctx = KernelContext(b, cfg, buffers, (arena, arena_bytes), table.row, precision, table_entries=entries)
+    ctx = KernelContext(b, cfg, buffers, (arena, arena_bytes), table.row, precision, table_entries=entries,
+                        values=values)
     ctx.begin(entry.name)
-    ctx.dma(True, "i32", ARENA_REG, table, 0, 1, n_in + 1, n_in + 1, Flag.LOAD)
+    ctx.dma(True, "i32", ARENA_REG, table, 0, 1, fixed, fixed, Flag.LOAD)
     ctx.end()
     funcs = [entry]
 
@@ -374,7 +411,7 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
     if chains:  # runs of small generics lowered as one kernel (isel_vector.KernelChain)
         emitted = form_chains(emitted, cfg.lanes, free_rows // 2)
     prefetches = plan_prefetches(cfg, emitted, free_rows)
-    table_word = n_in + 1  # the next loop's address table, in words from the arena's start
+    table_word = fixed  # the next loop's address table, in words from the arena's start
     loop: Loop | None = None
     for i, k in enumerate(graph.kernels):
         info = {"index": i, "kind": _kind(k), "mlir": k.text.splitlines()[0] if k.text else "", "node": k.origin[0],

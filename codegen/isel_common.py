@@ -121,6 +121,7 @@ class KernelContext:
     matmul_precision: str = "highest"
     table_entries: int = 0  # vmem argument-table entries to reserve beyond those `buffers` names (layer loops)
     prefetch: Any = None  # the kernel's part in a decode stream's prefetch (isel_decode.Prefetch), set per kernel
+    values: dict[int, int] = field(default_factory=dict)  # graph argument -> the table entry holding its value
     hbm_base: dict[str, tuple[Reg, int]] = field(default_factory=dict)  # this kernel's scratch views
     _base_row: int = SPILL_ROWS
     _next_row: int = SPILL_ROWS
@@ -244,6 +245,11 @@ class KernelContext:
             self._args[entry] = s
         return self._args[entry]
 
+    def value(self, argument: int) -> Reg:
+        """A register holding the value of graph argument `argument` (a runtime size), loaded at the kernel's
+        start from its argument-table entry."""
+        return self.argument(self.values[argument])
+
     def hbm_addr(self, view: View, element_offset: int) -> Reg:
         """A register holding the byte address of element `element_offset` of `view`'s buffer."""
         if view.buffer in self.hbm_base:
@@ -254,14 +260,22 @@ class KernelContext:
         return self.b.offset_reg(base, off + element_offset * ESIZE[view.dtype])
 
     def dma(self, load: bool, dtype: str, hbm: Reg, region: Region, row: int, rows: int, cols: int,
-            stride: int, flag: Flag, parity: int = 0, base: Reg = ZERO) -> None:
+            stride: int, flag: Flag, parity: int = 0, base: Reg = ZERO, rows_reg: Reg | None = None) -> None:
         """One 2-D DMA: `rows` x `cols` elements, HBM row stride `stride` elements, at vmem region row `row`
         (+ `base`, a loop register of vmem rows). Rows wider than the shape register's 16-bit column field
-        (`large`: a 128256-entry logits row) move one row and one piece of whole vmem rows at a time."""
+        (`large`: a 128256-entry logits row) move one row and one piece of whole vmem rows at a time.
+        `rows_reg`: the row count at run time (at most `rows`)."""
         b = self.b
         p = -(-cols // self.lanes)
         if rows > DMA_SHAPE_COLS_MASK:
             raise CapacityError(f"{self.kernel}: a DMA of {rows} rows (at most {DMA_SHAPE_COLS_MASK})")
+        if rows_reg is not None:
+            assert cols <= DMA_SHAPE_COLS_MASK
+            b.emit(("dma.ld" if load else "dma.st") + (".bf16" if dtype == "bf16" else ""), None,
+                   (hbm, b.const(region.row + row) if base == ZERO else b.offset_reg(base, region.row + row),
+                    self.dma_shape(rows_reg, cols), b.const(stride)), flag=self.flag(flag, parity),
+                   mem=(row_mem(region, base, row, rows * p, write=load),))
+            return
         if cols > DMA_SHAPE_COLS_MASK:
             piece = DMA_SHAPE_COLS_MASK // self.lanes * self.lanes
             for r in range(rows):
@@ -275,6 +289,13 @@ class KernelContext:
         vrow = b.const(region.row + row) if base == ZERO else b.offset_reg(base, region.row + row)
         b.emit(op, None, (hbm, vrow, shape, b.const(stride)), flag=self.flag(flag, parity),
                mem=(row_mem(region, base, row, rows * p, write=load),))
+
+
+    def dma_shape(self, rows: Reg, cols: int) -> Reg:
+        """A DMA shape register of `rows` (a register) x `cols`."""
+        shifted = self.b.sreg()
+        self.b.emit("shli", shifted, (rows,), imm=DMA_SHAPE_ROWS_SHIFT)
+        return self.b.emit("or", self.b.sreg(), (shifted, self.b.const(cols)))
 
 
 # ---- loops over vmem rows ----------------------------------------------------------------------------

@@ -35,6 +35,7 @@ nonzero value: so the parts that hold a non-finite x are chosen by the passes th
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -94,7 +95,8 @@ def _lower_general(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool, M
     a, bm, c = k.a, k.b, k.c
     L = ctx.lanes
     KT, NT = -(-K // L), -(-Nn // L)
-    if _resident_batches(ctx, k, B, batched, KT, NT, trans_b, precision):
+    runtime_rows = k.valid_rows is not None and B <= UNROLL_BATCHES
+    if not runtime_rows and _resident_batches(ctx, k, B, batched, KT, NT, trans_b, precision):
         return
     plan = _layout(precision, M, KT, L, ctx.vmem_free())
     if plan is None:
@@ -115,6 +117,9 @@ def _lower_general(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool, M
         _zero_rows(ctx, [s[0] for s in t.b_sets], K // 8 * 8, KT * L)
     m_tiles = [(m0, min(mt, M - m0)) for m0 in range(0, M, mt)]
     b = ctx.b
+    if runtime_rows:
+        _valid_m_tiles(ctx, k, t, B, batched, M)
+        return
     if B > UNROLL_BATCHES:  # batches as a runtime loop: pointer registers at each batch's A, B and C
         pa, pb, pc = b.sreg(), b.sreg(), b.sreg()
         for ptr, v in ((pa, a), (pb, bm), (pc, c)):
@@ -148,6 +153,29 @@ def _lower_general(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool, M
         for m0, rows in rest:
             _m_tile(ctx, k, t, rows, _At(None, a0 + m0 * a.strides[-2]), _At(None, b0),
                     _At(None, c0 + m0 * c.strides[-2]))
+
+
+def _valid_m_tiles(ctx: KernelContext, k: MatmulKernel, t: _Tiling, B: int, batched: bool, M: int) -> None:
+    """The m-tiles of a matmul whose valid rows are a runtime value (a dynamic-shape bucket's padded M):
+    a loop over m-tiles while rows are left, each of min(rows left, mt) rows at run time: A's DMA, the MXU
+    commands and C's store move only those (padding rows of C are left as they were: nothing reads them)."""
+    a, bm, c = k.a, k.b, k.c
+    b, mt = ctx.b, t.mt
+    for batch in range(B):
+        a0, b0, c0 = ((v.offset + (v.strides[0] * batch if batched else 0)) for v in (a, bm, c))
+        pa, pc, left = b.sreg(), b.sreg(), b.sreg()
+        b.emit("addi", pa, (ctx.hbm_addr(a, a0),), imm=0)
+        b.emit("addi", pc, (ctx.hbm_addr(c, c0),), imm=0)
+        b.emit("max", left, (ctx.value(k.valid_rows), b.const(1)))  # a bogus count never loops on nothing
+        b.emit("min", left, (left, b.const(M)))
+
+        def m_body(pa: Reg = pa, pc: Reg = pc, left: Reg = left, b0: int = b0) -> None:
+            rows = b.emit("min", b.sreg(), (left, b.const(mt)))
+            _m_tile(ctx, k, dataclasses.replace(t, rows_reg=rows), mt, _At(pa, 0), _At(None, b0), _At(pc, 0))
+            b.addi(pa, mt * a.strides[-2] * _esize(a), pa)
+            b.addi(pc, mt * c.strides[-2] * _esize(c), pc)
+
+        b.while_positive(left, mt, m_body, "mtile")
 
 
 RESIDENT_FLAGS = ((Flag.LOAD, 0), (Flag.LOAD, 1), (Flag.MATMUL_A, 0), (Flag.MATMUL_A, 1))  # a group of batches each
@@ -270,6 +298,7 @@ class _Tiling:
     hi_full: bool
     trans_b: bool
     a_chunked: bool
+    rows_reg: Reg | None = None  # the m-tile's rows at run time (`_valid_m_tiles`), at most its static rows
 
     @property
     def nch(self) -> int:
@@ -364,14 +393,14 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
 
     group = _head_group(t, rows, L)
     head = min(t.NT, 2) if group else 0  # n-tiles the pipelined start computes
-    pieces = _row_pieces(rows) if t.NT > head else []  # the last n-tile is a static one
+    pieces = _row_pieces(rows) if t.NT > head and t.rows_reg is None else []  # the last n-tile is a static one
     if group:
         _pipelined_start(ctx, k, t, rows, a_at, [b_col(nt) for nt in range(head)],
                          b_col(head) if head < t.NT else None, (c_addr(0), cols(0)))
     else:
         load(*b_col(0), 0, 0)
     if not t.a_chunked and not group:
-        _dma_tiles(ctx, a, a_at.addr(ctx, a, 0), t.a_sets[0][0], mt, t.KT, rows, K, Flag.MATMUL_A, 0)
+        _dma_tiles(ctx, a, a_at.addr(ctx, a, 0), t.a_sets[0][0], mt, t.KT, rows, K, Flag.MATMUL_A, 0, t.rows_reg)
         b.emit("wait", flag=ctx.flag(Flag.MATMUL_A))
         if len(t.a_sets[0]) > 1:
             _split(ctx, t.a_sets[0], t.KT * mt, t.hi_full)
@@ -410,7 +439,8 @@ def _load_panel(ctx: KernelContext, k: MatmulKernel, t: _Tiling, a_at: _At, rows
     kk = min(t.KC * L, K - k0)
     raw = t.b_sets[p][0]
     if t.a_chunked:
-        _dma_tiles(ctx, a, a_at.addr(ctx, a, k0), t.a_sets[p][0], mt, t.tiles(kc), rows, kk, Flag.LOAD, p)
+        _dma_tiles(ctx, a, a_at.addr(ctx, a, k0), t.a_sets[p][0], mt, t.tiles(kc), rows, kk, Flag.LOAD, p,
+                   t.rows_reg)
     if t.trans_b:
         _dma_tiles(ctx, bm, at.addr(ctx, bm, k0), raw, L, t.tiles(kc), ncols, kk, Flag.LOAD, p)
         return
@@ -426,7 +456,7 @@ def _head_group(t: _Tiling, rows: int, L: int) -> int:
     so that two groups in flight keep the channel busy), its MXU commands start as the first group lands
     instead of after all of them. bf16 (one part: no split) with A whole and one k-chunk, k loops that
     are short enough to unroll by group."""
-    if len(t.a_sets[0]) > 1 or t.a_chunked or t.nch > 1 or t.KT > HEAD_MAX_K_TILES:
+    if len(t.a_sets[0]) > 1 or t.a_chunked or t.nch > 1 or t.KT > HEAD_MAX_K_TILES or t.rows_reg is not None:
         return 0
     return 1 if t.KT * (L + rows) >= 3 * HEAD_GROUP_ROWS else 0
 
@@ -537,10 +567,12 @@ class _TileStream:
     at region row j * row_step, lanes past kk zero-filled (the last tile, when kk % N, by `rest`)."""
 
     def __init__(self, ctx: KernelContext, v: View, hbm: Reg, region: Region, row_step: int, count: int,
-                 rows: int, kk: int, flag: Flag, p: int) -> None:
+                 rows: int, kk: int, flag: Flag, p: int, rows_reg: Reg | None = None) -> None:
         b, L = ctx.b, ctx.lanes
         self.ctx, self.v, self.hbm, self.region, self.row_step = ctx, v, hbm, region, row_step
         self.count, self.rows, self.kk, self.flag, self.p = count, rows, kk, flag, p
+        self.rows_reg = rows_reg  # the rows at run time (at most `rows`)
+        self.shape = ctx.dma_shape(rows_reg, L) if rows_reg is not None else None
         self.stride = v.strides[-2] if v.strides[-1] == 1 else v.strides[-1]
         self.full = kk // L if kk % L else count  # tiles of N columns, issued from pointer registers
         self.issued = 0
@@ -555,7 +587,7 @@ class _TileStream:
         """Issue the next full tile (in a loop body too: it advances the pointer registers)."""
         b, L = self.ctx.b, self.ctx.lanes
         op = "dma.ld" + (".bf16" if self.v.dtype == "bf16" else "")
-        shape = b.const(self.rows << DMA_SHAPE_ROWS_SHIFT | L)
+        shape = self.shape or b.const(self.rows << DMA_SHAPE_ROWS_SHIFT | L)
         b.emit(op, None, (self.h, self.row, shape, b.const(self.stride)), flag=self.ctx.flag(self.flag, self.p),
                mem=(self.region.mem(write=True),))
         b.addi(self.h, L * _esize(self.v), self.h)
@@ -572,13 +604,14 @@ class _TileStream:
         L = self.ctx.lanes
         for j in range(self.full, self.count):
             self.ctx.dma(True, self.v.dtype, self.ctx.b.offset_reg(self.hbm, j * L * _esize(self.v)), self.region,
-                         j * self.row_step, self.rows, min(L, self.kk - j * L), self.stride, self.flag, self.p)
+                         j * self.row_step, self.rows, min(L, self.kk - j * L), self.stride, self.flag, self.p,
+                         rows_reg=self.rows_reg)
 
 
 def _dma_tiles(ctx: KernelContext, v: View, hbm: Reg, region: Region, row_step: int, count: int, rows: int,
-               kk: int, flag: Flag, p: int) -> None:
+               kk: int, flag: Flag, p: int, rows_reg: Reg | None = None) -> None:
     """All of a `_TileStream` at once."""
-    _TileStream(ctx, v, hbm, region, row_step, count, rows, kk, flag, p).rest()
+    _TileStream(ctx, v, hbm, region, row_step, count, rows, kk, flag, p, rows_reg).rest()
 
 
 def _store_c(ctx: KernelContext, t: _Tiling, tile: Region, addr: Reg, rows: int, cols: int, c: View,
@@ -589,7 +622,7 @@ def _store_c(ctx: KernelContext, t: _Tiling, tile: Region, addr: Reg, rows: int,
     for j, (lo, hi) in enumerate(pieces or [(0, rows)]):
         ctx.b.emit("wait", flag=ctx.flag(Flag.MXU, p ^ j % 2))
         ctx.dma(False, c.dtype, ctx.b.offset_reg(addr, lo * c.strides[-2] * _esize(c)), tile, lo, hi - lo, cols,
-                c.strides[-2], Flag.STORE, pc)
+                c.strides[-2], Flag.STORE, pc, rows_reg=None if pieces else t.rows_reg)
 
 
 def _layout(precision: str, M: int, KT: int, L: int, free: int) -> tuple[list[str], int, int, bool] | None:
@@ -741,7 +774,7 @@ def _mxu(ctx: KernelContext, t: _Tiling, a_parts: list[Region], weights: list[Re
     f, fw = ctx.flag(Flag.MXU, parity), ctx.flag(Flag.WEIGHTS, parity)
     lw = "mxu.lwt" if t.trans_b else "mxu.lw"
     mt, L = t.mt, ctx.lanes
-    n_rows = b.const(rows)
+    n_rows = t.rows_reg or b.const(rows)
     c_row = b.const(c_tile.row)
     i = 0
     while i < len(commands):
@@ -754,7 +787,7 @@ def _mxu(ctx: KernelContext, t: _Tiling, a_parts: list[Region], weights: list[Re
 
             def body(w_ptr: Reg = w_ptr, a_ptr: Reg = a_ptr, qa: int = qa, qb: int = qb, dma: bool = False) -> None:
                 b.emit(lw, None, (w_ptr,), flag=fw, mem=(weights[qb].mem(),))
-                b.emit("mxu.mmas", None, (a_ptr, b.const(c_tile.row), b.const(rows)), flag=f,
+                b.emit("mxu.mmas", None, (a_ptr, b.const(c_tile.row), t.rows_reg or b.const(rows)), flag=f,
                        mem=(a_parts[qa].mem(), c_tile.mem(0, rows, True)))
                 b.emit("addi", w_ptr, (w_ptr,), imm=L)
                 b.emit("addi", a_ptr, (a_ptr,), imm=mt)
@@ -767,7 +800,7 @@ def _mxu(ctx: KernelContext, t: _Tiling, a_parts: list[Region], weights: list[Re
                 stream.issued += with_dma  # type: ignore[union-attr]
             if len(run) > with_dma:
                 b.counted_loop(len(run) - with_dma, body, "ktile")
-            n_rows, c_row = b.const(rows), b.const(c_tile.row)
+            n_rows, c_row = t.rows_reg or b.const(rows), b.const(c_tile.row)
             i += len(run)
             continue
         w_row = weights[qb].row + kb * L

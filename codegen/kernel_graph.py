@@ -103,6 +103,9 @@ class MatmulKernel:
     c: View  # [B?, M, N]
     text: str = ""
     origin: tuple[str, str] = ("", "")  # (FX node, nn.Module path) from its MLIR location
+    # the graph argument (a 0-d integer input) holding how many of C's M rows to compute: the rest is padding
+    # of a dynamic-shape bucket that nothing reads (`compiler.bound_padded_rows`); None: all M
+    valid_rows: int | None = None
 
 
 @dataclass

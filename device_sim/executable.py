@@ -4,10 +4,10 @@
     outputs, stats = run_fresh(exe, [x, w], SimulatorRunner("small"))  # numpy in, numpy out
 
 Launch ABI: one launch register, s1 = the HBM byte address of the *arena*, which holds every intermediate
-and every output (at their buffers' offsets) and starts with the *argument table*: I + 1 uint32 words, the
-HBM addresses of the I inputs (in order) and of the arena itself, then the words of `address_table` (the
-layer loops' per-repetition buffer addresses). The program's entry copies the I + 1 words to vmem; each
-kernel loads the addresses it uses.
+and every output (at their buffers' offsets) and starts with the *argument table*: the HBM addresses of the
+I inputs (in order) and of the arena itself, the values of the V `value_inputs` (runtime sizes), then the
+words of `address_table` (the layer loops' per-repetition buffer addresses), all uint32. The program's entry
+copies the first I + 1 + V words to vmem; each kernel loads the entries it uses.
 
 Everything here is numpy: packing inputs into the bits the program expects, the argument table, reading
 outputs back through their views. The runtime, the CLI and the tests all launch through `launch`.
@@ -73,6 +73,9 @@ class Executable:
     # words after the argument table, each the address (argument-table entry's address + byte offset) of a
     # buffer: the per-repetition address tables of the program's layer loops
     address_table: list[tuple[int, int]] = field(default_factory=list)
+    # inputs (0-d integers: the valid lengths of a dynamic-shape bucket) whose values follow the arena's
+    # entry in the argument table, read by kernels whose row counts are runtime values
+    value_inputs: list[int] = field(default_factory=list)
 
     @property
     def hardware(self) -> HardwareConfig:
@@ -105,11 +108,13 @@ def pack_input(spec: ArgSpec, x: Any) -> np.ndarray:
     return bits.reshape(-1).view(np.uint8)
 
 
-def argument_table(exe: Executable, input_addrs: Sequence[int], arena_addr: int) -> np.ndarray:
-    """The argument table's bytes (written at the start of the arena), followed by the address table."""
+def argument_table(exe: Executable, input_addrs: Sequence[int], arena_addr: int, hbm: np.ndarray) -> np.ndarray:
+    """The argument table's bytes (written at the start of the arena), followed by the address table. The
+    value inputs' words are read from `hbm`, where the inputs already are."""
     if len(input_addrs) != len(exe.inputs):
         raise ValueError(f"the program has {len(exe.inputs)} inputs, {len(input_addrs)} addresses were given")
-    entries = [*input_addrs, arena_addr]
+    values = [int(hbm[input_addrs[i]: input_addrs[i] + 4].view(np.uint32)[0]) for i in exe.value_inputs]
+    entries = [*input_addrs, arena_addr, *values]
     return np.array([*entries, *(entries[e] + off for e, off in exe.address_table)], dtype=np.uint32).view(np.uint8)
 
 
@@ -129,7 +134,7 @@ def launch(exe: Executable, runner: Runner, hbm: np.ndarray, input_addrs: Sequen
            max_cycles: int | None = None) -> tuple[list[np.ndarray], RunStats]:
     """Run `exe` on `runner` over `hbm` (the device's bytes, read and written in place), its inputs already
     at `input_addrs`, its arena at `arena_addr`; returns (outputs, statistics). The one launch path."""
-    table = argument_table(exe, input_addrs, arena_addr)
+    table = argument_table(exe, input_addrs, arena_addr, hbm)
     hbm[arena_addr : arena_addr + table.nbytes] = table
     try:
         stats = runner.run(exe.program, hbm, {ARENA_REGISTER: arena_addr}, max_cycles)
@@ -154,7 +159,7 @@ def stage(exe: Executable, inputs: Sequence[Any]) -> tuple[np.ndarray, list[int]
     hbm = np.zeros(hw.hbm_bytes, dtype=np.uint8)
     for a, d in zip(addrs, data, strict=True):
         hbm[a : a + d.nbytes] = d
-    table = argument_table(exe, addrs, end)
+    table = argument_table(exe, addrs, end, hbm)
     hbm[end : end + table.nbytes] = table
     return hbm, addrs, end, {ARENA_REGISTER: end}
 

@@ -48,6 +48,10 @@ aten = torch.ops.aten
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 MIN_BOUND = 16  # the smallest bucket: sizes 2 .. 16 share one program
 DEFAULT_MAX = 1 << 16  # a symbol without a declared maximum
+# node.meta key: {dim (negative, from the last): name of the placeholder holding its valid length} for each
+# padded dim of the node's value whose padding nothing reads (the invariant): the back end may leave those
+# positions unwritten (codegen/compiler.py reads it under the same name: codegen never imports fx_passes)
+PADDING_META = "ctpu_padding"
 
 
 def expr_of(size: Any) -> sympy.Expr:
@@ -205,6 +209,7 @@ class _Masker:
         self.gm, self.graph, self.plan = gm, gm.graph, plan
         self.valid: dict[sympy.Expr, Node] = {}
         self.interleaved: dict[Node, dict[int, tuple[sympy.Expr, ...]]] = {}  # node -> dim -> the dims merged
+        self.masks: set[Node] = set()  # nodes whose padding holds a value (a neutral element) read downstream
         self.placeholders = list(self.graph.find_nodes(op="placeholder"))
         self.fake_mode = next((v.fake_mode for n in self.placeholders
                                if isinstance(v := val(n), torch.Tensor) and hasattr(v, "fake_mode")), None)
@@ -244,14 +249,32 @@ class _Masker:
         with self.graph.inserting_before(before):
             keep = self.call(aten.lt.Tensor, (self.iota(x, dim), self.valid_len(expr)))
             if value.dtype == torch.bool and fill in (False, _NEG):  # any(): and with the mask
-                return self.call(aten.logical_and.default, (x, keep), like=value)
-            if value.dtype == torch.bool:  # all(): or with the mask's complement
+                masked = self.call(aten.logical_and.default, (x, keep), like=value)
+            elif value.dtype == torch.bool:  # all(): or with the mask's complement
                 drop = self.call(aten.logical_not.default, (keep,))
-                return self.call(aten.logical_or.default, (x, drop), like=value)
-            if fill in (_NEG, _POS):
-                fill = _extreme(value.dtype, fill == _POS)
-            neutral = self.call(aten.scalar_tensor.default, (fill,), {"dtype": value.dtype, "device": value.device})
-            return self.call(aten.where.self, (keep, x, neutral), like=value)
+                masked = self.call(aten.logical_or.default, (x, drop), like=value)
+            else:
+                if fill in (_NEG, _POS):
+                    fill = _extreme(value.dtype, fill == _POS)
+                neutral = self.call(aten.scalar_tensor.default, (fill,), {"dtype": value.dtype,
+                                                                          "device": value.device})
+                masked = self.call(aten.where.self, (keep, x, neutral), like=value)
+        self.masks.add(masked)
+        return masked
+
+    def mark_padding(self) -> None:
+        """PADDING_META on every node whose padding is at the end of its dims and read by nothing: all but
+        the masks (their padding holds the neutral element a reduction or contraction reads) and nodes with
+        interleaved padding. Valid lengths come from the placeholders the masks made, or a new one for a
+        plain symbol."""
+        for node in list(self.graph.nodes):
+            value = val(node)
+            if node.op != "call_function" or node in self.interleaved or node in self.masks:
+                continue
+            dims = {d - value.dim(): sympy.simplify(e) for d, e in _padded(value).items()}
+            named = {d: self.valid_len(e).name for d, e in dims.items() if e in self.valid or e.is_Symbol}
+            if named:
+                node.meta[PADDING_META] = named
 
     def mask_dims(self, node: Node, arg: Node, dims: Any, fill: Any) -> None:
         """Replace node's input arg by arg masked along each of its padded dims in dims."""
@@ -373,6 +396,7 @@ class _Masker:
                 lowest = self.call(aten.scalar_tensor.default, (fill,), {"dtype": value.dtype, "device": value.device})
                 chosen = self.call(aten.where.self, (at, x, lowest), like=value)
                 out = self.call(aten.amax.default, (chosen, [dim], keepdim), like=val(node))
+            self.masks.add(chosen)
         node.replace_all_uses_with(out)
         self.graph.erase_node(node)
 
@@ -802,7 +826,9 @@ def mask_padding(gm: GraphModule) -> DynamicPlan:
         view = _host_view(r, placeholders, results) if i not in plan.sym_outputs else None
         if view is not None:
             plan.host_views[i] = view
-    _Masker(gm, plan).run()
+    masker = _Masker(gm, plan)
+    masker.run()
+    masker.mark_padding()
     gm.graph.lint()
     gm.recompile()
     return plan

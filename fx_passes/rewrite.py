@@ -28,7 +28,7 @@ from .graph_utils import ConstantFolder, find_fake_mode, refresh_meta, tensor_va
 fusion_log = logging.getLogger("ctpu.fusion")
 
 # Node metadata copied onto a replacement, so dumps and error messages still point at the user's code.
-_KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
+_KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "ctpu_padding")  # dynamic.PADDING_META
 
 
 def why_no_fuse(kind: str, node: Node, reason: str, *args: object) -> None:

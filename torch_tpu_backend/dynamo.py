@@ -298,12 +298,36 @@ def split_segments(gm: torch.fx.GraphModule, partition: Any) -> SplitGraph:
         return last
 
     module = split_module(gm, None, which, keep_original_order=True)
+    _pass_valid_lengths(module)
     placements, segments = {}, {}
     for i, seg in enumerate(partition.segments):
         if hasattr(module, f"submod_{i}"):
             placements[f"submod_{i}"] = seg.placement
             segments[f"submod_{i}"] = seg.nodes
     return SplitGraph(module, placements, segments)
+
+
+def _pass_valid_lengths(module: torch.fx.GraphModule) -> None:
+    """A dynamic-shape bucket's valid lengths that a segment's nodes name in their padding mark
+    (fx_passes.dynamic.PADDING_META) become inputs of that segment even where no node reads them as a value
+    (split_module keeps only the inputs read): codegen bounds those nodes' matmul rows by them."""
+    from fx_passes.dynamic import PADDING_META
+
+    inputs = {n.name: n for n in module.graph.find_nodes(op="placeholder")}
+    for call in module.graph.find_nodes(op="call_module"):
+        sub = getattr(module, str(call.target))
+        placeholders = list(sub.graph.find_nodes(op="placeholder"))
+        named = {name for n in sub.graph.nodes for name in n.meta.get(PADDING_META, {}).values()}
+        missing = sorted(named - {p.name for p in placeholders} & inputs.keys())
+        for name in missing:
+            with sub.graph.inserting_after(placeholders[-1] if placeholders else None):
+                node = sub.graph.placeholder(name)
+            node.meta["val"] = inputs[name].meta.get("val")
+            placeholders.append(node)
+            call.args = (*call.args, inputs[name])
+        if missing:
+            sub.recompile()
+    module.recompile()
 
 
 def _example_inputs(sub: torch.fx.GraphModule) -> list[Any]:

@@ -298,3 +298,46 @@ def test_a_bf16_operand_drops_only_passes_through_its_zero_parts() -> None:
     assert isel_matmul._passes("high", ["hi_full", "mid"], False, False, True) == [(1, 0), (0, 1), (0, 0)]
     assert isel_matmul._passes("high", ["hi_full", "mid", "hi"], True, False, True) == [(1, 2), (0, 0)]
     assert len(isel_matmul._passes("highest", names, False, False, False)) == 6
+
+
+# ---- runtime row counts: a dynamic-shape bucket's padded M (issue 14) ------------------------------------
+RUNTIME_ROWS = [  # (config, batch, M, K, N, dtype, valid rows)
+    ("large", 0, 64, 300, 200, torch.bfloat16, 37),  # one m-tile, K and N past whole tiles
+    ("large", 0, 512, 8192, 256, torch.bfloat16, 300),  # m-tiles of 128 rows (the down projection's K)
+    ("large", 0, 48, 40, 24, torch.float32, 48),  # every row valid
+    ("small", 0, 40, 20, 12, torch.float32, 17),  # fp32 "highest": the split parts
+    ("small", 2, 24, 16, 8, torch.float32, 9),  # bmm: the valid rows of each batch
+    ("large", 0, 33, 64, 64, torch.bfloat16, 0),  # a count of 0 computes one row, never none or all
+]
+
+
+@pytest.mark.parametrize(("config", "batch", "m", "k", "n", "dtype", "valid"), RUNTIME_ROWS,
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_runtime_rows_give_the_static_bits_and_leave_the_padding(config: str, batch: int, m: int, k: int, n: int,
+                                                                 dtype: torch.dtype, valid: int) -> None:
+    """A matmul whose FX node carries fx_passes' padding mark (PADDING_META: rows past a runtime value are
+    padding nothing reads) computes only those rows, reading the count from the argument table: its rows
+    have the bits of the same matmul compiled without the mark (edge values among them), its padding rows
+    hold NaN and inf in A and are never read (C's rows there stay as the fresh arena left them: zeros), and
+    it takes fewer cycles when rows are left out."""
+    g = torch.Generator().manual_seed(m + k)
+    lead = (batch,) if batch else ()
+    a = torch.randn(*lead, m, k, generator=g).to(dtype)
+    w = torch.randn(*lead, k, n, generator=g).to(dtype)
+    a[..., 0, :4] = torch.tensor([float("inf"), -0.0, 1e-39, float("nan")])
+    rows = max(valid, 1)
+    a[..., rows:, ::2], a[..., rows:, 1::2] = float("nan"), float("inf")
+    count = torch.tensor(valid, dtype=torch.int32)
+    gm = trace(lambda a, w, count: a @ w, a, w, count)
+    static = compile_graph(gm, [a, w, count], config, matmul_precision="highest")
+    (mm,) = [node for node in gm.graph.nodes if node.target in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)]
+    mm.meta["ctpu_padding"] = {-2: list(gm.graph.nodes)[2].name}
+    dynamic = compile_graph(gm, [a, w, count], config, matmul_precision="highest")
+    assert dynamic.value_inputs == [2] and static.value_inputs == []
+    inputs = [a.float().numpy(), w.float().numpy(), count.numpy()]
+    (want,), static_stats = run_fresh(static, inputs, SimulatorRunner(config))
+    (got,), stats = run_fresh(dynamic, inputs, SimulatorRunner(config))
+    np.testing.assert_array_equal(got[..., :rows, :].view(np.uint32), want[..., :rows, :].view(np.uint32))
+    np.testing.assert_array_equal(got[..., rows:, :], 0.0)
+    if rows < m:
+        assert stats.cycles < static_stats.cycles

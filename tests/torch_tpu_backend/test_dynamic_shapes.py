@@ -230,3 +230,39 @@ def test_llama_head_dim_64_on_large() -> None:
     stats = ctpu_stats.last()
     assert not stats.fallback_ops
     assert (stats.graphs_compiled, stats.program_variants) == (1, 2)
+
+
+class Mlp(torch.nn.Module):
+    """A Llama-3.2-1B-shaped MLP slice in bf16: hidden 2048, intermediate 1024 (a quarter, for the test's time)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.gate, self.up = torch.nn.Linear(2048, 1024, bias=False), torch.nn.Linear(2048, 1024, bias=False)
+        self.down = torch.nn.Linear(1024, 2048, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [1, n, 2048]
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x)) + x
+
+
+def test_one_program_computes_only_the_rows_of_each_call() -> None:
+    """`large`, bf16, lengths 131 and 250 in one bucket (256): ONE program, whose projections take their row
+    count from the argument table (the valid length), so 131 tokens cost fewer cycles than 250 in the same
+    program; eager's values at both. Before, every call of the bucket computed all 256 rows."""
+    model = Mlp().to(torch.bfloat16)
+    ctpu_stats.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="ctpu", options={"cache": False, "config": "large"})
+    cycles = {}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        for n in (131, 250):
+            x = torch.randn(1, n, 2048, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+            torch._dynamo.mark_dynamic(x, 1)
+            before = ctpu_stats.last().cycles
+            torch.testing.assert_close(compiled(x).float(), model(x).float(), rtol=2e-2, atol=2e-2)
+            cycles[n] = ctpu_stats.last().cycles - before
+    stats = ctpu_stats.last()
+    assert stats.graphs_compiled == 1 and stats.program_variants == 1 and not stats.fallback_ops
+    # three projections of 2048 x 1024 (128 weight tiles each) stream 119 rows fewer through the MXU per tile
+    assert cycles[250] - cycles[131] >= 3 * 119 * 128 * 3 // 4, cycles
