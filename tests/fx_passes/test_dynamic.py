@@ -14,7 +14,15 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 
 from fx_passes import CtpuDynamicShapeError, decomposition_table
-from fx_passes.dynamic import DynamicPlan, choose_bounds, copy_graph_module, evaluate, mask_padding, specialize
+from fx_passes.dynamic import (
+    PADDING_META,
+    DynamicPlan,
+    choose_bounds,
+    copy_graph_module,
+    evaluate,
+    mask_padding,
+    specialize,
+)
 
 
 def symbolic_graph(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.fx.GraphModule:
@@ -34,9 +42,11 @@ def symbolic_graph(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torc
     return graphs[0]
 
 
-def run_padded(gm: torch.fx.GraphModule, plan: DynamicPlan, args: list[torch.Tensor], garbage: float
-               ) -> list[torch.Tensor]:
-    """The variant of gm for args' bucket, run with every padded element = garbage, outputs narrowed."""
+def run_padded(gm: torch.fx.GraphModule, plan: DynamicPlan, args: list[torch.Tensor], garbage: float,
+               poison_marked: bool = False) -> list[torch.Tensor]:
+    """The variant of gm for args' bucket, run with every padded element = garbage, outputs narrowed.
+    poison_marked: also overwrite, after each node marked with PADDING_META, its padding with garbage (what a
+    back end that leaves those positions unwritten may leave there)."""
     values = {}
     for arg, shape in zip(_with_syms(gm, plan, args), plan.input_shapes, strict=True):
         for size, expr in zip(arg.shape if shape else (), shape or (), strict=True):
@@ -53,13 +63,37 @@ def run_padded(gm: torch.fx.GraphModule, plan: DynamicPlan, args: list[torch.Ten
         buffer[tuple(slice(0, n) for n in arg.shape)] = arg
         inputs.append(buffer)
     inputs += [torch.tensor(evaluate(e, values)) for e in plan.valid_exprs]
-    outs = iter(static(*inputs))
+    outs = iter(_Poisoned(static, garbage).run(*inputs) if poison_marked else static(*inputs))
     results = [None if j in plan.host_views else next(outs)[tuple(slice(0, evaluate(e, values)) for e in shape)]
                for j, shape in enumerate(plan.output_shapes) if shape is not None]
     for j, view in plan.host_views.items():  # as the runtime: views of an input or output on the real tensor
         kind, index = view.root
         results[j] = view.replay(_with_syms(gm, plan, args)[index] if kind == "input" else results[index], values)
     return results
+
+
+class _Poisoned(torch.fx.Interpreter):
+    """Runs a bucket's program with the padding of every node marked PADDING_META overwritten by garbage."""
+
+    def __init__(self, gm: torch.fx.GraphModule, garbage: float) -> None:
+        super().__init__(gm)
+        self.garbage, self.inputs = garbage, {}
+        self.poisoned = 0
+
+    def run_node(self, n: torch.fx.Node) -> object:
+        out = super().run_node(n)
+        if n.op == "placeholder":
+            self.inputs[n.name] = out
+        marks = n.meta.get(PADDING_META, {})
+        if marks and isinstance(out, torch.Tensor):
+            out = out.clone()
+            for dim, name in marks.items():
+                index = [slice(None)] * out.dim()
+                index[dim] = slice(int(self.inputs[name]), None)
+                out[tuple(index)] = self.garbage if out.is_floating_point() else True if out.dtype == torch.bool \
+                    else 1 << 30
+            self.poisoned += 1
+        return out
 
 
 def _with_syms(gm: torch.fx.GraphModule, plan: DynamicPlan, args: list[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -101,6 +135,48 @@ def test_padding_is_unobservable(name: str, garbage: float) -> None:
     plan = mask_padding(masked)
     got = run_padded(masked, plan, args, garbage)[0]
     torch.testing.assert_close(got, fn(*args), equal_nan=True)
+
+
+
+
+def _w() -> torch.Tensor:
+    """A weight of static sizes made in the graph (a global tensor would be lifted to an input)."""
+    return (torch.arange(12.0).reshape(3, 4) - 5.5) / 7
+MARKED = {  # graphs whose intermediate values have padding: marked nodes, the masks' inputs among them
+    "linear_softmax_mix": (lambda x: (lambda h: torch.softmax(h @ h.t(), -1) @ h + h.mean(0))(x @ _w()), [(5, 3)]),
+    "matmul_then_sum": (lambda x: (x @ _w()).relu().sum(0), [(5, 3)]),
+    "rowwise_then_max": (lambda x: torch.softmax(x @ _w(), -1).amax(0), [(5, 3)]),
+}
+
+
+@pytest.mark.parametrize("garbage", [math.nan, math.inf, 3.0e38])
+@pytest.mark.parametrize("name", [*CASES, *MARKED])
+def test_padding_left_unwritten_where_marked_is_unobservable(name: str, garbage: float) -> None:
+    """mask_padding's PADDING_META says which nodes' padding nothing reads: a back end may leave it unwritten
+    (codegen's matmuls compute only the valid rows). Every marked node's padding overwritten with garbage as
+    the program runs: eager's answer still; a mark on a mask (whose padding a reduction or contraction reads)
+    would show."""
+    fn, shapes = {**CASES, **MARKED}[name]
+    gen = torch.Generator().manual_seed(0)
+    args = [torch.randn(*s, generator=gen) for s in shapes]
+    if name in ("any", "all"):
+        args = [torch.ones(*s) if name == "all" else -torch.ones(*s) for s in shapes]
+    gm = symbolic_graph(fn, *args)
+    masked = copy_graph_module(gm)
+    plan = mask_padding(masked)
+    marked = [n for n in masked.graph.nodes if PADDING_META in n.meta]
+    assert marked if name in MARKED else True
+    assert not any(n.target is torch.ops.aten.where.self and n.args[2].target is torch.ops.aten.scalar_tensor.default
+                   for n in marked)  # no mask is marked
+    got = run_padded(masked, plan, args, garbage, poison_marked=True)[0]
+    torch.testing.assert_close(got, fn(*args), equal_nan=True)
+
+
+def test_the_padding_mark_is_the_one_codegen_reads_and_fusion_keeps() -> None:
+    from codegen.compiler import PADDING_META as READ
+    from fx_passes.rewrite import _KEPT_META
+
+    assert READ == PADDING_META and PADDING_META in _KEPT_META
 
 
 @pytest.mark.parametrize("name", ["sum", "softmax", "matmul", "mean"])
