@@ -56,6 +56,7 @@ from codegen.layer_loop import (
     emit_header,
     emit_init,
     find_loops,
+    hoist_invariant_kernels,
     loop_layout,
     occurrence_slots,
     rename_to_slots,
@@ -228,7 +229,8 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
     with mlir.context:
         graph = read_function(mlir.module)
     mutated = _mutated_inputs(graph, len(user_results))
-    graph.kernels = bound_padded_rows(_fold_output_casts(graph, _fold_fills(sink_fills(graph.kernels))), gm)
+    kernels = hoist_invariant_kernels(_fold_fills(sink_fills(graph.kernels)), graph)
+    graph.kernels = bound_padded_rows(_fold_output_casts(graph, kernels), gm)
     loops = find_loops(graph) if layer_loops else []
     stages["kernels.txt"] = describe(graph) + "".join(
         f"loop: kernels {lp.first}..{lp.first + lp.period - 1} run {lp.repeats} times over {len(lp.slots[0])} "

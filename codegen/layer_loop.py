@@ -17,6 +17,7 @@ The search takes the run that saves most kernels, then searches what is left bef
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -148,6 +149,39 @@ def sink_fills(kernels: list[Kernel]) -> list[Kernel]:
         else:
             out.append(k)
     return out + pending
+
+
+def hoist_invariant_kernels(kernels: list[Kernel], graph: KernelGraph) -> list[Kernel]:
+    """Generics and iotas that read nothing computed in the program (graph inputs no kernel writes, or what
+    kernels hoisted before them made) moved to the front, in order. MLIR's CSE leaves such a value (a causal
+    mask's iotas, a kv_len mask) to the first layer that needs it, which made that layer unlike the others:
+    the loop then covered all layers but one (and at 2048 tokens two layers' code passed imem)."""
+    writes = [{v.buffer for v in _written(k)} for k in kernels]
+    writers = Counter(b for w in writes for b in w)
+    made: set[str] = set()
+    touched: set[str] = set()  # buffers the kernels left in place so far read or write
+    front, rest = [], []
+    for k, w in zip(kernels, writes, strict=True):
+        reads = {v.buffer for v in views_of(k)} - w if isinstance(k, GenericKernel | IotaKernel) else None
+        if reads is not None and all(writers[b] == 1 for b in w) and not w & touched and all(
+                b in made or (graph.buffers[b].kind == "input" and not writers[b]) for b in reads):
+            front.append(k)
+            made |= w
+        else:
+            rest.append(k)
+            touched |= {v.buffer for v in views_of(k)}
+    return front + rest
+
+
+def _written(k: Kernel) -> list[View]:
+    if isinstance(k, GenericKernel):
+        return [k.output.view]
+    if isinstance(k, FillKernel | IotaKernel | GatherKernel):
+        return [k.output]
+    if isinstance(k, ScatterKernel):
+        return [k.dest]
+    assert isinstance(k, MatmulKernel)
+    return [k.c]
 
 
 # ---- the loop's code ------------------------------------------------------------------------------------
