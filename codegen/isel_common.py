@@ -290,7 +290,6 @@ class KernelContext:
         b.emit(op, None, (hbm, vrow, shape, b.const(stride)), flag=self.flag(flag, parity),
                mem=(row_mem(region, base, row, rows * p, write=load),))
 
-
     def dma_shape(self, rows: Reg, cols: int) -> Reg:
         """A DMA shape register of `rows` (a register) x `cols`."""
         shifted = self.b.sreg()
