@@ -303,7 +303,9 @@ def test_a_bf16_operand_drops_only_passes_through_its_zero_parts() -> None:
 # ---- runtime row counts: a dynamic-shape bucket's padded M (issue 14) ------------------------------------
 RUNTIME_ROWS = [  # (config, batch, M, K, N, dtype, valid rows)
     ("large", 0, 64, 300, 200, torch.bfloat16, 37),  # one m-tile, K and N past whole tiles
-    ("large", 0, 512, 8192, 256, torch.bfloat16, 300),  # m-tiles of 128 rows (the down projection's K)
+    pytest.param("large", 0, 512, 8192, 256, torch.bfloat16, 300,  # m-tiles of 128 rows (down_proj's K)
+                 marks=pytest.mark.slow),
+    ("large", 0, 256, 4096, 128, torch.bfloat16, 131),  # m-tiles of 2 x 128 rows: a partial second one
     ("large", 0, 48, 40, 24, torch.float32, 48),  # every row valid
     ("small", 0, 40, 20, 12, torch.float32, 17),  # fp32 "highest": the split parts
     ("small", 2, 24, 16, 8, torch.float32, 9),  # bmm: the valid rows of each batch
