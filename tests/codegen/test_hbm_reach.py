@@ -62,6 +62,7 @@ def test_large_maps_3_gib_and_leaves_the_poison_address_unmapped() -> None:
                        imem_bundles=64)
 
 
+@pytest.mark.slow  # load-dependent: 2,621 MiB in two full parallel suites (2026-11-27), under 1,536 alone (11 s)
 def test_the_large_simulator_costs_host_memory_only_where_hbm_is_written() -> None:
     """A small program on `large` (3 GiB of HBM) runs in far less host memory: the image is zero pages until
     written (checked in a fresh process, whose peak resident size is its own)."""
