@@ -185,6 +185,16 @@ class Builder:
         gives them companions)."""
         counter = self.sreg()
         self.emit("li", counter, imm=count)
+        loop = self._loop_body(body, hint, ivs)
+        self.emit("addi", counter, (counter,), imm=-1)
+        self.emit("bnz", None, (counter,), target=loop.label)
+        if self.block is loop:  # a single-block loop: candidate for software pipelining
+            loop.loop = LoopInfo(count, counter)
+        self.new_block(f"{hint}_exit")
+
+    def _loop_body(self, body: Callable[[], None], hint: str, ivs: dict[Reg, int] | None = None) -> Block:
+        """`body` emitted from a new block (the loop's head, returned) within a loop frame, then the induction
+        bases' advance: what every loop shape shares up to its back edge."""
         frame = _LoopFrame(self.block, dict(ivs or {}))
         self._loops.append(frame)
         loop = self.new_block(hint)
@@ -192,22 +202,12 @@ class Builder:
         self._loops.pop()
         for r, step in frame.companions:
             self.addi(r, step, r)
-        self.emit("addi", counter, (counter,), imm=-1)
-        self.emit("bnz", None, (counter,), target=loop.label)
-        if self.block is loop:  # a single-block loop: candidate for software pipelining
-            loop.loop = LoopInfo(count, counter)
-        self.new_block(f"{hint}_exit")
+        return loop
 
     def while_positive(self, left: Reg, step: int, body: Callable[[], None], hint: str = "loop") -> None:
         """Run `body`, then `left -= step`, again while left > 0: a loop whose trip count is a runtime value
         (rows left of a runtime size). The body runs at least once; it may read `left`."""
-        frame = _LoopFrame(self.block, {})
-        self._loops.append(frame)
-        loop = self.new_block(hint)
-        body()
-        self._loops.pop()
-        for r, s in frame.companions:
-            self.addi(r, s, r)
+        loop = self._loop_body(body, hint)
         self.addi(left, -step, left)
         more = self.sreg()
         self.emit("slt", more, (ZERO, left))

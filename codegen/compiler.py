@@ -239,8 +239,8 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
     stages["kernels.txt"] = describe(graph) + "".join(
         f"loop: kernels {lp.first}..{lp.first + lp.period - 1} run {lp.repeats} times over {len(lp.slots[0])} "
         f"address slots\n" for lp in loops)
-    placements, arena_bytes = plan_memory(graph, len(_value_inputs(graph)) + sum(lp.repeats * len(lp.slots[0])
-                                                                                for lp in loops))
+    value_inputs = _value_inputs(graph)
+    placements, arena_bytes = plan_memory(graph, len(value_inputs) + sum(lp.repeats * len(lp.slots[0]) for lp in loops))
     address_table = _address_table(graph, placements, loops)
     clock.lap("kernels_and_memory_plan")
     chains_undone: list[str] = []
@@ -284,7 +284,7 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
     summary = {"config": cfg.name, "kernels": per_kernel, "bundles": len(mc.program), "spilled": mc.spilled,
                "matmul_precision": precision, "arena_bytes": arena_bytes,
                "launch": {"s1": "arena", "argument_table": [*graph.arguments, "arena", *(
-                   f"value of {graph.arguments[i]}" for i in _value_inputs(graph))]},
+                   f"value of {graph.arguments[i]}" for i in value_inputs)]},
                "buffers": {n: dataclasses.asdict(p) for n, p in placements.items()},
                "outputs": [dataclasses.asdict(v) for v in graph.results], "compile_seconds": clock.laps}
     summary["mutated_inputs"] = [graph.arguments[i] for i in mutated]
@@ -295,7 +295,7 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
                          "slots": len(lp.slots[0])} for lp in loops]
     summary["vmem_table_rows"] = [SPILL_ROWS, SPILL_ROWS + table_rows(table_entries, cfg.lanes)]
     return Executable(cfg.name, mc.program, inputs, outputs, arena_bytes, stages, summary, mutated, address_table,
-                      _value_inputs(graph))
+                      value_inputs)
 
 
 # set by fx_passes/dynamic.py (PADDING_META) on nodes of a dynamic-shape bucket's program: {dim counted from

@@ -269,14 +269,8 @@ class KernelContext:
         p = -(-cols // self.lanes)
         if rows > DMA_SHAPE_COLS_MASK:
             raise CapacityError(f"{self.kernel}: a DMA of {rows} rows (at most {DMA_SHAPE_COLS_MASK})")
-        if rows_reg is not None:
-            assert cols <= DMA_SHAPE_COLS_MASK
-            b.emit(("dma.ld" if load else "dma.st") + (".bf16" if dtype == "bf16" else ""), None,
-                   (hbm, b.const(region.row + row) if base == ZERO else b.offset_reg(base, region.row + row),
-                    self.dma_shape(rows_reg, cols), b.const(stride)), flag=self.flag(flag, parity),
-                   mem=(row_mem(region, base, row, rows * p, write=load),))
-            return
         if cols > DMA_SHAPE_COLS_MASK:
+            assert rows_reg is None  # a runtime row count moves rows that fit the column field
             piece = DMA_SHAPE_COLS_MASK // self.lanes * self.lanes
             for r in range(rows):
                 for c0 in range(0, cols, piece):
@@ -285,7 +279,7 @@ class KernelContext:
                              stride, flag, parity, base)
             return
         op = ("dma.ld" if load else "dma.st") + (".bf16" if dtype == "bf16" else "")
-        shape = b.const(rows << DMA_SHAPE_ROWS_SHIFT | cols)
+        shape = b.const(rows << DMA_SHAPE_ROWS_SHIFT | cols) if rows_reg is None else self.dma_shape(rows_reg, cols)
         vrow = b.const(region.row + row) if base == ZERO else b.offset_reg(base, region.row + row)
         b.emit(op, None, (hbm, vrow, shape, b.const(stride)), flag=self.flag(flag, parity),
                mem=(row_mem(region, base, row, rows * p, write=load),))
