@@ -204,6 +204,16 @@ class Builder:
             self.addi(r, step, r)
         return loop
 
+    def if_positive(self, x: Reg, body: Callable[[], None], hint: str = "if") -> None:
+        """Run `body` only when x > 0 (a forward branch around its blocks)."""
+        more = self.sreg()
+        self.emit("slt", more, (ZERO, x))
+        self.emit("bz", None, (more,), target="")
+        skip = self.block.instrs[-1]
+        self.new_block(hint)
+        body()
+        skip.target = self.new_block(f"{hint}_end").label
+
     def while_positive(self, left: Reg, step: int, body: Callable[[], None], hint: str = "loop") -> None:
         """Run `body`, then `left -= step`, again while left > 0: a loop whose trip count is a runtime value
         (rows left of a runtime size). The body runs at least once; it may read `left`."""

@@ -303,30 +303,70 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
 PADDING_META = "ctpu_padding"
 # the FX ops whose matmul kernel computes the node's value row for row (fused ops with inner matmuls, such as
 # attention, have other rows)
+# fused ops whose generics also run along a dim of the padded size that is not the padded one (keys)
+_KEYED_OPS = ("ctpu.attention.default",)
 _ROW_MATMULS = ("aten.mm.default", "aten.bmm.default", "aten.addmm.default", "ctpu.linear.default")
 
 
 def bound_padded_rows(kernels: list[Kernel], gm: torch.fx.GraphModule) -> list[Kernel]:
-    """Matmul kernels of a dynamic-shape bucket's program compute only the valid rows of their M dim: each
-    whose FX node (a matmul op) has padding along its rows (PADDING_META at dim -2) reads the valid length
-    from that placeholder at run time (`MatmulKernel.valid_rows`)."""
+    """Kernels of a dynamic-shape bucket's program compute only the valid rows of a padded dim (PADDING_META
+    on their FX node), reading the valid length from its placeholder at run time:
+    - a matmul of a row-wise op (mm, bmm, addmm, ctpu::linear) whose C is the node's value, padded at dim -2
+      (`MatmulKernel.valid_rows`);
+    - a generic of the node (its own, or one the node's op lowered to: a norm's reductions, a projection's
+      elementwise factor) with exactly one iteration dim of the padded size, a parallel dim its output
+      indexes: the node's padded rows, as every op that marks them is row-wise along them
+      (`GenericKernel.valid_extent`). Two dims of that size (attention's queries and keys, a hidden size equal
+      to the bucket's) leave the generic whole."""
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     nodes = {n.name: n for n in gm.graph.nodes}
     out = []
     for k in kernels:
-        node = nodes.get(k.origin[0]) if isinstance(k, MatmulKernel) else None
-        padding = node.meta.get(PADDING_META, {}) if node is not None and str(node.target) in _ROW_MATMULS else {}
+        node = nodes.get(k.origin[0]) if isinstance(k, MatmulKernel | GenericKernel) else None
         value = node.meta.get("val") if node is not None else None
-        if -2 in padding and isinstance(value, torch.Tensor) and value.dim() >= 2 and \
-                tuple(value.shape[-2:]) == tuple(k.c.shape[-2:]) and padding[-2] in placeholders:
+        padding = {dim: name for dim, name in (node.meta.get(PADDING_META, {}) if node is not None else {}).items()
+                   if name in placeholders and isinstance(value, torch.Tensor) and -value.dim() <= dim < 0}
+        if isinstance(k, MatmulKernel) and -2 in padding and str(node.target) in _ROW_MATMULS and \
+                value.dim() >= 2 and tuple(value.shape[-2:]) == tuple(k.c.shape[-2:]):
             k = dataclasses.replace(k, valid_rows=placeholders.index(padding[-2]))
+        elif isinstance(k, GenericKernel) and len(padding) == 1:
+            (dim, name), = padding.items()
+            d = _padded_iteration_dim(k, dim, value, str(node.target))
+            if d is not None:
+                k = dataclasses.replace(k, valid_extent=(placeholders.index(name), d))
         out.append(k)
     return out
 
 
+def _padded_iteration_dim(k: GenericKernel, dim: int, value: torch.Tensor, op: str) -> int | None:
+    """The iteration dim of a generic lowered from a node whose value is padded at `dim` (from the last) that
+    runs along that padding: the only iteration dim of the padded size, a parallel dim that indexes an
+    output dim at the same place from the last, size-1 dims not counted (a norm's [L, 1] sums, a
+    projection's [L, I] factor, a rope's [H, L, D/2] halves; a reduction's output may lack the node's last
+    dim, which it reduces). A fused attention's generics run along its keys as well (K^T, the key mask):
+    only its result counts."""
+    size, view, strides = value.shape[dim], k.output.view, k.output.iter_strides
+    dims = [d for d in range(len(k.sizes)) if k.sizes[d] == size]
+    if len(dims) != 1 or (k.reduction and dims[0] == len(k.sizes) - 1) or \
+            (op in _KEYED_OPS and view.shape != tuple(value.shape)):
+        return None
+    indexed = [j for j in range(len(view.shape)) if view.shape[j] == size and view.strides[j] == strides[dims[0]]]
+    if len(indexed) != 1:
+        return None
+    place, node_place = _place(view.shape, indexed[0]), _place(value.shape, len(value.shape) + dim)
+    return dims[0] if place == node_place or (k.reduction and place - 1 == node_place) else None
+
+
+def _place(shape: Sequence[int], j: int) -> int:
+    """Dim j's place counted from the last (-1), dims of size 1 not counted."""
+    return -1 - sum(1 for n in shape[j + 1:] if n != 1)
+
+
 def _value_inputs(graph: KernelGraph) -> list[int]:
     """The arguments whose values the argument table holds (after the arena's entry), in order."""
-    return sorted({k.valid_rows for k in graph.kernels if isinstance(k, MatmulKernel) and k.valid_rows is not None})
+    return sorted({k.valid_rows for k in graph.kernels if isinstance(k, MatmulKernel) and k.valid_rows is not None}
+                  | {k.valid_extent[0] for k in graph.kernels
+                     if isinstance(k, GenericKernel) and k.valid_extent is not None})
 
 
 def _unrolled_fits(graph: KernelGraph, cfg: HardwareConfig, precision: str) -> bool:

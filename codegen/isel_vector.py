@@ -66,8 +66,9 @@ def lower_fill(ctx: KernelContext, k: FillKernel) -> None:
     lower_generic(ctx, gk)
 
 
-def _iteration(k: GenericKernel) -> tuple[list[int], list[list[int]]]:
-    """The iteration sizes and every operand's strides (inputs, then the output), size-1 outer dims dropped."""
+def _iteration(k: GenericKernel) -> tuple[list[int], list[list[int]], list[int]]:
+    """The iteration sizes and every operand's strides (inputs, then the output), size-1 outer dims dropped,
+    and the kernel's iteration dim at each place."""
     sizes = list(k.sizes) or [1]
     operands = [*k.inputs, k.output]
     strides = [list(o.iter_strides) or [0] for o in operands]
@@ -81,9 +82,9 @@ def _iteration(k: GenericKernel) -> tuple[list[int], list[list[int]]]:
     keep = [d for d in range(len(sizes) - 1) if sizes[d] != 1] + [len(sizes) - 1]
     sizes, strides = [sizes[d] for d in keep], [[st[d] for d in keep] for st in strides]
     if any(a.view.buffer == k.output.view.buffer for a in k.inputs):  # in place: keep the program's order
-        return sizes, strides
+        return sizes, strides, keep
     order = [*_row_order(sizes[:-1], strides), len(sizes) - 1]
-    return [sizes[d] for d in order], [[st[d] for d in order] for st in strides]
+    return [sizes[d] for d in order], [[st[d] for d in order] for st in strides], [keep[d] for d in order]
 
 
 def _row_order(outer: list[int], strides: list[list[int]]) -> list[int]:
@@ -112,7 +113,7 @@ def _merge_rows(outer: list[int], strides: list[list[int]]) -> tuple[int, int, l
 
 
 def lower_generic(ctx: KernelContext, k: GenericKernel) -> None:
-    sizes, strides = _iteration(k)
+    sizes, strides, dims = _iteration(k)
     views = [o.view for o in [*k.inputs, k.output]]
     # transposed operands (stride along the row neither 0 nor 1) are copied into row order first
     for i, st in enumerate(strides[:-1]):
@@ -141,7 +142,7 @@ def lower_generic(ctx: KernelContext, k: GenericKernel) -> None:
         if buffers is None:  # groups run one after another and share one set of tiles (vmem is not freed)
             buffers = _tile_buffers(ctx, k, streams, rows * looped, P)
         if looped == 1:
-            _tile_loop(ctx, k, streams, buffers, rows, C, P)
+            _tile_loop(ctx, k, streams, buffers, rows, C, P, valid=_valid_rows(k, dims, outer, split))
             continue
         if rows <= buffers.tile_rows:  # whole groups fit a tile: the group loop is the tile loop
             steps = [st[d] * ESIZE[s.view.dtype] for s, st in zip(streams, strides, strict=True)]
@@ -158,6 +159,14 @@ def lower_generic(ctx: KernelContext, k: GenericKernel) -> None:
                     ctx.b.addi(s.base_reg, st[d] * ESIZE[s.view.dtype], s.base_reg)
 
         ctx.b.counted_loop(looped, group, "group")
+
+
+def _valid_rows(k: GenericKernel, dims: list[int], outer: list[int], split: int) -> tuple[int, int] | None:
+    """(argument holding the valid length, rows per unit of it) when the kernel's valid extent bounds its
+    rows: the bounded iteration dim is the outermost of the dims merged into rows, and no group dims."""
+    if k.valid_extent is None or split != 0 or not outer or dims[0] != k.valid_extent[1]:
+        return None
+    return k.valid_extent[0], math.prod(outer[1:])
 
 
 def _longest(dims: list[int]) -> tuple[int, int]:
@@ -286,14 +295,19 @@ def _tile_buffers(ctx: KernelContext, k: GenericKernel, streams: list[Stream], r
 
 
 def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buffers: TileBuffers, rows: int,
-               C: int, P: int, groups: tuple[int, list[int]] | None = None) -> None:
+               C: int, P: int, groups: tuple[int, list[int]] | None = None,
+               valid: tuple[int, int] | None = None) -> None:
     """Double-buffered tiles of T rows: tile i waits for its loads (flag LOAD + i % 2), issues the loads of
     tile i + 1, waits for the store of tile i - 2 (STORE + i % 2), computes, and stores. Pairs of full tiles
     run in a runtime loop; the last one or two tiles follow it (the last tile may be partial).
 
     `groups` (count, each stream's byte step from a group to the next): `count` groups of `rows` rows run
     as the tiles, as many whole groups a tile as fit (one DMA per group and stream), so that groups do not
-    each pay a DMA latency (a transpose's heads)."""
+    each pay a DMA latency (a transpose's heads).
+
+    `valid` (argument, rows per unit of its value): only the first value x unit rows are valid (the rest is
+    a dynamic-shape bucket's padding that nothing reads): the tiles run while rows are left, each moving
+    min(rows left, T) rows (`_runtime_tiles`)."""
     b = ctx.b
     out = streams[-1]
     loads = streams[:-1] + ([out] if _reads_output(k) else [])  # a reduction reads its output's initial value
@@ -310,15 +324,16 @@ def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buff
         sizes = [(rows, min(per, count - g0)) for g0 in range(0, count, per)]
     step = {id(s): st for s, st in zip(streams, steps, strict=True)}
 
-    def move(load: bool, s: Stream, region: Region, p: int, n: int, pieces: int) -> None:
-        """The DMAs of one tile of stream s, a piece after another in vmem, advancing its HBM pointer."""
+    def move(load: bool, s: Stream, region: Region, p: int, n: int, pieces: int, rows_reg: Reg | None) -> None:
+        """The DMAs of one tile of stream s, a piece after another in vmem, advancing its HBM pointer (by n
+        rows a piece: `rows_reg`, the rows moved at run time, is at most n)."""
         ptr = s.ptr if load else out_ptr
         assert ptr is not None
         cols = C if s.kind == "row" else 1  # a reduction's output is a column
         pitch = -(-cols // ctx.lanes)
         for j in range(pieces):
             ctx.dma(load, s.view.dtype, ptr, region, j * n * pitch, n, cols, s.row_stride,
-                    Flag.LOAD if load else Flag.STORE, p)
+                    Flag.LOAD if load else Flag.STORE, p, rows_reg=rows_reg)
             nbytes = n * s.row_stride * ESIZE[s.view.dtype] if step[id(s)] is None else step[id(s)]
             if nbytes:
                 b.addi(ptr, nbytes, ptr)
@@ -329,16 +344,15 @@ def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buff
     out_ptr = b.sreg()
     b.emit("addi", out_ptr, (out.base_reg or ctx.hbm_addr(out.view, out.base),), imm=0)
 
-    def issue_loads(p: int, size: tuple[int, int]) -> None:
+    def issue_loads(p: int, size: tuple[int, int], rows_reg: Reg | None = None) -> None:
         for s in loads:
             assert s.tiles is not None
-            move(True, s, s.tiles[p], p, *size)
+            move(True, s, s.tiles[p], p, *size, rows_reg)
 
-    def tile(p: int, size: tuple[int, int], next_size: tuple[int, int] | None) -> None:
+    def tile(p: int, size: tuple[int, int], issue_next: Callable[[], None], rows_reg: Reg | None = None) -> None:
         n = size[0] * size[1]
         b.emit("wait", flag=ctx.flag(Flag.LOAD, p))
-        if next_size:
-            issue_loads(1 - p, next_size)
+        issue_next()
         for s in streams[:-1]:
             if s.expanded is not None:
                 assert s.tiles is not None
@@ -348,15 +362,56 @@ def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buff
             _reduce_tile(ctx, k.body, streams, p, out_tiles[p], n, C, P, k.init)
         else:
             _map_tile(ctx, k.body, streams, p, out_tiles[p], n, P)
-        move(False, out, out_tiles[p], p, *size)
+        move(False, out, out_tiles[p], p, *size, rows_reg)
         b.new_block("tile_next")  # a tile's code ends a block: its DMA issues before the next tile's waits
+
+    if valid is not None:
+        _runtime_tiles(ctx, valid, rows, sizes[0][0], issue_loads, tile)
+        return
+
+    def static_tile(i: int) -> None:
+        nxt = sizes[i + 1] if i + 1 < len(sizes) else None
+        tile(i % 2, sizes[i], lambda: issue_loads(1 - i % 2, nxt) if nxt else None)
 
     issue_loads(0, sizes[0])
     pairs = (len(sizes) - 1) // 2  # tiles 0 .. 2 * pairs - 1 are full and each has a next tile
     if pairs:
-        b.counted_loop(pairs, lambda: (tile(0, sizes[0], sizes[0]), tile(1, sizes[0], sizes[0])), "tiles")
+        b.counted_loop(pairs, lambda: (static_tile(0), static_tile(1)), "tiles")
     for i in range(2 * pairs, len(sizes)):
-        tile(i % 2, sizes[i], sizes[i + 1] if i + 1 < len(sizes) else None)
+        static_tile(i)
+
+
+def _runtime_tiles(ctx: KernelContext, valid: tuple[int, int], rows: int, T: int,
+                   issue_loads: Callable[..., None], tile: Callable[..., None]) -> None:
+    """The tile loop over a runtime count of rows (value of argument valid[0] x valid[1], clamped to
+    [1, rows]): pairs of tiles while rows are left, each tile computing T rows and moving min(left, T) (the
+    computed rows past them are never stored); the next tile's loads are issued only when rows are left for
+    it, so that no DMA moves 0 rows."""
+    b = ctx.b
+    arg, unit = valid
+    left = b.sreg()
+    b.emit("max", left, (ctx.value(arg), b.const(1)))  # a bogus count never loops on nothing
+    b.emit("min", left, (left, b.const(rows // unit)))
+    if unit > 1:
+        b.emit("mul", left, (left, b.const(unit)))
+
+    def now(x: Reg) -> Reg:
+        return b.emit("min", b.sreg(), (x, b.const(T)))
+
+    def runtime_tile(p: int) -> None:
+        def issue_next() -> None:
+            nxt = b.emit("addi", b.sreg(), (left,), imm=-T)
+            b.if_positive(nxt, lambda: issue_loads(1 - p, (T, 1), now(nxt)), "next_tile")
+
+        tile(p, (T, 1), issue_next, now(left))
+
+    def pair() -> None:
+        runtime_tile(0)
+        b.addi(left, -T, left)
+        b.if_positive(left, lambda: runtime_tile(1), "odd_tile")
+
+    issue_loads(0, (T, 1), now(left))
+    b.while_positive(left, T, pair, "tiles")  # after a skipped odd tile, left <= -T: the loop ends
 
 
 def _lane0_mask(b: Builder) -> Reg:
@@ -604,7 +659,7 @@ class KernelChain:
 def chain_member(k: object, lanes: int, max_rows: int = CHAIN_MIN_TILE_ROWS) -> ChainMember | None:
     if not isinstance(k, GenericKernel):
         return None
-    sizes, strides = _iteration(k)
+    sizes, strides, _ = _iteration(k)
     if any(st[-1] not in (0, 1) for st in strides[:-1]) or strides[-1][-1] not in (0, 1) \
             or (strides[-1][-1] == 0) != k.reduction:
         return None

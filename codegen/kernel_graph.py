@@ -86,6 +86,9 @@ class GenericKernel:
     text: str = ""
     origin: tuple[str, str] = ("", "")  # (FX node, nn.Module path) from its MLIR location
     init: float | None = None  # a reduction's initial output value, from a fill folded into it (not loaded)
+    # (the graph argument holding a runtime length, the iteration dim it bounds): iterations past that length
+    # are padding of a dynamic-shape bucket that nothing reads (`compiler.bound_padded_rows`); None: all
+    valid_extent: tuple[int, int] | None = None
 
 
 @dataclass
@@ -162,9 +165,12 @@ def describe(g: KernelGraph) -> str:
             ins = ", ".join(f"{_v(o.view)} by {list(o.iter_strides)}" for o in k.inputs)
             ops = " ; ".join(f"{r} = {n} {', '.join(a)}" for r, n, a in k.body.ops)
             kind = "reduction" if k.reduction else "elementwise"
-            lines.append(f"{i}: {kind} {list(k.sizes)} ({ins}) -> {_v(k.output.view)} {{ {ops} }}")
+            bound = "" if k.valid_extent is None else \
+                f" (dim {k.valid_extent[1]} up to the value of argument {k.valid_extent[0]})"
+            lines.append(f"{i}: {kind} {list(k.sizes)}{bound} ({ins}) -> {_v(k.output.view)} {{ {ops} }}")
         elif isinstance(k, MatmulKernel):
-            lines.append(f"{i}: matmul {_v(k.a)} @ {_v(k.b)} -> {_v(k.c)}")
+            bound = "" if k.valid_rows is None else f" (rows up to the value of argument {k.valid_rows})"
+            lines.append(f"{i}: matmul {_v(k.a)} @ {_v(k.b)} -> {_v(k.c)}{bound}")
         elif isinstance(k, FillKernel):
             lines.append(f"{i}: fill {k.value} -> {_v(k.output)}")
         elif isinstance(k, GatherKernel):

@@ -148,3 +148,65 @@ def test_reordered_rows_and_group_tiles_give_eager_bits(perm: tuple[int, ...], s
     _same_bits(out, ref)
     (poisoned,) = run_with_poisoned_vmem(exe, [x.numpy(), y.numpy()])
     _same_bits(poisoned, ref)
+
+
+# ---- runtime row counts: a dynamic-shape bucket's padded rows (issue 14) -----------------------------------
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * w
+
+
+def _swiglu(x: torch.Tensor, w: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(x) * w
+
+
+def _head_rows(x: torch.Tensor, w: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    return x * w  # [H, L, D]: H outside the padded L, so the rows (H x L) are not bounded
+
+
+RUNTIME_ROWS = [  # (config, function, x's shape, w's shape, dtype, valid length)
+    ("large", _rms_norm, (1, 517, 2048), (2048,), torch.float32, 300),  # 5 tiles of 128 rows -> 3 (an odd one)
+    ("large", _rms_norm, (1, 517, 2048), (2048,), torch.float32, 131),  # -> 2, the second partial
+    ("large", _rms_norm, (1, 517, 2048), (2048,), torch.float32, 517),  # every row
+    ("large", _swiglu, (1, 600, 1024), (1, 600, 1024), torch.bfloat16, 257),
+    ("small", _rms_norm, (40, 20), (20,), torch.float32, 17),
+    ("large", _swiglu, (1, 33, 64), (1, 33, 64), torch.float32, 0),  # a count of 0 computes one row
+    ("large", _head_rows, (4, 50, 64), (64,), torch.float32, 20),
+]
+
+
+@pytest.mark.parametrize(("config", "fn", "shape", "w_shape", "dtype", "valid"), RUNTIME_ROWS,
+                         ids=lambda v: getattr(v, "__name__", str(v).replace("torch.", "")))
+def test_runtime_rows_of_a_generic_give_the_static_bits_and_leave_the_padding(config, fn, shape, w_shape, dtype,
+                                                                            valid) -> None:
+    """Generics whose FX node carries fx_passes' padding mark at the rows (PADDING_META) run their tiles while
+    rows of the runtime count are left: the valid rows have the bits of the program compiled without the
+    mark (edge values among them; also on a vmem poisoned with NaN at each kernel's start), the output's
+    padding rows are never stored (zeros of the fresh arena), and fewer rows cost fewer cycles. Where the
+    padded dim is not the outermost of the rows the generic is left whole."""
+    g = torch.Generator().manual_seed(shape[-2])
+    x = torch.randn(*shape, generator=g).to(dtype)
+    w = torch.randn(*w_shape, generator=g).to(dtype)
+    x[..., 0, :5] = torch.tensor([float("inf"), -0.0, 1e-39, float("nan"), 3e38])
+    rows = max(valid, 1)
+    x[..., rows:, ::2], x[..., rows:, 1::2] = float("nan"), float("inf")
+    count = torch.tensor(valid, dtype=torch.int32)
+    gm = trace(fn, x, w, count)
+    static = compile_graph(gm, [x, w, count], config)
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            node.meta["ctpu_padding"] = {-2: list(gm.graph.nodes)[2].name}
+    dynamic = compile_graph(gm, [x, w, count], config)
+    bounded = fn is not _head_rows
+    assert dynamic.value_inputs == [2] and static.value_inputs == []
+    inputs = [x.float().numpy(), w.float().numpy(), count.numpy()]
+    (want,), static_stats = run_fresh(static, inputs, SimulatorRunner(config))
+    (got,), stats = run_fresh(dynamic, inputs, SimulatorRunner(config))
+    _same_bits(got[..., :rows, :], want[..., :rows, :])
+    (poisoned,) = run_with_poisoned_vmem(dynamic, inputs)
+    _same_bits(poisoned[..., :rows, :], want[..., :rows, :])
+    if bounded:
+        np.testing.assert_array_equal(got[..., rows:, :], 0.0)
+        if rows < shape[-2]:
+            assert stats.cycles < static_stats.cycles
+    else:
+        _same_bits(got, want)
