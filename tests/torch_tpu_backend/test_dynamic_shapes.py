@@ -269,10 +269,10 @@ def test_one_program_computes_only_the_rows_of_each_call() -> None:
 
 
 def test_a_llama_bucket_never_reads_the_padding_it_leaves_unwritten(monkeypatch) -> None:
-    """The 1B's proportions at hidden 256 (`ctpu bench --llama mini`, bf16, `large`) at 100 and 77 tokens, one
-    bucket: the projections, norms, SwiGLU factors, rope and attention's result compute only the valid rows
-    (the rest of the bucket is never written), so every buffer of the launch's arena starts as NaN (0xFF
-    bytes) here: eager's logits, no NaN, and fewer cycles for fewer tokens in the same program."""
+    """A layer of the 1B's proportions at hidden 256 (`ctpu bench --llama mini`, bf16, `large`) at 100 and 77
+    tokens, one bucket: the projections, norms, SwiGLU factors, rope and attention's result compute only the
+    valid rows (the rest of the bucket is never written), so every buffer of the launch's arena starts as NaN
+    (0xFF bytes) here: eager's logits, no NaN, and fewer cycles for fewer tokens in the same program."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from torch_tpu_backend import runtime
@@ -288,7 +288,8 @@ def test_a_llama_bucket_never_reads_the_padding_it_leaves_unwritten(monkeypatch)
 
     monkeypatch.setattr(device.allocator, "alloc", poisoned)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**GEOMETRIES["mini"], max_position_embeddings=256)).to(torch.bfloat16)
+    config = LlamaConfig(**GEOMETRIES["mini"] | {"num_hidden_layers": 1}, max_position_embeddings=256)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
     ctpu_stats.reset()
     torch._dynamo.reset()
     compiled = torch.compile(model.eval(), backend="ctpu", options={"cache": False, "config": "large"})

@@ -86,7 +86,9 @@ def test_generate_llama_large_shape_decode(monkeypatch: pytest.MonkeyPatch) -> N
     assert len(stats.launches) == 3 == stats.kernels_launched
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# CI time: fp32 (46 s) is slow; test_generate_static_cache_every_step_one_ctpu_launch generates in fp32
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16],
+                         ids=["fp32", "bf16"])
 def test_generate_with_the_model_on_the_device(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """`model.to("ctpu")`: the graphs create their masks on the device. The prefill and every decode step
     are one CTPU program each with 0 ops on the CPU (the attention rule once failed on the device's causal

@@ -18,23 +18,27 @@ VOCAB = 128
 def _model(name: str) -> torch.nn.Module:
     t = transformers
     common = {"vocab_size": VOCAB}
+    # one layer has every op of a family; Gemma 2 and 3 alternate local and global attention between layers
+    layers = 2 if name in ("gemma2", "gemma3") else 1
     if name == "gpt2":
-        return t.GPT2LMHeadModel(t.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, **common))
+        return t.GPT2LMHeadModel(t.GPT2Config(n_embd=64, n_layer=layers, n_head=4, n_positions=64, **common))
     if name == "opt":
-        return t.OPTForCausalLM(t.OPTConfig(hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=4,
-                                            max_position_embeddings=64, word_embed_proj_dim=64, **common))
+        return t.OPTForCausalLM(t.OPTConfig(hidden_size=64, num_hidden_layers=layers, ffn_dim=128,
+                                            num_attention_heads=4, max_position_embeddings=64,
+                                            word_embed_proj_dim=64, **common))
     if name == "qwen3":
-        return t.Qwen3ForCausalLM(t.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        return t.Qwen3ForCausalLM(t.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                                 max_position_embeddings=64, **common))
     if name == "bert":
-        return t.BertModel(t.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        return t.BertModel(t.BertConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
                                         intermediate_size=128, max_position_embeddings=64, **common))
     if name == "gptj":
-        return t.GPTJForCausalLM(t.GPTJConfig(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64, **common))
+        return t.GPTJForCausalLM(t.GPTJConfig(n_embd=64, n_layer=layers, n_head=4, rotary_dim=8, n_positions=64,
+                                              **common))
     if name == "bloom":
-        return t.BloomForCausalLM(t.BloomConfig(hidden_size=64, n_layer=2, n_head=4, **common))
-    llama_like = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        return t.BloomForCausalLM(t.BloomConfig(hidden_size=64, n_layer=layers, n_head=4, **common))
+    llama_like = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": layers, "num_attention_heads": 4,
                   "num_key_value_heads": 2, "max_position_embeddings": 64, **common}
     if name in LLAMA_LIKE:
         config, model = LLAMA_LIKE[name]
@@ -42,18 +46,18 @@ def _model(name: str) -> torch.nn.Module:
         if name == "phi":
             llama_like.pop("num_key_value_heads")
         if name == "gpt_neox":
-            return t.GPTNeoXForCausalLM(t.GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            return t.GPTNeoXForCausalLM(t.GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                                         num_attention_heads=4, max_position_embeddings=64, **common))
         if name == "falcon":
-            return t.FalconForCausalLM(t.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            return t.FalconForCausalLM(t.FalconConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
                                                       **common))
         return getattr(t, model)(getattr(t, config)(**llama_like, **extra))
     if name == "qwen3_moe":
         return t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                                      head_dim=16, num_experts=8, num_experts_per_tok=2,
-                                                      max_position_embeddings=64, **common))
-    return t.MixtralForCausalLM(t.MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                      num_hidden_layers=layers, num_attention_heads=4,
+                                                      num_key_value_heads=2, head_dim=16, num_experts=8,
+                                                      num_experts_per_tok=2, max_position_embeddings=64, **common))
+    return t.MixtralForCausalLM(t.MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                                 num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                                 num_experts_per_tok=2, max_position_embeddings=64, **common))
 
