@@ -170,6 +170,7 @@ def test_large_llama_shapes(d: int, dtype: torch.dtype) -> None:
     check(*_qkv(1, 8, 2, 33, 300, d, dtype), causal=True, config="large", tiles=False)
 
 
+@pytest.mark.slow  # CI time (41 s); the fusion barrier: test_a_2048_token_prefill_with_its_output_projection_*
 def test_long_context_on_small() -> None:
     """1024 keys, 64 queries on `small`: 8 tiles of 128 keys. linalg-fuse-elementwise-ops fused the running
     sum and output updates of every tile into the final division, one generic of 3 operands per tile that ran

@@ -81,6 +81,7 @@ def test_llama_program_size_does_not_grow_with_depth() -> None:
                for k in kernels[last + 1:first + 8 * body])
 
 
+@pytest.mark.slow  # CI time (77 s); in CI looped programs match eager: test_large_bf16_llama_layers_loop, generate
 def test_llama_loop_is_the_unrolled_program() -> None:
     """The same 4-layer graph with and without the loop: the same bits (the loop runs the same kernels over
     the same addresses), also on vmem poisoned at every kernel start (the window and cursor survive)."""

@@ -17,6 +17,7 @@ def _passes(results) -> None:  # type: ignore[no-untyped-def]
     assert tests >= 1 and failed == 0, f"{failed} of {tests} cocotb tests failed (see {results})"
 
 
+@pytest.mark.slow  # CI time (95 s); in CI the MXU array runs in the whole core: test_compiled_models.py
 def test_systolic_array_bench() -> None:
     runner = vb.build("mxu_array", "ctpu_mxu_array",
                       ["ctpu_fp_pkg.sv", "ctpu_mxu_pe.sv", "ctpu_mxu_array.sv"], parameters={"N": 8})

@@ -216,6 +216,7 @@ def test_graphs_the_passes_refuse_run_on_the_cpu_with_a_warning() -> None:
         assert out == expected if isinstance(expected, torch.Size) else torch.equal(out, expected)
 
 
+@pytest.mark.slow  # CI time (55 s); the argument table and the batch and n-tile loops run in every Llama test
 def test_four_layer_llama_with_39_inputs_is_one_kernel() -> None:
     """hidden 128, 4 layers, vocab 512, 16 tokens: 39 inputs (more than the 31 scalar registers: the
     argument table), batched attention matmuls (batch loop), 64 n-tiles in the head (n-tile loop)."""
