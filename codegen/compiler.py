@@ -301,10 +301,10 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
 # set by fx_passes/dynamic.py (PADDING_META) on nodes of a dynamic-shape bucket's program: {dim counted from
 # the last: name of the placeholder holding its valid length} for padded dims whose padding nothing reads
 PADDING_META = "ctpu_padding"
-# the FX ops whose matmul kernel computes the node's value row for row (fused ops with inner matmuls, such as
-# attention, have other rows)
 # fused ops whose generics also run along a dim of the padded size that is not the padded one (keys)
 _KEYED_OPS = ("ctpu.attention.default",)
+# the FX ops whose matmul kernel computes the node's value row for row (fused ops with inner matmuls, such as
+# attention, have other rows)
 _ROW_MATMULS = ("aten.mm.default", "aten.bmm.default", "aten.addmm.default", "ctpu.linear.default")
 
 

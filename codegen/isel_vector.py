@@ -369,16 +369,16 @@ def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buff
         _runtime_tiles(ctx, valid, rows, sizes[0][0], issue_loads, tile)
         return
 
-    def static_tile(i: int) -> None:
-        nxt = sizes[i + 1] if i + 1 < len(sizes) else None
-        tile(i % 2, sizes[i], lambda: issue_loads(1 - i % 2, nxt) if nxt else None)
+    def static_tile(p: int, size: tuple[int, int], next_size: tuple[int, int] | None) -> None:
+        tile(p, size, lambda: issue_loads(1 - p, next_size) if next_size else None)
 
     issue_loads(0, sizes[0])
     pairs = (len(sizes) - 1) // 2  # tiles 0 .. 2 * pairs - 1 are full and each has a next tile
     if pairs:
-        b.counted_loop(pairs, lambda: (static_tile(0), static_tile(1)), "tiles")
+        b.counted_loop(pairs, lambda: (static_tile(0, sizes[0], sizes[0]), static_tile(1, sizes[0], sizes[0])),
+                       "tiles")
     for i in range(2 * pairs, len(sizes)):
-        static_tile(i)
+        static_tile(i % 2, sizes[i], sizes[i + 1] if i + 1 < len(sizes) else None)
 
 
 def _runtime_tiles(ctx: KernelContext, valid: tuple[int, int], rows: int, T: int,

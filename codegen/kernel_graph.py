@@ -304,7 +304,7 @@ def _fold_transposed_weights(g: KernelGraph) -> None:
         if src.view.dtype != tmp.dtype or (src.iter_strides[-2] != 1 and K > 1):
             continue
         first, last = g.kernels.index(copy), g.kernels.index(mm)
-        if any(_written(k) == src.view.buffer for k in g.kernels[first + 1:last]):
+        if any(written_buffer(k) == src.view.buffer for k in g.kernels[first + 1:last]):
             continue
         mm.b = View(src.view.buffer, src.view.offset, tmp.shape, src.iter_strides, tmp.dtype)
         g.kernels.remove(copy)
@@ -685,7 +685,7 @@ def _fill_value(g: KernelGraph, buffer: str) -> float | None:
     """The value the last kernel writing `buffer` filled it with (following whole identity copies from
     other buffers, which bufferization makes when CSE has shared one fill between several users), or
     None. A copy within the buffer (a circular pad's wrap-around) or of part of it is no fill."""
-    writer = next((k for k in reversed(g.kernels) if _written(k) == buffer), None)
+    writer = next((k for k in reversed(g.kernels) if written_buffer(k) == buffer), None)
     if isinstance(writer, FillKernel) and _whole(g, writer.output):
         return writer.value
     if isinstance(writer, GenericKernel) and not writer.body.ops and len(writer.inputs) == 1 \
@@ -695,7 +695,8 @@ def _fill_value(g: KernelGraph, buffer: str) -> float | None:
     return None
 
 
-def _written(k: Kernel) -> str:
+def written_buffer(k: Kernel) -> str:
+    """The buffer kernel k writes."""
     if isinstance(k, GenericKernel):
         return k.output.view.buffer
     if isinstance(k, MatmulKernel):

@@ -36,6 +36,7 @@ from codegen.kernel_graph import (
     ScatterKernel,
     View,
     views_of,
+    written_buffer,
 )
 from codegen.mir import ZERO, Mem, Reg
 
@@ -156,7 +157,7 @@ def hoist_invariant_kernels(kernels: list[Kernel], graph: KernelGraph) -> list[K
     kernels hoisted before them made) moved to the front, in order. MLIR's CSE leaves such a value (a causal
     mask's iotas, a kv_len mask) to the first layer that needs it, which made that layer unlike the others:
     the loop then covered all layers but one (and at 2048 tokens two layers' code passed imem)."""
-    writes = [{v.buffer for v in _written(k)} for k in kernels]
+    writes = [{written_buffer(k)} for k in kernels]
     writers = Counter(b for w in writes for b in w)
     made: set[str] = set()
     touched: set[str] = set()  # buffers the kernels left in place so far read or write
@@ -171,17 +172,6 @@ def hoist_invariant_kernels(kernels: list[Kernel], graph: KernelGraph) -> list[K
             rest.append(k)
             touched |= {v.buffer for v in views_of(k)}
     return front + rest
-
-
-def _written(k: Kernel) -> list[View]:
-    if isinstance(k, GenericKernel):
-        return [k.output.view]
-    if isinstance(k, FillKernel | IotaKernel | GatherKernel):
-        return [k.output]
-    if isinstance(k, ScatterKernel):
-        return [k.dest]
-    assert isinstance(k, MatmulKernel)
-    return [k.c]
 
 
 # ---- the loop's code ------------------------------------------------------------------------------------
