@@ -3,11 +3,13 @@
 `Simulator.run()` issues one bundle per cycle plus documented stalls (wait, full DMA/MXU FIFOs). Results
 land at issue + latency through a small ring of pending writes, so reading a register early returns its
 old value exactly as the exposed pipeline does. Vector and matrix work runs as numpy operations on whole
-registers and tiles; instructions are decoded once at load into (function, operands) pairs.
+registers and tiles; instructions are decoded at load into (function, operands) pairs, each distinct
+bundle once per process (a program reloaded per launch or per token decodes from the cache).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,14 +27,40 @@ __all__ = ["DEFAULT_MAX_CYCLES", "CtpuTrap", "RunStats", "Simulator"]
 DEFAULT_MAX_CYCLES = 10**8
 
 
-@dataclass
+@dataclass(frozen=True)
 class DecodedBundle:
-    ops: list[tuple[Semantics, Operands]]  # execution order: async units first (they claim vmem rows)
+    """One bundle's slots decoded; shared by every bundle of the same words (`_decode_words` caches it)."""
+
+    ops: tuple[tuple[Semantics, Operands], ...]  # execution order: async units first (they claim vmem rows)
     wait_flag: int | None
     issues_dma: bool
     issues_mxu: bool
     halts: bool
     slot_mask: tuple[bool, ...]
+    branch_target: int | None  # the immediate of a bz / bnz / jmp, checked against each program's length
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _decode_words(words: tuple[int, ...]) -> DecodedBundle:
+    """Decoding is pure in the words: a program reloaded (each launch, each generated token) and the many
+    identical bundles of one program decode once. Raises isa.EncodingError."""
+    ops, wait, dma, mxu, halts, mask, target = [], None, False, False, False, [], None
+    for slot, word in zip(isa.SLOTS, words, strict=False):
+        ins, values = isa.decode_slot(word, slot)
+        mask.append(ins is not isa.NOP)
+        if ins is isa.NOP:
+            continue
+        op = Operands(ins, values, slot)
+        if ins.mnemonic == "wait":
+            wait = op.flag
+        halts |= ins.mnemonic == "halt"
+        dma |= ins.unit is isa.Unit.DMA
+        mxu |= ins.unit is isa.Unit.MXU
+        if ins.mnemonic in ("bnz", "bz", "jmp"):
+            target = op.imm
+        ops.append((SEMANTICS[ins.mnemonic], op))
+    ops.sort(key=lambda fo: fo[1].ins.unit not in (isa.Unit.MXU, isa.Unit.DMA))
+    return DecodedBundle(tuple(ops), wait, dma, mxu, halts, tuple(mask), target)
 
 
 @dataclass
@@ -148,28 +176,15 @@ class Simulator:
         self.decoded = [self._decode(program, pc, b) for pc, b in enumerate(program.bundles)]
 
     def _decode(self, program: Program, pc: int, words: tuple[int, ...]) -> DecodedBundle:
-        ops, wait, dma, mxu, halts, mask = [], None, False, False, False, []
-        for slot, word in zip(isa.SLOTS, words, strict=False):
-            try:
-                ins, values = isa.decode_slot(word, slot)
-            except isa.EncodingError as e:
-                raise CtpuTrap(f"illegal encoding: {e}", pc, 0, program.where(pc)) from None
-            mask.append(ins is not isa.NOP)
-            if ins is isa.NOP:
-                continue
-            op = Operands(ins, values, slot)
-            if ins.mnemonic == "wait":
-                wait = op.flag
-            halts |= ins.mnemonic == "halt"
-            dma |= ins.unit is isa.Unit.DMA
-            mxu |= ins.unit is isa.Unit.MXU
-            if ins.mnemonic == "bnz" or ins.mnemonic == "bz" or ins.mnemonic == "jmp":
-                if not 0 <= op.imm < len(program):
-                    raise CtpuTrap(f"branch target {op.imm} outside the program (0..{len(program) - 1})", pc, 0,
-                                   program.where(pc))
-            ops.append((SEMANTICS[ins.mnemonic], op))
-        ops.sort(key=lambda fo: fo[1].ins.unit not in (isa.Unit.MXU, isa.Unit.DMA))
-        return DecodedBundle(ops, wait, dma, mxu, halts, tuple(mask))
+        try:
+            decoded = _decode_words(tuple(words))
+        except isa.EncodingError as e:
+            raise CtpuTrap(f"illegal encoding: {e}", pc, 0, program.where(pc)) from None
+        target = decoded.branch_target
+        if target is not None and not 0 <= target < len(program):
+            raise CtpuTrap(f"branch target {target} outside the program (0..{len(program) - 1})", pc, 0,
+                           program.where(pc))
+        return decoded
 
     def run(self, args: dict[int, int] | None = None) -> RunStats:
         """Run the loaded program to halt. `args` presets scalar registers (the launch ABI: s1.. hold

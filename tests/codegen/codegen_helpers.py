@@ -3,6 +3,7 @@ compile it, run it on the simulator (also on vmem poisoned with NaN at every ker
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -106,7 +107,8 @@ def run_with_poisoned_vmem(exe: Executable, inputs: list[np.ndarray]) -> list[np
             m.vmem[lo:hi] = rows
 
     for pc in starts:
-        sim.decoded[pc].ops.insert(0, (functools.partial(poison, pc=pc), None))
+        b = sim.decoded[pc]  # decoded bundles are shared (a cache): this program's start gets its own
+        sim.decoded[pc] = dataclasses.replace(b, ops=((functools.partial(poison, pc=pc), None), *b.ops))
     sim.run(regs)
     assert poisoned == runs  # each kernel poisoned once per run (no loop inside a kernel starts at its start)
     return [read_output(hbm, v, addrs, arena) for v in exe.outputs]

@@ -47,9 +47,11 @@ def _compiled_generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: in
     return out, len(graphs), ctpu_stats.last()
 
 
-# CI runs GQA in fp32 and MHA in bf16 (~1 min each); the other two pairs are `slow`
+# CI runs MHA in bf16; the other three pairs are `slow` (CI time: GQA fp32 took 65 s). In CI the README's
+# generate() example (tests/test_repo.py) runs the tiny Llama, GQA in fp32, against eager's tokens
 @pytest.mark.parametrize(("kv_heads", "dtype"), [
-    pytest.param(2, torch.float32, id="gqa-fp32"), pytest.param(4, torch.bfloat16, id="mha-bf16"),
+    pytest.param(2, torch.float32, id="gqa-fp32", marks=pytest.mark.slow),
+    pytest.param(4, torch.bfloat16, id="mha-bf16"),
     pytest.param(4, torch.float32, id="mha-fp32", marks=pytest.mark.slow),
     pytest.param(2, torch.bfloat16, id="gqa-bf16", marks=pytest.mark.slow)])
 def test_generate_static_cache_every_step_one_ctpu_launch(kv_heads: int, dtype: torch.dtype,

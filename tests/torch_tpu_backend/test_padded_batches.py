@@ -36,7 +36,10 @@ def padded_llama(attention: str) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("batch,attention", [(2, "sdpa"), (3, "sdpa"), (3, "eager")])
+# CI time: Hugging Face's eager attention at batch 3 in CI; SDPA `slow` (17-19 s each): in CI the padded
+# batch of 3 runs through SDPA in test_greedy_generate_with_a_static_cache_gives_eagers_tokens[3]
+@pytest.mark.parametrize("batch,attention", [pytest.param(2, "sdpa", marks=pytest.mark.slow),
+                                             pytest.param(3, "sdpa", marks=pytest.mark.slow), (3, "eager")])
 def test_forward_logits_are_eager(batch: int, attention: str) -> None:
     model = padded_llama(attention)
     ids, mask = left_padded(batch)

@@ -59,7 +59,8 @@ def test_profile_needs_the_simulator() -> None:
         CompileOptions.resolve({"profile": "t", "target": "rtl"})
 
 
-@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+# CI time: the decode case (which compiles the prefill too) in CI; the prefill alone `slow` (13 s)
+@pytest.mark.parametrize("decode", [pytest.param(False, marks=pytest.mark.slow), True], ids=["prefill", "decode"])
 def test_ctpu_profile_writes_a_trace_and_the_roofline(fresh_compile: None, tmp_path: Path, decode: bool,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "trace.json"
