@@ -62,9 +62,14 @@ class Region:
     name: str
     row: int  # first vmem row
     rows: int
+    base: int = 0  # its first row's offset in the region `name` was allocated as (`view`)
 
     def mem(self, lo: int = 0, hi: int | None = None, write: bool = False) -> Mem:
-        return Mem(self.name, lo, self.rows if hi is None else hi, write)
+        return Mem(self.name, self.base + lo, self.base + (self.rows if hi is None else hi), write)
+
+    def view(self, offset: int, rows: int) -> Region:
+        """Rows [offset, offset + rows) as a region of their own: one DMA can fill several views."""
+        return Region(self.name, self.row + offset, rows, self.base + offset)
 
 
 def wait_for_stores() -> list[MInstr]:

@@ -36,6 +36,7 @@ nonzero value: so the parts that hold a non-finite x are chosen by the passes th
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -184,11 +185,11 @@ RESIDENT_FLAGS = ((Flag.LOAD, 0), (Flag.LOAD, 1), (Flag.MATMUL_A, 0), (Flag.MATM
 def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool, KT: int, NT: int,
                       trans_b: bool, precision: str) -> bool:
     """Many small matmuls (decode attention: q @ K^T and P @ V for each KV head) with many batches' A, B and
-    C in vmem at once: in rounds of as many batches as vmem holds (all of them, unless the context is long),
-    each round's loads issued back to back, then per group of batches (RESIDENT_FLAGS) a wait, the splits
-    (fp32 parts), its MXU commands and the previous group's stores. The batch loop pays a DMA latency in and
-    one out per batch; a batch whose MXU work is shorter than a latency is worth that. False (nothing
-    emitted) when it does not apply or two batches do not fit."""
+    C in vmem at once: all of them in one round, in groups whose loads run ahead of the MXU work (a group's
+    DMAs issued along an earlier group's MXU commands), or, when vmem holds only some, in double-buffered
+    rounds (`_resident_rounds`). The batch loop pays a DMA latency in and one out per batch; a batch whose
+    MXU work is shorter than a latency is worth that. False (nothing emitted) when it does not apply or two
+    batches do not fit."""
     a, bm, c = k.a, k.b, k.c
     L, b = ctx.lanes, ctx.b
     M, K = a.shape[-2:]
@@ -202,7 +203,13 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
             or R < 2:
         return False
     a_parts = [[ctx.region(KT * mt, f"a{q}_") for q in range(parts)] for _ in range(R)]
-    panels = [[[ctx.region(KT * L, f"b{q}_") for q in range(parts)] for _ in range(NT)] for _ in range(R)]
+    # B = K^T of one k-tile (head dim <= lanes): a batch's keys land one a row in one DMA, its n-tiles' panels
+    # views of that region (a DMA an n-tile cost each batch 16 commands at 2048 keys: the kernel was bound
+    # by issuing their address arithmetic)
+    whole_b = trans_b and KT == 1 and bm.strides[-2] == 1
+    raw_b = [ctx.region(NT * L, "b0_") for _ in range(R)] if whole_b else []
+    panels = [[[raw_b[s].view(nt * L, L) if whole_b and q == 0 else ctx.region(KT * L, f"b{q}_")
+                for q in range(parts)] for nt in range(NT)] for s in range(R)]
     c_tiles = [[ctx.region(mt, "c") for _ in range(NT)] for _ in range(R)]
     t = _Tiling(a_sets=[], b_sets=[], c_tiles=[], passes=passes, mt=mt, KT=KT, KC=KT, NT=NT, hi_full=False,
                 trans_b=trans_b, a_chunked=False)
@@ -216,51 +223,96 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
         return min(L, bm.shape[-1] - nt * L)
 
     commands = [(qa, qb, kt, kt) for qa, qb in passes for kt in range(KT)]
+
+    def loads(i: int, s: int, role: Flag, parity: int) -> list[Callable[[], None]]:
+        """Batch i's A and B into slot s: a DMA (or a few k-tiles) each."""
+        def a_tiles() -> None:
+            _dma_tiles(ctx, a, ctx.hbm_addr(a, at(a, i)), a_parts[s][0], mt, KT, M, K, role, parity)
+
+        def b_panel(nt: int) -> None:
+            if trans_b:
+                hbm = ctx.hbm_addr(bm, at(bm, i) + nt * L * bm.strides[-1])
+                _dma_tiles(ctx, bm, hbm, panels[s][nt][0], L, KT, cols(nt), K, role, parity)
+            else:
+                ctx.dma(True, bm.dtype, ctx.hbm_addr(bm, at(bm, i) + nt * L), panels[s][nt][0], 0, K, cols(nt),
+                        bm.strides[-2], role, parity)
+        def b_whole() -> None:
+            ctx.dma(True, bm.dtype, ctx.hbm_addr(bm, at(bm, i)), raw_b[s], 0, bm.shape[-1], K, bm.strides[-1],
+                    role, parity)
+        return [a_tiles, *([b_whole] if whole_b else (functools.partial(b_panel, nt) for nt in range(NT)))]
+
+    def load(i: int, s: int, role: Flag, parity: int) -> None:
+        for issue in loads(i, s, role, parity):
+            issue()
+
+    def compute(slots: list[tuple[int, int]], parity: int) -> None:  # (batch, slot)s: splits, then MXU commands
+        for _, s in slots if parts > 1 else ():
+            _split(ctx, a_parts[s], KT * mt, False)
+            for nt in range(NT):
+                _split(ctx, panels[s][nt], KT * L, False)
+        for _, s in slots:
+            for nt in range(NT):
+                _mxu(ctx, t, a_parts[s], panels[s][nt], c_tiles[s][nt], commands, M, first=True, overwrite=True,
+                     parity=parity)
+
+    def store(slots: list[tuple[int, int]], parity: int, store_parity: int = 0) -> None:
+        b.emit("wait", flag=ctx.flag(Flag.MXU, parity))  # only these slots' commands are on it
+        for i, s in slots:
+            for nt in range(NT):
+                ctx.dma(False, c.dtype, ctx.hbm_addr(c, at(c, i) + nt * L), c_tiles[s][nt], 0, M, cols(nt),
+                        c.strides[-2], Flag.STORE, store_parity)
+
+    if R < B:  # rounds, double-buffered: the next round loads while this one computes
+        _resident_rounds(ctx, B, R, load, compute, store)
+        return True
+    # one round in up to four groups, each loading on a flag of its own: a group's MXU work starts when its
+    # operands have landed, along the next groups' DMA, and its stores go along the next group's MXU work. A
+    # group per half latency of transfer: short loads (a few positions of context) stay one group, as each
+    # group's wait drains the MXU
     half_latency = ctx.config.hbm_bytes_per_cycle * ctx.config.dma_latency // 2  # bytes
-    for r0 in range(0, B, R):
-        if r0:  # the previous round's last stores still read its C tiles, which this round's MXU writes
-            b.emit("wait", flag=ctx.flag(Flag.STORE, 0))
-        rnd = range(r0, min(B, r0 + R))
-        # the round's batches in up to four groups, each loading on a flag of its own: a group's MXU work
-        # starts when its operands have landed, along the next groups' DMA, and its stores go along the next
-        # group's MXU work. A group per half latency of transfer: short loads (a few positions of context)
-        # stay one group, as each group's wait drains the MXU
-        load_bytes = len(rnd) * (M * K * _esize(a) + K * bm.shape[-1] * _esize(bm))
-        n = max(1, min(len(RESIDENT_FLAGS), len(rnd), load_bytes // half_latency))
-        groups = [rnd[g * len(rnd) // n:(g + 1) * len(rnd) // n] for g in range(n)]
-        for batches, (role, parity) in zip(groups, RESIDENT_FLAGS, strict=False):
-            for i in batches:
-                s = i - r0  # its regions
-                _dma_tiles(ctx, a, ctx.hbm_addr(a, at(a, i)), a_parts[s][0], mt, KT, M, K, role, parity)
-                for nt in range(NT):
-                    if trans_b:
-                        hbm = ctx.hbm_addr(bm, at(bm, i) + nt * L * bm.strides[-1])
-                        _dma_tiles(ctx, bm, hbm, panels[s][nt][0], L, KT, cols(nt), K, role, parity)
-                    else:
-                        ctx.dma(True, bm.dtype, ctx.hbm_addr(bm, at(bm, i) + nt * L), panels[s][nt][0], 0, K,
-                                cols(nt), bm.strides[-2], role, parity)
-
-        def store(g: int, groups: list[range] = groups, r0: int = r0) -> None:
-            b.emit("wait", flag=ctx.flag(Flag.MXU, g % 2))  # only group g's commands are on it: g - 2's were waited
-            for i in groups[g]:
-                for nt in range(NT):
-                    ctx.dma(False, c.dtype, ctx.hbm_addr(c, at(c, i) + nt * L), c_tiles[i - r0][nt], 0, M, cols(nt),
-                            c.strides[-2], Flag.STORE, 0)
-
-        for g, (batches, (role, parity)) in enumerate(zip(groups, RESIDENT_FLAGS, strict=False)):
-            b.emit("wait", flag=ctx.flag(role, parity))
-            for i in batches if parts > 1 else ():
-                _split(ctx, a_parts[i - r0], KT * mt, False)
-                for nt in range(NT):
-                    _split(ctx, panels[i - r0][nt], KT * L, False)
-            for i in batches:
-                for nt in range(NT):
-                    _mxu(ctx, t, a_parts[i - r0], panels[i - r0][nt], c_tiles[i - r0][nt], commands, M, first=True,
-                         overwrite=True, parity=g % 2)
-            if g:
-                store(g - 1)
-        store(len(groups) - 1)
+    load_bytes = B * (M * K * _esize(a) + K * bm.shape[-1] * _esize(bm))
+    n = max(1, min(len(RESIDENT_FLAGS), B, load_bytes // half_latency))
+    groups = [[(i, i) for i in range(g * B // n, (g + 1) * B // n)] for g in range(n)]
+    for slots, (role, parity) in zip(groups, RESIDENT_FLAGS, strict=False):
+        for i, s in slots:
+            load(i, s, role, parity)
+    for g, (slots, (role, parity)) in enumerate(zip(groups, RESIDENT_FLAGS, strict=False)):
+        b.emit("wait", flag=ctx.flag(role, parity))
+        compute(slots, g % 2)
+        if g:
+            store(groups[g - 1], (g - 1) % 2)  # g - 2's commands were waited
+    store(groups[-1], (n - 1) % 2)
     return True
+
+
+def _resident_rounds(ctx: KernelContext, B: int, R: int, load: Callable[[int, int, Flag, int], None],
+                     compute: Callable[[list[tuple[int, int]], int], None],
+                     store: Callable[[list[tuple[int, int]], int, int], None]) -> None:
+    """More batches than vmem holds (R slots): rounds of up to R // 2 batches in two alternating halves of the
+    slots. Round k + 1's loads are issued before round k's MXU work, so the DMA queue never waits for the
+    MXU (rounds in place of that waited a latency in and out each, 3x the kernel's transfer time at a
+    4096-token context). Round k's flags and MXU parity are k % 2; its slots were last read by round k - 1's
+    MXU work, which its stores waited for, and its C tiles are stored by round k - 2 (STORE k % 2)."""
+    half = max(1, R // 2)
+    count = -(-B // half)
+    rounds = [range(r * B // count, (r + 1) * B // count) for r in range(count)]  # even sizes, each <= half
+
+    def slots(k: int) -> list[tuple[int, int]]:
+        return [(i, (k % 2) * half + j) for j, i in enumerate(rounds[k])]
+
+    b = ctx.b
+    for i, s in slots(0):
+        load(i, s, Flag.LOAD, 0)
+    for k in range(count):
+        p = k % 2
+        if k + 1 < count:
+            for i, s in slots(k + 1):
+                load(i, s, Flag.LOAD, 1 - p)
+        b.emit("wait", flag=ctx.flag(Flag.LOAD, p))
+        if k >= 2:  # round k - 2's stores still read these C tiles
+            b.emit("wait", flag=ctx.flag(Flag.STORE, p))
+        compute(slots(k), p)
+        store(slots(k), p, p)
 
 
 @dataclass(frozen=True)

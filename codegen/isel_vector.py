@@ -241,8 +241,10 @@ def _round8(rows: int) -> int:
 
 def max_tile_vmem_rows(config: HardwareConfig) -> int:
     """vmem rows of one operand's tile: MAX_TILE_VMEM_ROWS, or more where a DMA latency moves more rows
-    (`large`: 500 cycles x 4 rows, 2048), so that two tiles in flight keep the channel busy."""
-    return max(MAX_TILE_VMEM_ROWS, 1 << (config.dma_latency * config.vmem_port_rows - 1).bit_length())
+    (`large`: 500 cycles x 4 full bf16 rows, 2048), so that two tiles in flight keep the channel busy. Full
+    rows: the port may move more rows a cycle than HBM delivers full ones (`large`: 8 against 4)."""
+    rows_per_cycle = max(1, min(config.vmem_port_rows, config.hbm_bytes_per_cycle // (2 * config.lanes)))
+    return max(MAX_TILE_VMEM_ROWS, 1 << (config.dma_latency * rows_per_cycle - 1).bit_length())
 
 
 def _choose_tile_rows(ctx: KernelContext, k: GenericKernel, streams: list[Stream], rows: int, P: int) -> int:

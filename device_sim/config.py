@@ -96,8 +96,9 @@ LARGE = HardwareConfig(
     hbm_bytes_per_cycle=1024,  # ~1 TB/s at 1 GHz
     dma_latency=500,
     imem_bundles=65536,
-    # a bf16 weight row is 256 bytes: 4 rows per cycle keep up with HBM (1 row per cycle ran decode at 1/4)
-    vmem_port_rows=4,
+    # a bf16 weight row is 256 bytes: 4 rows per cycle keep up with HBM (1 row per cycle ran decode at 1/4);
+    # 8, as a cached key or value row of head dim 64 is 128 bytes (docs/architecture.md)
+    vmem_port_rows=8,
     # twice HBM's pace: a decode projection's weights prefetched during the small kernels before it are
     # consumed faster than HBM delivers the rest, so that time is won back (docs/architecture.md)
     weight_port_rows=8,

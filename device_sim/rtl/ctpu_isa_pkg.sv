@@ -501,7 +501,7 @@ package ctpu_isa_pkg;
   localparam int CFG_LARGE_IMEM_BUNDLES = 65536;
   localparam int CFG_LARGE_DMA_QUEUE = 8;
   localparam int CFG_LARGE_MXU_QUEUE = 4;
-  localparam int CFG_LARGE_VMEM_PORT_ROWS = 4;
+  localparam int CFG_LARGE_VMEM_PORT_ROWS = 8;
   localparam int CFG_LARGE_WEIGHT_PORT_ROWS = 8;
 
 endpackage
