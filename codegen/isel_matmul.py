@@ -36,7 +36,6 @@ nonzero value: so the parts that hold a non-finite x are chosen by the passes th
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -185,9 +184,9 @@ RESIDENT_FLAGS = ((Flag.LOAD, 0), (Flag.LOAD, 1), (Flag.MATMUL_A, 0), (Flag.MATM
 def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool, KT: int, NT: int,
                       trans_b: bool, precision: str) -> bool:
     """Many small matmuls (decode attention: q @ K^T and P @ V for each KV head) with many batches' A, B and
-    C in vmem at once: all of them in one round, in groups whose loads run ahead of the MXU work (a group's
-    DMAs issued along an earlier group's MXU commands), or, when vmem holds only some, in double-buffered
-    rounds (`_resident_rounds`). The batch loop pays a DMA latency in and one out per batch; a batch whose
+    C in vmem at once: all of them in one round, every load issued first and the MXU work in groups that
+    each wait for their own loads, or, when vmem holds only some, in double-buffered rounds
+    (`_resident_rounds`). The batch loop pays a DMA latency in and one out per batch; a batch whose
     MXU work is shorter than a latency is worth that. False (nothing emitted) when it does not apply or two
     batches do not fit."""
     a, bm, c = k.a, k.b, k.c
@@ -224,26 +223,19 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
 
     commands = [(qa, qb, kt, kt) for qa, qb in passes for kt in range(KT)]
 
-    def loads(i: int, s: int, role: Flag, parity: int) -> list[Callable[[], None]]:
-        """Batch i's A and B into slot s: a DMA (or a few k-tiles) each."""
-        def a_tiles() -> None:
-            _dma_tiles(ctx, a, ctx.hbm_addr(a, at(a, i)), a_parts[s][0], mt, KT, M, K, role, parity)
-
-        def b_panel(nt: int) -> None:
+    def load(i: int, s: int, role: Flag, parity: int) -> None:  # batch i's A and B into slot s
+        _dma_tiles(ctx, a, ctx.hbm_addr(a, at(a, i)), a_parts[s][0], mt, KT, M, K, role, parity)
+        if whole_b:
+            ctx.dma(True, bm.dtype, ctx.hbm_addr(bm, at(bm, i)), raw_b[s], 0, bm.shape[-1], K, bm.strides[-1],
+                    role, parity)
+            return
+        for nt in range(NT):
             if trans_b:
                 hbm = ctx.hbm_addr(bm, at(bm, i) + nt * L * bm.strides[-1])
                 _dma_tiles(ctx, bm, hbm, panels[s][nt][0], L, KT, cols(nt), K, role, parity)
             else:
                 ctx.dma(True, bm.dtype, ctx.hbm_addr(bm, at(bm, i) + nt * L), panels[s][nt][0], 0, K, cols(nt),
                         bm.strides[-2], role, parity)
-        def b_whole() -> None:
-            ctx.dma(True, bm.dtype, ctx.hbm_addr(bm, at(bm, i)), raw_b[s], 0, bm.shape[-1], K, bm.strides[-1],
-                    role, parity)
-        return [a_tiles, *([b_whole] if whole_b else (functools.partial(b_panel, nt) for nt in range(NT)))]
-
-    def load(i: int, s: int, role: Flag, parity: int) -> None:
-        for issue in loads(i, s, role, parity):
-            issue()
 
     def compute(slots: list[tuple[int, int]], parity: int) -> None:  # (batch, slot)s: splits, then MXU commands
         for _, s in slots if parts > 1 else ():
