@@ -14,12 +14,15 @@ groups of half i % 2) waits for its group, then issues per tile `mxu.lwt` + mm a
 i + 1's tile into the other half (freed by iteration i - 1, whose weight loads are waited for on WEIGHTS),
 so the DMA stream runs one iteration ahead: a group's last DMA lands a group's work (G tiles) after it was
 issued, which G is chosen to cover (`plan`). C is NT vmem rows, row nt = C[0, nt*N : nt*N + N]: one store
-at the end.
+at the end. A stream whose first two iterations were prefetched (into two slots, below) runs a ring of
+three regions: those two iterations load the third one's tiles (and the fourth's first few) a tile every
+second command, as fast as the channel takes them, and the rest runs one iteration ahead as above.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -105,19 +108,22 @@ def _tile_dma(ctx: KernelContext, p: DecodePlan, ws: int, h: Reg, row: Reg, j: i
     b.emit("dma.ld.bf16", None, (at, b.offset_reg(row, j * L), shape, b.const(ws)), flag=flag, mem=mem)
 
 
-def _first_half_dmas(ctx: KernelContext, k: MatmulKernel, p: DecodePlan, half: Region, tiles: range,
-                     flag: Callable[[int], int], mem: tuple) -> list[Callable[[], None]]:
-    """The DMAs of tiles `tiles` (of 0 .. 2G) of `k`'s first iteration into the ring half `half`, each a
-    callable that emits it (a stream spreads a prefetch over its MXU commands); `flag(q)` for group q."""
-    state: dict[str, Reg] = {}
+def _first_dmas(ctx: KernelContext, k: MatmulKernel, p: DecodePlan, regions: list[Region], tiles: range,
+                flag: Callable[[int], int], mem: tuple) -> list[Callable[[], None]]:
+    """The DMAs of tiles `tiles` of `k`'s first iterations (tile t of iteration t // 2G) into those
+    iterations' ring regions, each a callable that emits it (a stream spreads a prefetch over its MXU
+    commands); `flag(q)` for group q of an iteration."""
+    state: dict[int, tuple[Reg, Reg]] = {}
+    step = p.U * ctx.lanes * k.b.strides[1]  # W's elements of one iteration's n-tiles
 
-    def dma(j: int) -> None:
-        if not state:
-            state["w0"] = ctx.hbm_addr(k.b, k.b.offset)
-            state["row"] = ctx.b.const(half.row)
-        _tile_dma(ctx, p, k.b.strides[1], state["w0"], state["row"], j, flag(j // p.G), mem)
+    def dma(t: int) -> None:
+        it, j = divmod(t, 2 * p.G)
+        if it not in state:
+            state[it] = (ctx.hbm_addr(k.b, k.b.offset + it * step), ctx.b.const(regions[it].row))
+        h, row = state[it]
+        _tile_dma(ctx, p, k.b.strides[1], h, row, j, flag(j // p.G), mem)
 
-    return [lambda j=j: dma(j) for j in tiles]
+    return [lambda t=t: dma(t) for t in tiles]
 
 
 # ---- cross-kernel prefetch ----------------------------------------------------------------------------
@@ -130,7 +136,9 @@ def _first_half_dmas(ctx: KernelContext, k: MatmulKernel, p: DecodePlan, half: R
 # in-order channel, so they are not delayed), on flag PREFETCH, which no kernel but the stream waits on.
 # The ring half lies in a *slot* at the top of vmem; two slots alternate from stream to stream, so that a
 # stream that was prefetched (its first half in one slot) can load the next one's into the other. Every
-# kernel from the first issuer to the stream leaves both slots alone (`KernelContext` ceiling).
+# kernel from the first issuer to the stream leaves both slots alone (`KernelContext` ceiling). After a
+# long run (attention's, before o_proj) the run's later kernels load the stream's second iteration into the
+# other slot as well, which stays free until the stream loads the next one's first groups there.
 # they fit their tiles to the vmem they get; so do the matmuls no stream lowers (attention's at one token:
 # matmuls of at most SMALL_ROWS rows, so that a prefill's matmuls keep the whole vmem)
 SMALL_ROWS = 8
@@ -140,26 +148,36 @@ PREFETCH_KERNELS = (GenericKernel, FillKernel, IotaKernel, KernelChain, GatherKe
 
 @dataclass(frozen=True)
 class Issue:
-    """Tiles `tiles` of `kernel`'s first ring half (laid out by `plan`), loaded into vmem rows from `row`."""
+    """Tiles `tiles` of `kernel`'s first iterations (laid out by `plan`: tile t of iteration t // 2G), loaded
+    into the vmem slots that start at `rows`, one an iteration."""
 
     kernel: MatmulKernel
     plan: DecodePlan
     tiles: range
-    row: int
+    rows: tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class Prefetch:
     """A kernel's part in the prefetches: `ceiling` is the first vmem row it may not use (the slots above);
     `carried` the rows that hold prefetched weights when it starts (kept across the kernel boundary); an
-    issuer has `issue`; a stream has `prefetched` (tiles loaded for it, in `carried`) and `stream`, the plan
-    they followed (planned under the slots, it could group differently than `plan` would)."""
+    issuer has `issue`; a stream has `stream`, the plan its prefetch followed (planned under the slots, it
+    could group differently than `plan` would), `slots` (the first row of each of its first iterations'
+    slots) and `prefetched` (the tiles the kernels before it loaded there)."""
 
     ceiling: int
     carried: tuple[int, int] | None = None
     issue: Issue | None = None
     prefetched: int = 0
     stream: DecodePlan | None = None
+    slots: tuple[int, ...] = ()
+
+
+def two_ahead(p: DecodePlan) -> bool:
+    """Whether a stream may have its first two iterations prefetched, into both slots: it then runs two
+    iterations ahead in a ring of three regions (`lower_decode_matmul`), and its last iteration, which
+    loads the next stream's first groups into the second slot, must not be reading that slot."""
+    return p.iterations >= 3 and (p.iterations - 1) % 3 != 1
 
 
 def plan_prefetches(config: HardwareConfig, kernels: list[tuple[Kernel | None, int]], free_rows: int
@@ -168,7 +186,8 @@ def plan_prefetches(config: HardwareConfig, kernels: list[tuple[Kernel | None, i
     segment (a prefetch never crosses a loop's init, header or footer). The issuers of a stream are the
     stream just before its run of small kernels, if any, then the run's first kernels: a group each (both
     when a stream is the only issuer), or after a long run (LONG_RUN kernels or more) a quarter each of
-    the stream's first half, planned with groups as large as the slot allows."""
+    the stream's first half, planned with groups as large as the slot allows; the long run's later kernels
+    (two or more) then load its second iteration into the other slot, free until the stream after it."""
     L, V = config.lanes, config.vmem_rows
 
     def streams(rows: int, both: set[int]) -> dict[int, DecodePlan]:
@@ -208,33 +227,44 @@ def plan_prefetches(config: HardwareConfig, kernels: list[tuple[Kernel | None, i
     out: dict[int, Prefetch] = {}
     parity = 0
 
-    def take_slot(p: DecodePlan) -> tuple[int, int]:  # the two slots in turn: consecutive streams differ
+    def take_slot(p: DecodePlan, take: bool = True) -> tuple[int, int]:  # in turn: consecutive streams differ
         nonlocal parity
         top = V - parity * slot
-        parity ^= 1
+        parity ^= take
         return top - 2 * p.G * L, top
 
     for j, p in sorted(plans.items()):
-        units = run(j, plans)[:LONG_RUN if j in both else 2]  # the first ones issue
-        if not units:
+        units = run(j, plans)
+        first_units = units[:LONG_RUN if j in both else 2]  # the first ones issue
+        if not first_units:
             continue
-        if units[0] in plans and units[0] not in out:  # a stream that issues has its first half in a slot too
-            out[units[0]] = Prefetch(ceiling, take_slot(plans[units[0]]), stream=plans[units[0]])
-        carried = take_slot(p)
-        first = 2 * p.G  # tiles of the first half
-        if len(units) == 1 and units[0] in plans:  # a stream alone before: along its last iteration
+        if first_units[0] in plans and first_units[0] not in out:  # a stream that issues has a slot too
+            own = take_slot(plans[first_units[0]])
+            out[first_units[0]] = Prefetch(ceiling, own, stream=plans[first_units[0]], slots=(own[0],))
+        slots = [take_slot(p)]
+        first = 2 * p.G  # tiles of an iteration
+        if len(first_units) == 1 and first_units[0] in plans:  # a stream alone before: along its last iteration
             shares = [range(0, first)]
         else:  # a group each, or (larger groups, after a long run) a quarter each
             share = first // (LONG_RUN if j in both else 2)
-            shares = [range(q * share, min(first, (q + 1) * share)) for q in range(len(units))]
-        issued = dict(zip(units, shares, strict=True))
-        for m in range(units[0], j):
-            issue = Issue(kernels[j][0], p, issued[m], carried[0]) if m in issued else None
+            shares = [range(q * share, min(first, (q + 1) * share)) for q in range(len(first_units))]
+        issued = dict(zip(first_units, shares, strict=True))
+        # not a matmul: its own loads fill the DMA queue, and a prefetch issued behind them stalls its MXU
+        later = [m for m in units[LONG_RUN:] if not isinstance(kernels[m][0], MatmulKernel)][:first]
+        later = later if j in both and two_ahead(p) else []
+        if len(later) >= 2:  # the second iteration, into the other slot (the next stream's, not yet taken)
+            slots.append(take_slot(p, take=False))
+            cut = [first + q * first // len(later) for q in range(len(later) + 1)]
+            issued |= {m: range(cut[q], cut[q + 1]) for q, m in enumerate(later)}
+        rows = tuple(lo for lo, _ in slots)
+        span = (min(rows), max(hi for _, hi in slots))
+        for m in range(first_units[0], j):
+            issue = Issue(kernels[j][0], p, issued[m], rows) if m in issued else None
             if m in out:  # the stream before: its own first half stays where it is
                 out[m] = dataclasses.replace(out[m], issue=issue)
-            else:
-                out[m] = Prefetch(ceiling, carried, issue)
-        out[j] = Prefetch(ceiling, carried, prefetched=sum(len(g) for g in issued.values()), stream=p)
+            else:  # from the first kernel that loads the second slot, both slots are kept
+                out[m] = Prefetch(ceiling, span if len(slots) > 1 and m >= later[0] else slots[0], issue)
+        out[j] = Prefetch(ceiling, span, prefetched=sum(len(g) for g in issued.values()), stream=p, slots=rows)
     return out
 
 
@@ -283,16 +313,16 @@ def _before_branch(blk: Block) -> int:
 def _issue_dmas(ctx: KernelContext, issue: Issue) -> list[Callable[[], None]]:
     """The tile DMAs of a prefetch, on flag PREFETCH: not marked used, so the issuer does not wait for them
     at its end."""
-    half = Region("ring_prefetched", issue.row, 2 * issue.plan.G * ctx.lanes)
-    return _first_half_dmas(ctx, issue.kernel, issue.plan, half, issue.tiles, lambda _: int(Flag.PREFETCH),
-                            (half.mem(write=True),))
+    slots = [Region(f"ring_prefetched{n}", row, 2 * issue.plan.G * ctx.lanes) for n, row in enumerate(issue.rows)]
+    return _first_dmas(ctx, issue.kernel, issue.plan, slots, issue.tiles, lambda _: int(Flag.PREFETCH),
+                       tuple(r.mem(write=True) for r in slots))
 
 
-def early_tiles(config: HardwareConfig, p: DecodePlan, prefetched: int) -> int:
-    """How many of the second iteration's tiles a stream whose first half is prefetched issues before its
-    first waits: what the channel moves in a DMA latency plus what its queue holds (issue stalls no longer
-    than the waits would)."""
-    if prefetched < 2 * p.G or p.iterations < 2:
+def early_tiles(config: HardwareConfig, p: DecodePlan, prefetched: int, first_loaded: int = 1) -> int:
+    """How many tiles of iteration `first_loaded` (the first one a stream loads itself) it issues before its
+    first waits, when its first iteration is prefetched: what the channel moves in a DMA latency plus what
+    its queue holds (issue stalls no longer than the waits would)."""
+    if prefetched < 2 * p.G or p.iterations <= first_loaded:
         return 0
     return min(2 * p.G, config.dma_latency // _tile_cycles(config) + config.dma_queue - 1)
 
@@ -301,17 +331,19 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
     b, L = ctx.b, ctx.lanes
     a, bm, c = k.a, k.b, k.c
     ws = bm.strides[1]  # W's row stride in elements
-    half = 2 * p.G * L  # vmem rows of a half of the ring
-    pre = ctx.prefetch  # the first half may be loaded already, by the kernels before this one
+    half = 2 * p.G * L  # vmem rows of an iteration's tiles
+    n, G = p.iterations, p.G
+    pre = ctx.prefetch  # the first iterations may be loaded already, by the kernels before this one
     prefetched = pre.prefetched if pre is not None else 0
-    if pre is not None and pre.carried is not None:  # its slot: loaded by the kernels before, or by itself
-        assert pre.carried[1] - pre.carried[0] == half, (pre, p)
-        first_half = Region("ring_prefetched", pre.carried[0], half)
-    else:
-        first_half = ctx.region(half, "ring")
+    slots = pre.slots if pre is not None else ()
+    # the ring: the slots of the first iterations (loaded by the kernels before, or by itself), else a region
+    # of its own, then one more of its own; iteration i reads region i % len(ring)
+    ring = [Region(f"ring_prefetched{m}", row, half) for m, row in enumerate(slots)] or [ctx.region(half, "ring")]
+    ring.append(ctx.region(half, "ring"))
+    two = len(ring) == 3  # iterations 0 and 1 prefetched: they load iteration 2 between them, at half pace
+    first_loaded = 2 if two else 1  # the first iteration the stream loads while it computes
     # the next stream's first groups, issued along the last iteration's MXU commands
     next_groups = _issue_dmas(ctx, pre.issue) if pre is not None and pre.issue is not None else []
-    ring = [first_half, ctx.region(half, "ring")]
     a_reg, c_reg = ctx.region(p.KT, "a"), ctx.region(p.NT, "c")
     ring_mem = tuple(r.mem(write=True) for r in ring)
     ring_read = tuple(r.mem() for r in ring)
@@ -319,66 +351,99 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
     ctx.dma(True, "bf16", ctx.hbm_addr(a, a.offset), a_reg, 0, 1, p.KT * L, p.KT * L, Flag.MATMUL_A)
     w0 = ctx.hbm_addr(bm, bm.offset)
 
-    def tile_dma(h: Reg, row: Reg, j: int, q: int) -> None:
-        _tile_dma(ctx, p, ws, h, row, j, ctx.flag(Flag.LOAD, q), ring_mem)
-
-    # the first iteration's two groups (those the kernels before did not prefetch), then (below) each
-    # iteration issues the next one's along its commands
-    for dma in _first_half_dmas(ctx, k, p, ring[0], range(prefetched, 2 * p.G), lambda q: ctx.flag(Flag.LOAD, q),
-                                ring_mem):
-        dma()
-    cur, nxt, h_next, c_row = b.sreg(), b.sreg(), b.sreg(), b.sreg()
-    b.emit("li", cur, imm=ring[0].row)
-    b.emit("li", nxt, imm=ring[1].row)
-    b.emit("addi", h_next, (b.offset_reg(w0, step_bytes),), imm=0)
+    # the tiles of its slots the kernels before did not load: with two slots, on PREFETCH (waited for at
+    # the start), else the first iteration's, by group, then (below) each iteration issues the next one's
+    # along its commands
+    own = (lambda _: int(Flag.PREFETCH)) if two else (lambda q: ctx.flag(Flag.LOAD, q))
+    for it in range(first_loaded):  # an iteration's DMAs a block (one block of both runs out of registers)
+        tiles = range(max(prefetched, it * 2 * G), (it + 1) * 2 * G)
+        if it and tiles:
+            b.new_block("wstream_start")
+        for dma in _first_dmas(ctx, k, p, ring[:first_loaded], tiles, own, ring_mem):
+            dma()
+    regions = [b.sreg() for _ in ring]  # regions[0]: the one read, regions[1]: the next
+    for reg, region in zip(regions, ring, strict=True):
+        b.emit("li", reg, imm=region.row)
+    h_next, c_row = b.sreg(), b.sreg()
+    b.emit("addi", h_next, (b.offset_reg(w0, first_loaded * step_bytes),), imm=0)
     b.emit("li", c_row, imm=c_reg.row)
-    # with both groups prefetched the channel would idle while the prefetch's and the A row's last latency
-    # run out: the second iteration's first tiles go ahead of those waits, on a flag of their own that the
-    # later iterations wait on (the first iteration, which does not issue them again, is apart)
-    early = early_tiles(ctx.config, p, prefetched)
+    # with the first iteration prefetched the channel would idle while the prefetch's and the A row's last
+    # latency run out: the first tiles it loads itself go ahead of those waits, on a flag of their own that
+    # the iterations from `first_loaded` on wait on (a no-op after the first of them)
+    early = early_tiles(ctx.config, p, prefetched, first_loaded)
     early_flag = ctx.flag(Flag.MATMUL_A, 1) if early else None
     for j in range(early):
-        _tile_dma(ctx, p, ws, h_next, nxt, j, early_flag, ring_mem)
-    if prefetched:
+        _tile_dma(ctx, p, ws, h_next, regions[first_loaded], j, early_flag, ring_mem)
+    if prefetched or two:
         b.emit("wait", flag=int(Flag.PREFETCH))  # not marked used: the next stream's prefetch is on it too
     b.emit("wait", flag=ctx.flag(Flag.MATMUL_A))
     rows = b.const(1)
     a_mem, c_mem = a_reg.mem(), c_reg.mem(write=True)
+    # two slots: iterations 0 and 1 (in vmem) load iteration 2's other tiles and iteration 3's first few, a
+    # tile every second command (at one a command the channel's queue would pace the MXU to HBM's speed
+    # through tiles already in vmem); iteration 3's go on PREFETCH, so that iteration 2 does not wait for
+    # them: iteration 3's wait on its later tiles (LOAD 0, issued after them) covers them
+    ahead3 = min(early, G - 1) if two and n > 3 else 0
+    sequence = [(2, t) for t in range(early, 2 * G)] + [(3, t) for t in range(ahead3)] if two else []
+    spread: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for m, tile in enumerate(sequence):
+        spread.setdefault(divmod(2 * m, 2 * G), []).append(tile)
 
-    def iteration(prefetch: bool, issued: int = 0) -> None:
-        """One iteration; `prefetch`: issue the next one's tiles (but its first `issued`, issued already)."""
-        for j in range(2 * p.G):
-            q = j // p.G
-            if j == 0 and early_flag is not None and not issued:  # a no-op after the second iteration
+    def spread_dma(it: int, t: int) -> None:
+        if it == 2:
+            _tile_dma(ctx, p, ws, h_next, b.const(ring[2].row), t, ctx.flag(Flag.LOAD, t // G), ring_mem)
+            return
+        if t == 0:  # into iteration 0's rows
+            b.emit("wait", flag=ctx.flag(Flag.WEIGHTS, 0))
+        _tile_dma(ctx, p, ws, b.offset_reg(h_next, step_bytes), b.const(ring[0].row), t, int(Flag.PREFETCH), ring_mem)
+
+    def iteration(i: int | None, issued: int = 0) -> None:
+        """Iteration i (None: one the loop runs). Each but the last (and those in the slots) loads the next
+        one's tiles along its commands (but its first `issued`, issued already); the last issues the next
+        stream's prefetch instead."""
+        loads, last = i is None or (2 if two else 0) <= i < n - 1, i == n - 1
+        in_slot = two and i is not None and i < 2  # waited for at the start
+        cur, nxt = regions[0], regions[1]
+        for j in range(2 * G):
+            q = j // G
+            if j == 0 and early_flag is not None and (i is None or i >= first_loaded):
                 b.emit("wait", flag=early_flag)
-            if j % p.G == 0:
+            if j == 0 and last and next_groups and two and (n - 2) % 3 == 1:  # the next slot was just read
+                for g in range(2):
+                    b.emit("wait", flag=ctx.flag(Flag.WEIGHTS, g))
+            if j % G == 0 and not in_slot:
                 b.emit("wait", flag=ctx.flag(Flag.LOAD, q))
-                if prefetch:  # the other half's group q was read by the previous iteration's weight loads
+                if loads:  # the region's group q was read by an earlier iteration's weight loads
                     b.emit("wait", flag=ctx.flag(Flag.WEIGHTS, q))
             u, kt = divmod(j, p.KT)
             b.emit("mxu.lwt", None, (b.offset_reg(cur, j * L),), flag=ctx.flag(Flag.WEIGHTS, q), mem=ring_read)
             b.emit("mxu.mms" if kt == 0 else "mxu.mmas", None,
                    (b.const(a_reg.row + kt), b.offset_reg(c_row, u), rows), flag=ctx.flag(Flag.MXU), mem=(a_mem, c_mem))
-            if prefetch and j >= issued:
-                tile_dma(h_next, nxt, j, q)
-            elif not prefetch and next_groups:
+            if loads and j >= issued:
+                _tile_dma(ctx, p, ws, h_next, nxt, j, ctx.flag(Flag.LOAD, q), ring_mem)
+            elif last and next_groups:
                 next_groups.pop(0)()
+            for it, t in spread.get((i, j), []) if in_slot else []:
+                spread_dma(it, t)
         b.addi(c_row, p.U, c_row)
-        if prefetch:
+        if loads or (two and i == 1):
             b.addi(h_next, step_bytes, h_next)
-            swap = b.sreg()
-            b.emit("addi", swap, (cur,), imm=0)
-            b.emit("addi", cur, (nxt,), imm=0)
-            b.emit("addi", nxt, (swap,), imm=0)
+        if not last:  # the regions turn
+            first = b.sreg()
+            b.emit("addi", first, (regions[0],), imm=0)
+            for dst, src in itertools.pairwise(regions):
+                b.emit("addi", dst, (src,), imm=0)
+            b.emit("addi", regions[-1], (first,), imm=0)
 
-    loops = p.iterations - 1
-    if early:
-        b.new_block("wstream_first")  # its own block: scheduling cost grows faster than a block's length
-        iteration(True, early)
-        loops -= 1
-    if loops:
-        b.counted_loop(loops, lambda: iteration(True), "wstream")
-    iteration(False)
+    # the iterations in vmem, or the first when it has early tiles, apart (each its own block: scheduling
+    # cost grows faster than a block's length); the rest but the last in a loop
+    apart = {0: 0, 1: 0, 2: ahead3} if ahead3 else {0: 0, 1: 0} if two else {0: early} if early else {}
+    for i, issued in apart.items():
+        b.new_block("wstream_first")
+        iteration(i, issued)
+    if n - 1 - len(apart) > 0:
+        b.counted_loop(n - 1 - len(apart), lambda: iteration(None), "wstream")
+    iteration(n - 1)
     for dma in next_groups:
         dma()
     b.emit("wait", flag=ctx.flag(Flag.MXU))
