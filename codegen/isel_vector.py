@@ -624,9 +624,10 @@ def evaluate(b: Builder, body: ScalarProgram, env: dict[str, Reg], result: str) 
 # reads what an earlier member wrote from that member's output tile in vmem (the tile holds exactly what
 # the store writes, and a load would bring back: bf16 values are bf16-exact, other types are raw words).
 # Every member still stores its output, so HBM ends as it would have.
-# vmem rows of one operand's single tile (chains are for small kernels): at least 64, a 64th of the vmem a
-# chain may take on a larger configuration (`large`: a decode step's softmax over 1024 positions, 32 heads)
-CHAIN_MIN_TILE_ROWS, CHAIN_TILE_SHARE = 64, 32
+# vmem rows of one operand's single tile (chains are for small kernels): at least 64, a 32nd of the vmem a
+# chain may take on a larger configuration (`large`: a decode step's softmax over a key chunk of 2048
+# positions, 32 heads of f32 scores: 512 rows)
+CHAIN_MIN_TILE_ROWS, CHAIN_TILE_SHARE = 64, 16
 CHAIN_MAX_MEMBERS = 16
 
 
