@@ -14,7 +14,7 @@ import torch
 from codegen_helpers import capture_with_mutations, compile_and_run, run_with_poisoned_vmem, trace
 
 import fx_passes
-from codegen import compile_graph, compiler, isel_common, isel_decode
+from codegen import compile_graph, compiler, isel_common, isel_decode, isel_vector
 from codegen.builder import Builder
 from codegen.errors import CapacityError
 from codegen.isel_common import STORE_FLAGS, Flag, guard_stores_in_flight
@@ -481,3 +481,32 @@ def test_a_stream_after_a_long_run_has_two_iterations_loaded_and_gives_the_same_
     finite = np.isfinite(ref)
     np.testing.assert_allclose(out[finite], ref[finite], rtol=3e-2, atol=3e-2)
     assert cycles < one_cycles - 1500  # 25,379 against 27,403 when written
+
+
+def test_a_decode_softmax_over_a_2048_key_chunk_is_one_chain(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a decode step at context 4096 runs its softmax over key chunks of 2048: 32 heads of f32 scores are
+    # 512 vmem rows a tile, which a chain member may take on `large` (a 32nd of the chain's vmem): one
+    # kernel, not one a reduction and elementwise step, each paying a DMA latency in and out
+    torch.manual_seed(3)
+    x = torch.randn(1, 32, 1, 2048) * 4
+    x[0, 3, 0, 100], x[0, 7, 0, 9], x[0, 9, 0, 5] = float("inf"), float("nan"), 1e-40  # subnormal
+    x[0, 5] = float("-inf")  # a fully masked row: NaN, as eager
+    x[0, 6, 0, 17] = -0.0
+
+    def softmax(s: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(s, -1)
+
+    def build() -> tuple[np.ndarray, int, int]:
+        cg = compile_graph(trace(softmax, x), [x], "large")
+        (out,) = run_with_poisoned_vmem(cg, [x.numpy()])
+        _, stats = run_fresh(cg, [x.numpy()], SimulatorRunner("large"))
+        return out, len([k for k in cg.summary["kernels"] if k.get("bundles")]), stats.cycles
+
+    out, kernels, cycles = build()
+    ref = softmax(x).numpy()
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-7, equal_nan=True)
+    assert np.isnan(out[0, 5]).all() and np.isnan(out[0, 3]).all() and np.isnan(out[0, 7]).all()
+    monkeypatch.setattr(isel_vector, "CHAIN_TILE_SHARE", 2 * isel_vector.CHAIN_TILE_SHARE)  # the old limit
+    unchained, many, unchained_cycles = build()
+    np.testing.assert_array_equal(out.view(np.uint32), unchained.view(np.uint32))
+    assert kernels == 1 < many and cycles < unchained_cycles - 2 * get_config("large").dma_latency  # 5,143, 7,429

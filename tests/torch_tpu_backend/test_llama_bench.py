@@ -36,18 +36,20 @@ def test_mini_decode_stays_near_its_roofline() -> None:
 def test_1b_two_layers_decode_ratio() -> None:
     r = llama_bench.run("1b-2l")
     assert r["tokens_equal_eager"]
-    assert r["decode_roofline_ratio"] <= 1.10, r  # measured 1.099 (1.222 before the stream-to-stream prefetch,
+    assert r["decode_roofline_ratio"] <= 1.09, r  # measured 1.077 (1.099 before o_proj's second iteration
+    # was prefetched, 1.222 before the stream-to-stream prefetch,
     # the weight port of 8 rows and the precise store guard; 1.34 before chains and prefetch, 1.71 before the
     # kernel-boundary work)
 
 
 @pytest.mark.slow  # minutes: one decode step of the 1B's layers over 1024 and 4096 cached positions
-@pytest.mark.parametrize(("context", "bound"), [(1024, 1.13), (4096, 1.36)])
+@pytest.mark.parametrize(("context", "bound"), [(1024, 1.10), (4096, 1.20)])
 def test_1b_two_layers_decode_ratio_at_long_contexts(context: int, bound: float) -> None:
     r = llama_bench.run_context("1b-2l", context)
     assert r["token_equal_eager"] and r["cpu_ops"] == 0
-    # measured 1.128 and 1.356 (1.163 and 2.429 before larger softmax chains and resident batches in groups
-    # and rounds): attention's kernels, not its bytes, are the gap
+    # measured 1.090 and 1.186 (1.128 and 1.356 before o_proj's second iteration was prefetched, a head's
+    # keys came in one DMA and the 4096 softmax chained; 1.163 and 2.429 before larger softmax chains and
+    # resident batches in groups and rounds): attention's kernels, not its bytes, are the gap
     assert r["decode_roofline_ratio"] <= bound, r
 
 
