@@ -31,7 +31,7 @@ from codegen.builder import Builder
 from codegen.errors import CapacityError, ProgramTooLargeError
 from codegen.fx_ops import emit_module
 from codegen.isel_common import SPILL_ROWS, Flag, KernelContext, Region, table_rows, wait_for_stores
-from codegen.isel_decode import issue_prefetch, plan_prefetches
+from codegen.isel_decode import issue_prefetch, plan_prefetches, split_ragged_streams
 from codegen.isel_gather import lower_gather, lower_iota, lower_scatter
 from codegen.isel_matmul import lower_matmul
 from codegen.isel_vector import KernelChain, form_chains, lower_chain, lower_fill, lower_generic
@@ -230,7 +230,7 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
         graph = read_function(mlir.module)
     mutated = _mutated_inputs(graph, len(user_results))
     kernels = hoist_invariant_kernels(_fold_fills(sink_fills(graph.kernels)), graph)
-    graph.kernels = bound_padded_rows(_fold_output_casts(graph, kernels), gm)
+    graph.kernels = split_ragged_streams(cfg, bound_padded_rows(_fold_output_casts(graph, kernels), gm))
     loops = find_loops(graph) if layer_loops else []
     if any(lp.repeats == 2 for lp in loops) and _unrolled_fits(graph, cfg, precision):
         # two repetitions save one body's code but cost a header (a DMA latency) each and the prefetch across

@@ -59,14 +59,11 @@ class DecodePlan:
 def plan(config: HardwareConfig, k: MatmulKernel, free_rows: int, prefetched: bool = False) -> DecodePlan | None:
     """The stream's shape, or None when the matmul is not a one-row bf16 x W.T with whole tiles (or no
     group size fits): the general path then runs it. `prefetched`: the kernels before load both groups."""
-    a, bm, c = k.a, k.b, k.c
     L = config.lanes
-    if len(c.shape) != 2 or a.shape[0] != 1 or a.dtype != "bf16" or bm.dtype != "bf16":
+    tiles = _stream_tiles(config, k)
+    if tiles is None:
         return None
-    K, Nn = bm.shape
-    if bm.strides[0] != 1 or bm.strides[1] < K or K % L or Nn % L or a.strides[-1] != 1:
-        return None  # not W.T with W row-major, or partial tiles
-    KT, NT = K // L, Nn // L
+    KT, NT = tiles
     tile = _tile_cycles(config)
     budget = min(MAX_RING_ROWS, free_rows - KT - NT - 16)
     # an iteration is U whole n-tiles in two groups of G = U * KT / 2 tiles; the fastest that fits
@@ -76,6 +73,49 @@ def plan(config: HardwareConfig, k: MatmulKernel, free_rows: int, prefetched: bo
         return None
     U, G = min(shapes, key=lambda s: _estimate(config, KT * NT, s[1], tile, prefetched))
     return DecodePlan(KT, NT, U, G)
+
+
+def _stream_tiles(config: HardwareConfig, k: MatmulKernel) -> tuple[int, int] | None:
+    """(k-tiles, n-tiles) of a one-row bf16 x W.T matmul with W row-major and whole tiles, else None."""
+    a, bm, c = k.a, k.b, k.c
+    L = config.lanes
+    if len(c.shape) != 2 or a.shape[0] != 1 or a.dtype != "bf16" or bm.dtype != "bf16":
+        return None
+    K, Nn = bm.shape
+    if bm.strides[0] != 1 or bm.strides[1] < K or K % L or Nn % L or a.strides[-1] != 1:
+        return None
+    return K // L, Nn // L
+
+
+def split_ragged_streams(config: HardwareConfig, kernels: list[Kernel]) -> list[Kernel]:
+    """A stream's iterations are whole n-tiles, U of them dividing its n-tiles. When no such U makes a group
+    (U * KT / 2 tiles) long enough to cover a DMA latency, every group of the stream waits out a bubble
+    (Qwen3-0.6B's lm_head: 1187 n-tiles, a prime, of 8 k-tiles: groups of 4 tiles, 2.5x its bytes' time).
+    Such a stream becomes two: the largest multiple of the smallest U that covers it, then the rest (fewer
+    than U n-tiles, a stream of its own that the first one prefetches). C's columns are computed as before,
+    each n-tile on its own, so the bits are the same."""
+    L, tile = config.lanes, _tile_cycles(config)
+    out: list[Kernel] = []
+    for k in kernels:
+        tiles = _stream_tiles(config, k) if isinstance(k, MatmulKernel) else None
+        if tiles is None:
+            out.append(k)
+            continue
+        KT, NT = tiles
+        cover = -(-(config.dma_latency + tile) // tile)  # tiles a group needs to hide the next one's latency
+        U = next((u for u in range(1, NT + 1) if u * KT % 2 == 0 and u * KT // 2 >= cover), NT)
+        fits = [u for u in range(U, NT + 1) if NT % u == 0 and u * KT % 2 == 0 and 2 * u * KT * L <= MAX_RING_ROWS]
+        head = NT - NT % U
+        if fits or not 0 < head < NT or 2 * U * KT * L > MAX_RING_ROWS:
+            out.append(k)
+            continue
+        bm, c, n = k.b, k.c, head * L
+        out.append(dataclasses.replace(k, b=dataclasses.replace(bm, shape=(bm.shape[0], n)),
+                                       c=dataclasses.replace(c, shape=(c.shape[0], n))))
+        out.append(dataclasses.replace(
+            k, b=dataclasses.replace(bm, offset=bm.offset + n * bm.strides[1], shape=(bm.shape[0], bm.shape[1] - n)),
+            c=dataclasses.replace(c, offset=c.offset + n * c.strides[1], shape=(c.shape[0], c.shape[1] - n))))
+    return out
 
 
 def _tile_cycles(config: HardwareConfig) -> int:

@@ -30,7 +30,7 @@
                                          1e-5, 2^-9 with --autocast bf16; --plot: the loss curve as a PNG)
     ctpu bench [--models-only]           benchmarks (JSON): compiled GEMM utilization vs the hand-written one,
                                          bundles / cycles / ops per bundle per graph, whole models (Llama)
-    ctpu bench --llama 1b|1b-2l|mini [--prompt 17 | --context 4096] [--top N]
+    ctpu bench --llama 1b|1b-2l|mini|qwen3-0.6b|qwen3-0.6b-2l [--prompt 17 | --context 4096] [--top N]
                                          a bf16 Llama on large: decode cycles / token against the HBM
                                          roofline, prefill MXU utilization (JSON)
     ctpu bench --train [--config small] [--autocast bf16]
@@ -195,11 +195,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from torch_tpu_backend import llama_bench
 
         if args.context is not None:
-            print(f"ctpu bench: Llama {args.llama}, one decode step at context {args.context} on large (compiling)",
+            print(f"ctpu bench: {args.llama}, one decode step at context {args.context} on large (compiling)",
                   file=sys.stderr)
             result = llama_bench.run_context(args.llama, args.context, top=args.top)
         else:
-            print(f"ctpu bench: Llama {args.llama}, a prefill and one decode step on large (compiling)",
+            print(f"ctpu bench: {args.llama}, a prefill and one decode step on large (compiling)",
                   file=sys.stderr)
             result = llama_bench.run(args.llama, prompt=args.prompt, top=args.top)
         print(json.dumps(result, indent=2))
@@ -334,9 +334,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--config", choices=["small", "large"], default="small")
     b.add_argument("--skip-gemm", action="store_true")
     b.add_argument("--models-only", action="store_true", help="only the torch.compile graphs (Llama included)")
-    b.add_argument("--llama", metavar="GEOMETRY", choices=["1b", "1b-2l", "mini"],
-                   help="only this bf16 Llama on large: decode cycles per token against the HBM roofline, prefill "
-                   "MXU utilization")
+    b.add_argument("--llama", metavar="GEOMETRY",
+                   choices=["1b", "1b-2l", "mini", "qwen3-0.6b", "qwen3-0.6b-2l"],
+                   help="only this bf16 Llama-family model on large (1b: Llama-3.2-1B; qwen3-0.6b: Qwen3-0.6B; -2l: "
+                   "two of its layers, a small vocab): decode cycles per token against the HBM roofline, prefill MXU "
+                   "utilization")
     b.add_argument("--train", action="store_true", help="only the tiny Llama's training step: cycles, kernels and "
                    "MXU utilization of its forward, backward and optimizer (JSON)")
     b.add_argument("--autocast", choices=["bf16"], help="with --train: the step under torch.autocast('ctpu', bf16)")

@@ -6,6 +6,7 @@ utilization; `--top N` adds the decode step's N longest kernels from the profile
 
     ctpu bench --llama 1b-2l [--prompt 17] [--top 10]
     ctpu bench --llama 1b-2l --context 4096 [--top 10]   # one decode step at a long context, no prefill
+    ctpu bench --llama qwen3-0.6b-2l [--top 10]           # Qwen3-0.6B's layers (head dim 128, QK-norm)
 """
 
 from __future__ import annotations
@@ -29,6 +30,27 @@ GEOMETRIES: dict[str, dict[str, Any]] = {
              "head_dim": 64, "rope_theta": 500000.0, "tie_word_embeddings": True, "num_hidden_layers": 2,
              "vocab_size": 512},
 }
+_QWEN3_06B = {"hidden_size": 1024, "intermediate_size": 3072, "num_attention_heads": 16, "num_key_value_heads": 8,
+              "head_dim": 128, "rope_theta": 1000000.0, "tie_word_embeddings": True}
+QWEN3_GEOMETRIES: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": _QWEN3_06B | {"num_hidden_layers": 28, "vocab_size": 151936},  # Qwen3-0.6B
+    "qwen3-0.6b-2l": _QWEN3_06B | {"num_hidden_layers": 2, "vocab_size": 2048},
+}
+
+
+def build(geometry: str, positions: int) -> tuple[Any, torch.nn.Module]:
+    """The config and a bf16 model of `geometry` (random weights, seeded) with `positions` positions."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    if geometry in GEOMETRIES:
+        cfg: Any = LlamaConfig(**GEOMETRIES[geometry], max_position_embeddings=positions)
+        family: Any = LlamaForCausalLM
+    elif geometry in QWEN3_GEOMETRIES:
+        cfg, family = Qwen3Config(**QWEN3_GEOMETRIES[geometry], max_position_embeddings=positions), Qwen3ForCausalLM
+    else:
+        raise ValueError(f"unknown geometry {geometry!r}; known: {', '.join([*GEOMETRIES, *QWEN3_GEOMETRIES])}")
+    torch.manual_seed(0)
+    return cfg, family(cfg).to(torch.bfloat16).eval()
 
 
 def roofline_bytes(cfg: Any, context: int) -> dict[str, int]:
@@ -37,7 +59,8 @@ def roofline_bytes(cfg: Any, context: int) -> dict[str, int]:
     h, i, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     hd = cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h  # q, k, v, o, gate, up, down, two norms
+    qk_norms = 2 * hd if getattr(cfg, "model_type", "") == "qwen3" else 0
+    layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h + qk_norms  # q, k, v, o, gate, up, down, norms
     embed = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
     weights = 2 * (L * layer + embed + h)  # + the final norm
     return {"weight_bytes": weights, "kv_bytes": 2 * L * 2 * kv * context}
@@ -45,13 +68,7 @@ def roofline_bytes(cfg: Any, context: int) -> dict[str, int]:
 
 def run(geometry: str, prompt: int = 17, config: str = "large", top: int | None = None) -> dict[str, Any]:
     """Compile and run the prefill of `prompt` tokens and one decode step; the figures as a JSON-able dict."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if geometry not in GEOMETRIES:
-        raise ValueError(f"unknown Llama geometry {geometry!r}; known: {', '.join(GEOMETRIES)}")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(**GEOMETRIES[geometry], max_position_embeddings=prompt + 8)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    cfg, model = build(geometry, prompt + 8)
     ids = torch.randint(0, cfg.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(1))
     kw = {"max_new_tokens": 2, "do_sample": False, "cache_implementation": "static"}
     with torch.no_grad(), warnings.catch_warnings(), tempfile.TemporaryDirectory() as folder:
@@ -89,15 +106,11 @@ def run_context(geometry: str, context: int, config: str = "large", top: int | N
     eager from the same cache; the figures as a JSON-able dict, as `run` gives them for its decode step."""
     import copy
 
-    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+    from transformers import StaticCache
 
-    if geometry not in GEOMETRIES:
-        raise ValueError(f"unknown Llama geometry {geometry!r}; known: {', '.join(GEOMETRIES)}")
     if context < 2:
         raise ValueError(f"--context {context}: a decode step needs a cached position before it (>= 2)")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(**GEOMETRIES[geometry], max_position_embeddings=context)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    cfg, model = build(geometry, context)
     cache = StaticCache(config=cfg, max_cache_len=context)
     g = torch.Generator().manual_seed(1)
     step = {"input_ids": torch.randint(0, cfg.vocab_size, (1, 1), generator=g),

@@ -200,6 +200,50 @@ def test_a_stream_prefetches_the_next_streams_first_weights() -> None:
     assert out[3].carried == slots[2]  # the small kernel keeps what s1 loaded for s2
 
 
+def test_a_stream_of_a_prime_number_of_n_tiles_is_split_where_its_groups_cover_a_latency() -> None:
+    # Qwen3-0.6B's lm_head: x[1, 1024] @ W.T, W [151936, 1024]: 1187 n-tiles (a prime) of 8 k-tiles. Its only
+    # iterations were 1 n-tile (groups of 4 tiles, a bubble each): it runs as 1185 n-tiles in iterations of
+    # 5 (groups of 20 tiles), then 2. A stream whose n-tiles have a divisor that covers stays whole
+    cfg = get_config("large")
+    x = View("x", 0, (1, 1024), (1024, 1), "bf16")
+    w, y = View("w", 0, (1024, 151936), (1, 1024), "bf16"), View("y", 0, (1, 151936), (151936, 1), "f32")
+    head = MatmulKernel(x, w, y)
+    first, rest = isel_decode.split_ragged_streams(cfg, [head])
+    assert (first.b.shape, first.c.shape, first.b.offset, first.c.offset) == ((1024, 1185 * 128), (1, 1185 * 128), 0, 0)
+    assert (rest.b.shape, rest.c.shape) == ((1024, 256), (1, 256))
+    assert (rest.b.offset, rest.c.offset) == (1185 * 128 * 1024, 1185 * 128)
+    assert isel_decode.plan(cfg, first, cfg.vmem_rows // 2).G * isel_decode._tile_cycles(cfg) > cfg.dma_latency
+    llama = _stream("w", 128256)  # 1002 n-tiles of 16 k-tiles: iterations of 3 n-tiles cover
+    assert isel_decode.split_ragged_streams(cfg, [llama]) == [llama]
+
+
+def test_a_split_stream_gives_the_same_bits_in_fewer_cycles(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 37 n-tiles (a prime) of 8 k-tiles: 35 in iterations of 5, then 2; inf and NaN in both parts' columns,
+    # -inf in the last column; every other vmem row poisoned at each kernel's start
+    torch.manual_seed(3)
+    x, w = torch.randn(1, 1024).bfloat16(), (torch.randn(37 * 128, 1024) / 32).bfloat16()
+    for row in (7, 2000, 4479):  # in the first part
+        w[row, row % 1024] = float("inf") if row % 2 else float("nan")
+    w[4480, 1], w[4735, 1023] = float("nan"), float("-inf")  # the second part's first and last columns
+    inputs = [x.float().numpy(), w.float().numpy()]
+    cg = compile_graph(trace(_norm_then_project, x, w), [x, w], "large")
+    assert [k["kind"] for k in cg.summary["kernels"]].count("matmul") == 2
+    (out,) = run_with_poisoned_vmem(cg, inputs)
+    _, stats = run_fresh(cg, inputs, SimulatorRunner("large"))
+    monkeypatch.setattr(compiler, "split_ragged_streams", lambda _, kernels: kernels)
+    whole = compile_graph(trace(_norm_then_project, x, w), [x, w], "large")
+    assert [k["kind"] for k in whole.summary["kernels"]].count("matmul") == 1
+    (out_whole,), whole_stats = run_fresh(whole, inputs, SimulatorRunner("large"))
+    np.testing.assert_array_equal(out.view(np.uint32), out_whole.view(np.uint32))
+    ref = _norm_then_project(x, w).float().numpy()
+    non_finite = [7, 2000, 4479, 4480, 4735]
+    assert list(np.flatnonzero(~np.isfinite(out))) == list(np.flatnonzero(~np.isfinite(ref))) == non_finite
+    finite = np.isfinite(ref)
+    np.testing.assert_allclose(out[finite], ref[finite], rtol=2e-2, atol=2e-2)
+    # 296 tiles: 9.5k cycles of bytes; in groups of 4 tiles each group waited ~400 cycles of latency
+    assert stats.cycles < 0.7 * whole_stats.cycles  # 12,093 against 25,291 when written
+
+
 def _norm_then_two_projections(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     h = (xf * torch.rsqrt((xf * xf).mean(-1, keepdim=True) + 1e-6)).bfloat16()

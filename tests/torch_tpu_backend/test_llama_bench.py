@@ -18,6 +18,20 @@ def test_roofline_bytes_of_the_1b_geometry() -> None:
     assert need["kv_bytes"] == 1024 * 32768
 
 
+def test_roofline_bytes_of_the_qwen3_geometry() -> None:
+    """Qwen3-0.6B: 596,049,920 parameters (tied embeddings once; QK-norm's two head-dim weights a layer), bf16;
+    28 layers x K and V x 8 heads x 128 x 2 bytes = 112 KiB of cache per position. Its model (2 layers) has
+    as many parameters as the roofline counts."""
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(**llama_bench.QWEN3_GEOMETRIES["qwen3-0.6b"])
+    need = llama_bench.roofline_bytes(cfg, 1024)
+    assert need["weight_bytes"] == 2 * 596_049_920
+    assert need["kv_bytes"] == 1024 * 114688
+    cfg, model = llama_bench.build("qwen3-0.6b-2l", 8)
+    assert llama_bench.roofline_bytes(cfg, 1)["weight_bytes"] == 2 * sum(p.numel() for p in model.parameters())
+
+
 def test_mini_decode_stays_near_its_roofline() -> None:
     """A 2-layer bf16 Llama of the 1B's proportions (hidden 256, GQA 4:1, head dim 64, vocab 512) on `large`:
     its 4 MB of weights take 3,974 cycles at HBM speed; a decode step is dominated by the ~70 kernels' DMA
