@@ -214,10 +214,17 @@ class Prefetch:
 
 
 def two_ahead(p: DecodePlan) -> bool:
-    """Whether a stream may have its first two iterations prefetched, into both slots: it then runs two
-    iterations ahead in a ring of three regions (`lower_decode_matmul`), and its last iteration, which
-    loads the next stream's first groups into the second slot, must not be reading that slot."""
-    return p.iterations >= 3 and (p.iterations - 1) % 3 != 1
+    """Whether a stream may have its first two iterations prefetched, into both slots: it then computes
+    them while it loads the rest, in a ring of three regions (`lower_decode_matmul`; with two iterations
+    it loads nothing)."""
+    return p.iterations >= 2
+
+
+def next_slot_first(p: DecodePlan) -> bool:
+    """Whether the stream after a two-slot stream takes the slot of its first iteration (else that of its
+    second): its last iteration, which loads the next stream's first groups, reads ring region
+    (iterations - 1) % 3 (the slots are regions 0 and 1), and must not be reading that slot."""
+    return (p.iterations - 1) % 3 == 1
 
 
 def plan_prefetches(config: HardwareConfig, kernels: list[tuple[Kernel | None, int]], free_rows: int
@@ -294,6 +301,8 @@ def plan_prefetches(config: HardwareConfig, kernels: list[tuple[Kernel | None, i
         later = later if j in both and two_ahead(p) else []
         if len(later) >= 2:  # the second iteration, into the other slot (the next stream's, not yet taken)
             slots.append(take_slot(p, take=False))
+            if next_slot_first(p):  # the next stream gets the first iteration's slot, read before the last
+                take_slot(p)
             cut = [first + q * first // len(later) for q in range(len(later) + 1)]
             issued |= {m: range(cut[q], cut[q + 1]) for q, m in enumerate(later)}
         rows = tuple(lo for lo, _ in slots)
@@ -384,6 +393,13 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
     first_loaded = 2 if two else 1  # the first iteration the stream loads while it computes
     # the next stream's first groups, issued along the last iteration's MXU commands
     next_groups = _issue_dmas(ctx, pre.issue) if pre is not None and pre.issue is not None else []
+    # which ring region holds the slot they go to (the planner keeps the last iteration off it)
+    if next_groups:
+        lo, hi = pre.issue.rows[0], pre.issue.rows[0] + 2 * pre.issue.plan.G * L
+        next_region = next((m for m, r in enumerate(ring) if r.row < hi and lo < r.row + r.rows), None)
+    else:
+        next_region = None
+    assert next_region is None or next_region != (n - 1) % len(ring), "the last iteration reads the next slot"
     a_reg, c_reg = ctx.region(p.KT, "a"), ctx.region(p.NT, "c")
     ring_mem = tuple(r.mem(write=True) for r in ring)
     ring_read = tuple(r.mem() for r in ring)
@@ -424,7 +440,7 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
     # through tiles already in vmem); iteration 3's go on PREFETCH, so that iteration 2 does not wait for
     # them: iteration 3's wait on its later tiles (LOAD 0, issued after them) covers them
     ahead3 = min(early, G - 1) if two and n > 3 else 0
-    sequence = [(2, t) for t in range(early, 2 * G)] + [(3, t) for t in range(ahead3)] if two else []
+    sequence = [(2, t) for t in range(early, 2 * G)] + [(3, t) for t in range(ahead3)] if two and n > 2 else []
     spread: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for m, tile in enumerate(sequence):
         spread.setdefault(divmod(2 * m, 2 * G), []).append(tile)
@@ -448,7 +464,7 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
             q = j // G
             if j == 0 and early_flag is not None and (i is None or i >= first_loaded):
                 b.emit("wait", flag=early_flag)
-            if j == 0 and last and next_groups and two and (n - 2) % 3 == 1:  # the next slot was just read
+            if j == 0 and last and next_region == (n - 2) % len(ring):  # the next slot was just read
                 for g in range(2):
                     b.emit("wait", flag=ctx.flag(Flag.WEIGHTS, g))
             if j % G == 0 and not in_slot:
@@ -478,6 +494,7 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
     # the iterations in vmem, or the first when it has early tiles, apart (each its own block: scheduling
     # cost grows faster than a block's length); the rest but the last in a loop
     apart = {0: 0, 1: 0, 2: ahead3} if ahead3 else {0: 0, 1: 0} if two else {0: early} if early else {}
+    apart = {i: issued for i, issued in apart.items() if i < n - 1}
     for i, issued in apart.items():
         b.new_block("wstream_first")
         iteration(i, issued)
