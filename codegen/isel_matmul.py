@@ -60,6 +60,7 @@ HEAD_MAX_K_TILES = 64  # first n-tiles of up to this many k-tiles are pipelined 
 MAX_M_TILE = 1024  # rows of A and C per m-tile: each m-tile pays a pipeline fill and drain
 UNROLL_BATCHES = 2  # batched matmuls of more batches run a batch loop
 MAX_RESIDENT_BATCHES = 32  # `_resident_batches` unrolls its batches
+ROW_COMMAND_ROWS = 8  # resident batches of at most this many rows of A run an MXU command a row (`_mxu_by_row`)
 SPLIT_MIN_ROWS = 256  # m-tiles of at least this many rows start on part of A and end storing C in two parts
 A_ROWS, A_REST = -1, -2  # a pipelined start's A loads (in place of an n-tile): rows 0 .. head (all), the rest
 MIN_N_TILE_PAIRS = 2  # n loops of fewer pairs of n-tiles are unrolled
@@ -209,7 +210,12 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
     raw_b = [ctx.region(NT * L, "b0_") for _ in range(R)] if whole_b else []
     panels = [[[raw_b[s].view(nt * L, L) if whole_b and q == 0 else ctx.region(KT * L, f"b{q}_")
                 for q in range(parts)] for nt in range(NT)] for s in range(R)]
-    c_tiles = [[ctx.region(mt, "c") for _ in range(NT)] for _ in range(R)]
+    # a few rows (decode: a KV head's query rows) over several k-tiles or n-tiles: a batch's A and C each in
+    # one DMA, row-major (row m's k-tile kt at region row m * KT + kt, its n-tile nt at m * NT + nt), and an
+    # MXU command a row. A DMA a tile (16 a head at 2048 keys: P's k-tiles, the scores' n-tiles) filled the
+    # DMA queue, and issuing them stalled the kernel past its first group's loads
+    by_row = M <= ROW_COMMAND_ROWS and passes == [(0, 0)] and KT * NT > 1 and a.strides[-1] == 1 and c.strides[-1] == 1
+    c_tiles = [[ctx.region(M * NT, "c")] if by_row else [ctx.region(mt, "c") for _ in range(NT)] for _ in range(R)]
     t = _Tiling(a_sets=[], b_sets=[], c_tiles=[], passes=passes, mt=mt, KT=KT, KC=KT, NT=NT, hi_full=False,
                 trans_b=trans_b, a_chunked=False)
     if K % L and not trans_b:  # weight rows past K must be zero (0 x stale NaN / inf is NaN): no DMA writes them
@@ -224,7 +230,10 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
     commands = [(qa, qb, kt, kt) for qa, qb in passes for kt in range(KT)]
 
     def load(i: int, s: int, role: Flag, parity: int) -> None:  # batch i's A and B into slot s
-        _dma_tiles(ctx, a, ctx.hbm_addr(a, at(a, i)), a_parts[s][0], mt, KT, M, K, role, parity)
+        if by_row:
+            ctx.dma(True, a.dtype, ctx.hbm_addr(a, at(a, i)), a_parts[s][0], 0, M, K, a.strides[-2], role, parity)
+        else:
+            _dma_tiles(ctx, a, ctx.hbm_addr(a, at(a, i)), a_parts[s][0], mt, KT, M, K, role, parity)
         if whole_b:
             ctx.dma(True, bm.dtype, ctx.hbm_addr(bm, at(bm, i)), raw_b[s], 0, bm.shape[-1], K, bm.strides[-1],
                     role, parity)
@@ -243,6 +252,10 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
             for nt in range(NT):
                 _split(ctx, panels[s][nt], KT * L, False)
         for _, s in slots:
+            if by_row:
+                _mxu_by_row(ctx, a_parts[s][0], [panel[0] for panel in panels[s]], c_tiles[s][0], M, KT, trans_b,
+                            parity)
+                continue
             for nt in range(NT):
                 _mxu(ctx, t, a_parts[s], panels[s][nt], c_tiles[s][nt], commands, M, first=True, overwrite=True,
                      parity=parity)
@@ -250,6 +263,10 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
     def store(slots: list[tuple[int, int]], parity: int, store_parity: int = 0) -> None:
         b.emit("wait", flag=ctx.flag(Flag.MXU, parity))  # only these slots' commands are on it
         for i, s in slots:
+            if by_row:
+                ctx.dma(False, c.dtype, ctx.hbm_addr(c, at(c, i)), c_tiles[s][0], 0, M, bm.shape[-1], c.strides[-2],
+                        Flag.STORE, store_parity)
+                continue
             for nt in range(NT):
                 ctx.dma(False, c.dtype, ctx.hbm_addr(c, at(c, i) + nt * L), c_tiles[s][nt], 0, M, cols(nt),
                         c.strides[-2], Flag.STORE, store_parity)
@@ -793,6 +810,32 @@ def _mm_rows(ctx: KernelContext, a: Region, a_row: int, c_tile: Region, lo: int,
     b = ctx.b
     b.emit(op, None, (b.const(a.row + a_row + lo), b.const(c_tile.row + lo), b.const(hi - lo)), flag=flag,
            mem=(a.mem(a_row + lo, a_row + hi), c_tile.mem(lo, hi, True)))
+
+
+def _mxu_by_row(ctx: KernelContext, a: Region, panels: list[Region], c: Region, M: int, KT: int, trans_b: bool,
+                parity: int) -> None:
+    """C[m, nt] = sum over k-tiles kt of A[m, kt] @ W[kt, nt], A and C row-major (A row m's k-tile kt at region
+    row m * KT + kt, C's n-tile nt at m * NT + nt; panel nt holds W's k-tiles): per weight tile a load and M
+    one-row commands, the first swapping the weights in (overwriting C at kt 0, then accumulating). The next
+    tile's weights load right after that swap, so the weight port does not wait for the other rows'
+    commands. Each row in k-tile order: the bits of the tile-wise commands."""
+    b, L, NT = ctx.b, ctx.lanes, len(panels)
+    fw, f = ctx.flag(Flag.WEIGHTS, parity), ctx.flag(Flag.MXU, parity)
+    tiles = [(nt, kt) for nt in range(NT) for kt in range(KT)]
+
+    def lw(nt: int, kt: int) -> None:
+        b.emit("mxu.lwt" if trans_b else "mxu.lw", None, (b.const(panels[nt].row + kt * L),), flag=fw,
+               mem=(panels[nt].mem(kt * L, kt * L + L),))
+
+    lw(*tiles[0])
+    for j, (nt, kt) in enumerate(tiles):
+        for m in range(M):
+            op = ("mxu.mms" if m == 0 else "mxu.mm") if kt == 0 else ("mxu.mmas" if m == 0 else "mxu.mma")
+            ra, rc = m * KT + kt, m * NT + nt
+            b.emit(op, None, (b.const(a.row + ra), b.const(c.row + rc), b.const(1)), flag=f,
+                   mem=(a.mem(ra, ra + 1), c.mem(rc, rc + 1, True)))
+            if m == 0 and j + 1 < len(tiles):
+                lw(*tiles[j + 1])
 
 
 def _chunks(ctx: KernelContext, chunks: int, chunk: Callable[..., None], hint: str) -> None:

@@ -14,7 +14,7 @@ import torch
 from codegen_helpers import capture_with_mutations, compile_and_run, run_with_poisoned_vmem, trace
 
 import fx_passes
-from codegen import compile_graph, compiler, isel_common, isel_decode, isel_vector
+from codegen import compile_graph, compiler, isel_common, isel_decode, isel_matmul, isel_vector
 from codegen.builder import Builder
 from codegen.errors import CapacityError
 from codegen.isel_common import STORE_FLAGS, Flag, guard_stores_in_flight
@@ -563,3 +563,50 @@ def test_a_decode_softmax_over_a_2048_key_chunk_is_one_chain(monkeypatch: pytest
     unchained, many, unchained_cycles = build()
     np.testing.assert_array_equal(out.view(np.uint32), unchained.view(np.uint32))
     assert kernels == 1 < many and cycles < unchained_cycles - 2 * get_config("large").dma_latency  # 5,143, 7,429
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+@pytest.mark.parametrize("keys", [2001, 2048])
+def test_decode_attention_matmuls_move_a_heads_rows_in_one_dma_and_give_the_same_bits(
+        monkeypatch: pytest.MonkeyPatch, keys: int) -> None:
+    # one decode step's attention over `keys` cached keys (bf16, 32 query heads over 8 KV heads of dim 64, on
+    # `large`): q @ K^T has 16 n-tiles of scores a head (at 2001 the last partial), P @ V 16 k-tiles of P. Each
+    # head's 4 query rows of them moved a DMA a tile (144 commands a kernel, filling the queue); now a DMA a
+    # head, row-major, with an MXU command a row. inf in a key (its heads' rows NaN, as eager), NaN in a
+    # masked key's value (0 x NaN: NaN, as eager), -0 and a subnormal in q; vmem poisoned at each kernel's
+    # start. At 2048 the bits are the tile-wise commands' (whose compile at 2001 keys took over 10 minutes)
+    torch.manual_seed(4)
+    q = torch.randn(1, 32, 1, 64).bfloat16()
+    k, v = torch.randn(1, 8, keys, 64).bfloat16(), torch.randn(1, 8, keys, 64).bfloat16()
+    mask = torch.zeros(1, 1, 1, keys).bfloat16()
+    mask[..., keys - 37:] = float("-inf")
+    k[0, 2, 1500, 7] = float("inf")
+    q[0, 8:12, 0, 7] = q[0, 8:12, 0, 7].abs() + 0.5  # a score of +inf for each of kv head 2's query heads
+    v[0, 5, keys - 3, 11] = float("nan")
+    q[0, 9, 0, 3], q[0, 10, 0, 4] = -0.0, 1e-39
+    args = [q, k, v, mask]
+    inputs = [t.float().numpy() for t in args]
+
+    def build() -> tuple[np.ndarray, int, int]:
+        gm, _ = fx_passes.run_passes(trace(_decode_attention, *args), args)  # one fused attention
+        cg = compile_graph(gm, args, "large")
+        (out,) = run_with_poisoned_vmem(cg, inputs)
+        _, stats = run_fresh(cg, inputs, SimulatorRunner("large"))
+        return out, stats.dma_commands, stats.cycles
+
+    out, commands, cycles = build()
+    ref = _decode_attention(*(t.float() for t in args)).numpy()
+    nan = np.isnan(ref).any(axis=-1).ravel()
+    assert list(np.flatnonzero(nan)) == [8, 9, 10, 11, 20, 21, 22, 23]  # kv heads 2 and 5's query heads
+    assert np.isnan(out).any(axis=-1).ravel().tolist() == nan.tolist()
+    np.testing.assert_allclose(out[~np.isnan(ref)], ref[~np.isnan(ref)], rtol=2e-2, atol=2e-2)
+    assert commands < 100
+    if keys % 128:
+        return
+    monkeypatch.setattr(isel_matmul, "ROW_COMMAND_ROWS", 0)  # a DMA a tile, a command a tile
+    tiled, tiled_commands, tiled_cycles = build()
+    np.testing.assert_array_equal(out.view(np.uint32), tiled.view(np.uint32))
+    assert commands < tiled_commands - 200 and cycles < tiled_cycles - 1000  # 60 and 300; 12,067 and 13,331
