@@ -56,14 +56,24 @@ def test_1b_two_layers_decode_ratio() -> None:
     # kernel-boundary work)
 
 
+@pytest.mark.slow  # a minute: compiles and simulates 67 MB of weights
+def test_qwen3_two_layers_decode_ratio() -> None:
+    """Qwen3-0.6B's layers (hidden 1024, 16 heads of dim 128 over 8, QK-norm): a layer's weights are a quarter
+    of the 1B's, so each kernel boundary weighs four times as much."""
+    r = llama_bench.run("qwen3-0.6b-2l")
+    assert r["tokens_equal_eager"]
+    assert r["decode_roofline_ratio"] <= 1.38, r  # measured 1.363 (1.385 before o_proj was all prefetched)
+
+
 @pytest.mark.slow  # minutes: one decode step of the 1B's layers over 1024 and 4096 cached positions
-@pytest.mark.parametrize(("context", "bound"), [(1024, 1.10), (4096, 1.20)])
+@pytest.mark.parametrize(("context", "bound"), [(1024, 1.10), (4096, 1.19)])
 def test_1b_two_layers_decode_ratio_at_long_contexts(context: int, bound: float) -> None:
     r = llama_bench.run_context("1b-2l", context)
     assert r["token_equal_eager"] and r["cpu_ops"] == 0
-    # measured 1.090 and 1.186 (1.128 and 1.356 before o_proj's second iteration was prefetched, a head's
-    # keys came in one DMA and the 4096 softmax chained; 1.163 and 2.429 before larger softmax chains and
-    # resident batches in groups and rounds): attention's kernels, not its bytes, are the gap
+    # measured 1.088 and 1.173 (1.090 and 1.186 before a head's query rows moved in one DMA; 1.128 and 1.356
+    # before o_proj's second iteration was prefetched, a head's keys came in one DMA and the 4096 softmax
+    # chained; 1.163 and 2.429 before larger softmax chains and resident batches in groups and rounds):
+    # attention's kernels, not its bytes, are the gap
     assert r["decode_roofline_ratio"] <= bound, r
 
 
