@@ -178,7 +178,8 @@ def _first_dmas(ctx: KernelContext, k: MatmulKernel, p: DecodePlan, regions: lis
 # stream that was prefetched (its first half in one slot) can load the next one's into the other. Every
 # kernel from the first issuer to the stream leaves both slots alone (`KernelContext` ceiling). After a
 # long run (attention's, before o_proj) the run's later kernels load the stream's second iteration into the
-# other slot as well, which stays free until the stream loads the next one's first groups there.
+# other slot as well; the stream then loads the next one's first groups into whichever slot its last
+# iteration does not read (`next_slot_first`).
 # they fit their tiles to the vmem they get; so do the matmuls no stream lowers (attention's at one token:
 # matmuls of at most SMALL_ROWS rows, so that a prefill's matmuls keep the whole vmem)
 SMALL_ROWS = 8
