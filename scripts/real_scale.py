@@ -31,26 +31,13 @@ import torch
 
 import codegen
 import torch_tpu_backend.stats as ctpu_stats
-
-
-def model(family: str, layers: int, vocab: int, positions: int) -> torch.nn.Module:
-    if family == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
-        return LlamaForCausalLM(LlamaConfig(
-            hidden_size=2048, intermediate_size=8192, num_hidden_layers=layers, num_attention_heads=32,
-            num_key_value_heads=8, head_dim=64, vocab_size=vocab, tie_word_embeddings=True, rope_theta=500000.0,
-            max_position_embeddings=positions))
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    return Qwen3ForCausalLM(Qwen3Config(
-        hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, vocab_size=vocab, tie_word_embeddings=True, rope_theta=1000000.0,
-        max_position_embeddings=positions))
+from torch_tpu_backend import llama_bench
 
 
 def main() -> None:
     family, layers, vocab, new, prompt = sys.argv[1], *map(int, sys.argv[2:6])  # then --inductor, optionally
-    torch.manual_seed(0)
-    m = model(family, layers, vocab, prompt + new + 8).to(torch.bfloat16).eval()
+    geometry = "1b" if family == "llama" else "qwen3-0.6b"  # seeded as before: 0, right before the weights
+    _, m = llama_bench.build(geometry, prompt + new + 8, num_hidden_layers=layers, vocab_size=vocab)
     print("params", sum(p.numel() for p in m.parameters()), flush=True)
     ids = torch.randint(0, vocab, (1, prompt), generator=torch.Generator().manual_seed(1))
     compiles = []

@@ -38,15 +38,17 @@ QWEN3_GEOMETRIES: dict[str, dict[str, Any]] = {
 }
 
 
-def build(geometry: str, positions: int) -> tuple[Any, torch.nn.Module]:
-    """The config and a bf16 model of `geometry` (random weights, seeded) with `positions` positions."""
+def build(geometry: str, positions: int, **overrides: Any) -> tuple[Any, torch.nn.Module]:
+    """The config and a bf16 model of `geometry` (random weights, seeded) with `positions` positions;
+    `overrides` replace config fields (scripts/real_scale.py: any number of layers, any vocab)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     if geometry in GEOMETRIES:
-        cfg: Any = LlamaConfig(**GEOMETRIES[geometry], max_position_embeddings=positions)
+        cfg: Any = LlamaConfig(**GEOMETRIES[geometry] | overrides, max_position_embeddings=positions)
         family: Any = LlamaForCausalLM
     elif geometry in QWEN3_GEOMETRIES:
-        cfg, family = Qwen3Config(**QWEN3_GEOMETRIES[geometry], max_position_embeddings=positions), Qwen3ForCausalLM
+        cfg = Qwen3Config(**QWEN3_GEOMETRIES[geometry] | overrides, max_position_embeddings=positions)
+        family = Qwen3ForCausalLM
     else:
         raise ValueError(f"unknown geometry {geometry!r}; known: {', '.join([*GEOMETRIES, *QWEN3_GEOMETRIES])}")
     torch.manual_seed(0)
