@@ -32,11 +32,14 @@ from codegen.builder import Builder
 from codegen.isel_common import Flag, KernelContext, Region, chunk_loop, row_mem
 from codegen.kernel_graph import ESIZE, Access, FillKernel, GenericKernel, LoweringError, ScalarProgram, View
 from codegen.math_seqs import vdivide, vexp, vrecip, vrsqrt, vsqrt, vtanh
-from codegen.mir import Reg
+from codegen.mir import ZERO, Reg
 from device_sim.config import HardwareConfig
 
 MAX_TILE_VMEM_ROWS = 512  # vmem rows of one operand's tile (64 chunks): keeps double buffering useful
 UNROLL_CHUNKS = 4  # chunk sequences up to this long are unrolled, longer ones run as loops
+# a runtime-bounded tile computes its rows in parts while rows are left, each part at least this many chunks
+# of 8 vmem rows: a part's loop pays its software pipeline's fill once
+MIN_PART_CHUNKS = 32
 NEG_INF = 0xFF800000
 ZERO_BITS = 0
 
@@ -355,15 +358,16 @@ def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buff
         n = size[0] * size[1]
         b.emit("wait", flag=ctx.flag(Flag.LOAD, p))
         issue_next()
+        computed = rows_reg if valid is not None else None  # a runtime tile computes the rows it moves
         for s in streams[:-1]:
             if s.expanded is not None:
                 assert s.tiles is not None
-                _broadcast_rows(b, s.tiles[p], s.expanded, n, P, s.view.dtype in ("i32", "i1"))
+                _broadcast_rows(b, s.tiles[p], s.expanded, n, P, s.view.dtype in ("i32", "i1"), computed)
         b.emit("wait", flag=ctx.flag(Flag.STORE, p))
         if k.reduction:
-            _reduce_tile(ctx, k.body, streams, p, out_tiles[p], n, C, P, k.init)
+            _reduce_tile(ctx, k.body, streams, p, out_tiles[p], n, C, P, k.init, computed)
         else:
-            _map_tile(ctx, k.body, streams, p, out_tiles[p], n, P)
+            _map_tile(ctx, k.body, streams, p, out_tiles[p], n, P, computed)
         move(False, out, out_tiles[p], p, *size, rows_reg)
         b.new_block("tile_next")  # a tile's code ends a block: its DMA issues before the next tile's waits
 
@@ -416,6 +420,40 @@ def _runtime_tiles(ctx: KernelContext, valid: tuple[int, int], rows: int, T: int
     b.while_positive(left, T, pair, "tiles")  # after a skipped odd tile, left <= -T: the loop ends
 
 
+def _in_parts(b: Builder, n: int, vrows_per_row: int, rows: Reg | None, emit: Callable[[Reg, int], None]) -> None:
+    """emit(first row, count) over a tile's n rows: at once, or, given `rows` (the rows a runtime tile moves,
+    at most n), in equal parts while rows are left, so that a tile of a dynamic-shape bucket computes about
+    the rows it holds, not all n (the rows past them up to a part's end are computed and never stored)."""
+    part = _part_rows(n, vrows_per_row) if rows is not None else n
+    if part >= n:
+        emit(ZERO, n)
+        return
+    left = b.emit("addi", b.sreg(), (rows,), imm=0)
+    first = b.sreg()
+    b.emit("li", first, imm=0)
+
+    def one_part() -> None:
+        emit(first, part)
+        b.addi(first, part, first)
+
+    b.while_positive(left, part, one_part, "part")
+
+
+def _set_times(b: Builder, dst: Reg, first: Reg, factor: int) -> None:
+    """dst = first x factor (li 0 for a tile's first row)."""
+    if first == ZERO:
+        b.emit("li", dst, imm=0)
+    else:
+        b.emit("mul", dst, (first, b.const(factor)))
+
+
+def _part_rows(n: int, vrows_per_row: int) -> int:
+    """The fewest rows that divide n, fill whole chunks of 8 vmem rows and make at least MIN_PART_CHUNKS of
+    them (n when none does)."""
+    return next((d for d in range(1, n) if n % d == 0 and d * vrows_per_row % 8 == 0
+                 and d * vrows_per_row >= 8 * MIN_PART_CHUNKS), n)
+
+
 def _lane0_mask(b: Builder) -> Reg:
     return b.vop("vcmp.eq.i", b.vop_imm("viota", 0), b.vconst_bits(0))
 
@@ -434,20 +472,20 @@ def _lane0_everywhere(b: Builder, v: Reg, integer: bool) -> Reg:
     return b.vop("vor", b.vop("vshl", b.vop("vcvt.f2i", spread(hi)), sixteen), b.vop("vcvt.f2i", spread(lo)))
 
 
-def _broadcast_rows(b: Builder, col: Region, dst: Region, n: int, P: int, integer: bool = False) -> None:
+def _broadcast_rows(b: Builder, col: Region, dst: Region, n: int, P: int, integer: bool = False,
+                    rows: Reg | None = None) -> None:
     """dst (row layout, P vmem rows per row) = the lane-0 value of each of the n rows of `col` (integer:
-    int32 / bool bits, copied exactly)."""
+    int32 / bool bits, copied exactly); `rows`: see `_in_parts`."""
     if P == 1:
         def chunk(off: Reg) -> None:
             v = b.vld(off, col.row, row_mem(col, off, 0, 8))
             r = _lane0_everywhere(b, v, integer)
             b.vst(r, off, dst.row, row_mem(dst, off, 0, 8, True))
 
-        chunk_loop(b, -(-n // 8), chunk, "bcast")
+        _in_parts(b, n, 1, rows, lambda first, count: chunk_loop(b, -(-count // 8), chunk, "bcast", first))
         return
     P8 = -(-P // 8)
     row_base = b.sreg()
-    b.emit("li", row_base, imm=0)
 
     def row(t: Reg) -> None:
         v = b.vld(t, col.row, row_mem(col, t, 0, 1), "vld.row")
@@ -460,7 +498,11 @@ def _broadcast_rows(b: Builder, col: Region, dst: Region, n: int, P: int, intege
                        row_base)
         b.emit("addi", row_base, (row_base,), imm=P)
 
-    chunk_loop(b, n, row, "bcast_rows", step=1, ivs={row_base: P})
+    def part(first: Reg, count: int) -> None:
+        _set_times(b, row_base, first, P)
+        chunk_loop(b, count, row, "bcast_rows", first, step=1, ivs={row_base: P})
+
+    _in_parts(b, n, P, rows, part)
 
 
 def _load(b: Builder, s: Stream, p: int, base: Reg, row: int = 0) -> Reg:
@@ -474,18 +516,24 @@ def _store(b: Builder, r: Reg, out: Region, base: Reg, row: int = 0) -> None:
 
 
 def _map_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream], p: int, out: Region, n: int,
-              P: int) -> None:
+              P: int, rows: Reg | None = None) -> None:
     b = ctx.b
 
     def chunk(off: Reg) -> None:
         env = {s.arg: _load(b, s, p, off) for s in streams[:-1]}
         _store(b, evaluate(b, body, env, body.yields[0]), out, off)
 
-    chunk_loop(b, -(-n * P // 8), chunk, "map")
+    def part(first: Reg, count: int) -> None:
+        start = b.sreg() if P > 1 and first != ZERO else first
+        if start != first:
+            _set_times(b, start, first, P)
+        chunk_loop(b, -(-count * P // 8), chunk, "map", start)
+
+    _in_parts(b, n, P, rows, part)
 
 
 def _reduce_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream], p: int, out: Region, n: int,
-                 C: int, P: int, init_value: float | None) -> None:
+                 C: int, P: int, init_value: float | None, rows: Reg | None = None) -> None:
     b = ctx.b
     out_arg = body.args[-1]
     combine_name, value = _split_reduction(body, out_arg)
@@ -509,13 +557,12 @@ def _reduce_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream],
                 f = b.vop("vsel", mask, f, b.vconst_bits(identity))
             _store(b, b.vop(vop, b.vop(red_l, f), initial(off)), out, off)
 
-        chunk_loop(b, -(-n // 8), chunk, "reduce")
+        _in_parts(b, n, 1, rows, lambda first, count: chunk_loop(b, -(-count // 8), chunk, "reduce", first))
         return
     tail = C % (8 * ctx.lanes)
     P8 = -(-P // 8)
     plain = P8 - 1 if tail else P8  # the last chunk of a row is masked when the row ends inside it
     row_base = b.sreg()
-    b.emit("li", row_base, imm=0)
 
     def f_at(base: Reg, row: int) -> Reg:
         return evaluate(b, body, {s.arg: _load(b, s, p, base, row) for s in streams[:-1]}, value)
@@ -536,7 +583,11 @@ def _reduce_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream],
         _store(b, b.vop(vop, total, initial(t, one_row=True)), out, t)
         b.emit("addi", row_base, (row_base,), imm=P)
 
-    chunk_loop(b, n, row, "reduce_rows", step=1, ivs={row_base: P})
+    def part(first: Reg, count: int) -> None:
+        _set_times(b, row_base, first, P)
+        chunk_loop(b, count, row, "reduce_rows", first, step=1, ivs={row_base: P})
+
+    _in_parts(b, n, P, rows, part)
 
 
 def _split_reduction(body: ScalarProgram, out_arg: str) -> tuple[str, str]:

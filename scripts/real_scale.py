@@ -3,11 +3,13 @@ random weights; prints per compiled graph the compile seconds (wall and CPU), pr
 the HBM the program needs, then parity with eager, CPU ops, cycles per launch and peak host memory as JSON.
 Where a token differs from eager's, "divergence" says whether it is a near tie: at the first differing step,
 both tokens' logits in eager bf16, in the CTPU's, and in an fp32 forward of the same prefix (the arbiter), and
-the largest |CTPU - eager| logit difference of the step.
+the largest |CTPU - eager| logit difference of the step. "eager_top2_gaps": per step, eager's top logit minus its
+second (a gap within bf16 rounding is a near tie).
 
     python scripts/real_scale.py llama 16 128256 3 17   # Llama-3.2-1B: layers, vocab, new tokens, prompt
     python scripts/real_scale.py qwen 4 2048 3 17       # Qwen3-0.6B geometry, 4 layers, vocab 2048
     python scripts/real_scale.py llama 16 128256 3 17 --inductor   # and Inductor's compile of the same forward
+    python scripts/real_scale.py qwen 28 151936 16 17 --seed 6     # another prompt (its generator's seed; 1)
 
 Set CTPU_CACHE=0 to measure compiles. The full 1B needs ~6 GB of host memory (model + simulator HBM).
 `--inductor` then compiles the same forward with Inductor (CPU, fresh caches) in the same process and
@@ -39,7 +41,8 @@ def main() -> None:
     geometry = "1b" if family == "llama" else "qwen3-0.6b"  # seeded as before: 0, right before the weights
     _, m = llama_bench.build(geometry, prompt + new + 8, num_hidden_layers=layers, vocab_size=vocab)
     print("params", sum(p.numel() for p in m.parameters()), flush=True)
-    ids = torch.randint(0, vocab, (1, prompt), generator=torch.Generator().manual_seed(1))
+    seed = int(sys.argv[sys.argv.index("--seed") + 1]) if "--seed" in sys.argv else 1
+    ids = torch.randint(0, vocab, (1, prompt), generator=torch.Generator().manual_seed(seed))
     compiles = []
     compile_graph = codegen.compile_graph
 
@@ -73,15 +76,17 @@ def main() -> None:
     st = ctpu_stats.last()
     other_backends = other_backends_compile(m, generate) if "--inductor" in sys.argv else None
     divergence = first_divergence(m, ref, out, prompt)
+    gaps = [round(float(d[0] - d[1]), 4) for d in (lg[0].float().topk(2).values for lg in ref.logits)]
     ref, out = ref.sequences, out.sequences
     print(json.dumps({
-        "family": family, "layers": layers, "vocab": vocab, "prompt": prompt, "new": new,
+        "family": family, "layers": layers, "vocab": vocab, "prompt": prompt, "seed": seed, "new": new,
         "equal": out.tolist() == ref.tolist(), "tokens": out[0, prompt:].tolist(),
         "ref_tokens": ref[0, prompt:].tolist(),
         "cpu_ops": dict(st.fallback_ops), "compiles": compiles, "eager_s": round(eager_s, 1),
         "ctpu_total_s": round(ctpu_s, 1), "cycles": [r.stats.cycles for r in st.launches],
         "ctpu_backend_compile_s": round(sum(c["wall_s"] for c in compiles), 1), "other_backends": other_backends,
-        "divergence": divergence, "launches": st.kernels_launched, "bundles_executed": st.bundles,
+        "divergence": divergence, "eager_top2_gaps": gaps, "launches": st.kernels_launched,
+        "bundles_executed": st.bundles,
         "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}))
 
 

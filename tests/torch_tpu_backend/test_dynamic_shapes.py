@@ -268,6 +268,34 @@ def test_one_program_computes_only_the_rows_of_each_call() -> None:
     assert cycles[250] - cycles[131] >= 3 * 119 * 128 * 3 // 4, cycles
 
 
+def test_a_runtime_tile_computes_about_the_rows_it_holds() -> None:
+    """A SwiGLU-like factor (silu(x) * x, [1, n, 8192] bf16, `large`) at 17 and 32 tokens of one bucket (32):
+    one tile of 32 rows, which computes its rows in parts of 4 while rows are left (`isel_vector._in_parts`),
+    so 17 tokens cost about 20 rows' work, not 32 (measured 12,183 against 18,732 cycles; 17,525 against
+    18,005 when every tile computed all its rows). inf, -inf, NaN, -0 and a subnormal in the last valid row
+    come out as eager's."""
+    def factor(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(x) * x
+
+    ctpu_stats.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(factor, backend="ctpu", options={"cache": False, "config": "large"})
+    cycles = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        for n in (17, 32):
+            x = torch.randn(1, n, 8192, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+            x[0, n - 1, :5] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 1e-40])
+            torch._dynamo.mark_dynamic(x, 1)
+            before = ctpu_stats.last().cycles
+            got = compiled(x)
+            cycles[n] = ctpu_stats.last().cycles - before
+            torch.testing.assert_close(got, factor(x), rtol=1e-2, atol=1e-2, equal_nan=True)
+    stats = ctpu_stats.last()
+    assert stats.program_variants == 1 and not stats.fallback_ops
+    assert cycles[17] < 0.75 * cycles[32], cycles
+
+
 def test_a_llama_bucket_never_reads_the_padding_it_leaves_unwritten(monkeypatch) -> None:
     """A layer of the 1B's proportions at hidden 256 (`ctpu bench --llama mini`, bf16, `large`) at 100 and 77
     tokens, one bucket: the projections, norms, SwiGLU factors, rope and attention's result compute only the
