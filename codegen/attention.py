@@ -27,6 +27,9 @@ from typing import Any
 from codegen.fx_to_mlir import BodyWriter, MlirEmitter, TValue, UnsupportedOp, affine_map
 from device_sim.config import HardwareConfig
 
+# the query dim of the row-wise generics below, which run over [B, KVH, rep, L, ...] (`rows5`): a dynamic-shape
+# bucket's kernels compute only its valid queries (compiler._query_dim)
+QUERY_DIM = 3
 # vmem rows per score row of a tile: the tile's generics (a few operands, double-buffered) then fit even
 # `small`'s vmem with rows to spare (a row of S keys used to take S / lanes vmem rows per operand)
 KEY_TILE_VMEM_ROWS = 16

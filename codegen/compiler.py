@@ -27,6 +27,7 @@ import torch
 import torch.fx
 
 from codegen import isel_scalar_ops  # noqa: F401  (registers the extra body-op lowerings)
+from codegen.attention import QUERY_DIM
 from codegen.builder import Builder
 from codegen.errors import CapacityError, ProgramTooLargeError
 from codegen.fx_ops import emit_module
@@ -346,15 +347,26 @@ def _padded_iteration_dim(k: GenericKernel, dim: int, value: torch.Tensor, op: s
     dim, which it reduces). A fused attention's generics run along its keys as well (K^T, the key mask):
     only its result counts."""
     size, view, strides = value.shape[dim], k.output.view, k.output.iter_strides
+    if op in _KEYED_OPS and view.shape != tuple(value.shape):
+        return _query_dim(k, size) if dim == -2 else None
     dims = [d for d in range(len(k.sizes)) if k.sizes[d] == size]
-    if len(dims) != 1 or (k.reduction and dims[0] == len(k.sizes) - 1) or \
-            (op in _KEYED_OPS and view.shape != tuple(value.shape)):
+    if len(dims) != 1 or (k.reduction and dims[0] == len(k.sizes) - 1):
         return None
     indexed = [j for j in range(len(view.shape)) if view.shape[j] == size and view.strides[j] == strides[dims[0]]]
     if len(indexed) != 1:
         return None
     place, node_place = _place(view.shape, indexed[0]), _place(value.shape, len(value.shape) + dim)
     return dims[0] if place == node_place or (k.reduction and place - 1 == node_place) else None
+
+
+def _query_dim(k: GenericKernel, size: int) -> int | None:
+    """A fused attention's row-wise generic ([B, KVH, rep, L, ...]: scores, their row max and sum,
+    probabilities) runs along the queries at `attention.QUERY_DIM`, a parallel dim its output indexes; its
+    other generics (K^T, V, the key mask) run along keys only."""
+    d = QUERY_DIM
+    if len(k.sizes) <= d + 1 or k.sizes[d] != size or not k.output.iter_strides[d]:
+        return None
+    return d
 
 
 def _place(shape: Sequence[int], j: int) -> int:

@@ -40,6 +40,8 @@ UNROLL_CHUNKS = 4  # chunk sequences up to this long are unrolled, longer ones r
 # a runtime-bounded tile computes its rows in parts while rows are left, each part at least this many chunks
 # of 8 vmem rows: a part's loop pays its software pipeline's fill once
 MIN_PART_CHUNKS = 32
+# (register holding the valid rows of each piece of a tile, the piece's rows), or None: every row is valid
+ValidRows = tuple[Reg, int] | None
 NEG_INF = 0xFF800000
 ZERO_BITS = 0
 
@@ -127,6 +129,16 @@ def lower_generic(ctx: KernelContext, k: GenericKernel) -> None:
     C = sizes[-1]
     outer = sizes[:-1]
     split, rows, row_strides = _merge_rows(outer, strides)
+    bounded = _bounded_place(k, dims, outer)
+    if bounded is not None and bounded > split:
+        # rows bounded inside the merged rows (attention's [KVH, rep, L] query rows): the dims before the
+        # bounded one become groups, each holding the same runtime count of valid rows, where the groups
+        # still share tiles (enough of them to loop) or each fills a tile; else each would wait a latency
+        g_sizes, g_strides, g_dims = _merged_groups(sizes, strides, dims, bounded)
+        g_rows, g_split = math.prod(outer[bounded:]), len(g_sizes) - 1 - (len(outer) - bounded)
+        if max(g_sizes[:g_split]) > UNROLL_CHUNKS or g_rows * -(-C // ctx.lanes) >= max_tile_vmem_rows(ctx.config):
+            sizes, strides, dims, rows, split = g_sizes, g_strides, g_dims, g_rows, g_split
+            outer = sizes[:-1]
     groups = outer[:split]
     N = ctx.lanes
     P = -(-C // N)
@@ -135,6 +147,7 @@ def lower_generic(ctx: KernelContext, k: GenericKernel) -> None:
     # operand addresses are pointer registers (code size independent of it), the others are unrolled
     d, looped = _longest(groups) if groups else (0, 1)
     looped = looped if looped > UNROLL_CHUNKS else 1
+    valid = _valid_rows(k, dims, outer, split)
     buffers: TileBuffers | None = None
     for g_index in _multi_index(groups[:d] + groups[d + 1:] if looped > 1 else groups):
         if looped > 1:
@@ -145,18 +158,18 @@ def lower_generic(ctx: KernelContext, k: GenericKernel) -> None:
         if buffers is None:  # groups run one after another and share one set of tiles (vmem is not freed)
             buffers = _tile_buffers(ctx, k, streams, rows * looped, P)
         if looped == 1:
-            _tile_loop(ctx, k, streams, buffers, rows, C, P, valid=_valid_rows(k, dims, outer, split))
+            _tile_loop(ctx, k, streams, buffers, rows, C, P, valid=valid)
             continue
         if rows <= buffers.tile_rows:  # whole groups fit a tile: the group loop is the tile loop
             steps = [st[d] * ESIZE[s.view.dtype] for s, st in zip(streams, strides, strict=True)]
-            _tile_loop(ctx, k, streams, buffers, rows, C, P, groups=(looped, steps))
+            _tile_loop(ctx, k, streams, buffers, rows, C, P, groups=(looped, steps), valid=valid)
             continue
         for s in streams:
             s.base_reg = ctx.b.sreg()
             ctx.b.emit("addi", s.base_reg, (ctx.hbm_addr(s.view, s.base),), imm=0)
 
         def group(streams: list[Stream] = streams, buffers: TileBuffers = buffers) -> None:
-            _tile_loop(ctx, k, streams, buffers, rows, C, P)
+            _tile_loop(ctx, k, streams, buffers, rows, C, P, valid=valid)
             for s, st in zip(streams, strides, strict=True):
                 if st[d]:
                     ctx.b.addi(s.base_reg, st[d] * ESIZE[s.view.dtype], s.base_reg)
@@ -165,11 +178,34 @@ def lower_generic(ctx: KernelContext, k: GenericKernel) -> None:
 
 
 def _valid_rows(k: GenericKernel, dims: list[int], outer: list[int], split: int) -> tuple[int, int] | None:
-    """(argument holding the valid length, rows per unit of it) when the kernel's valid extent bounds its
-    rows: the bounded iteration dim is the outermost of the dims merged into rows, and no group dims."""
-    if k.valid_extent is None or split != 0 or not outer or dims[0] != k.valid_extent[1]:
+    """(argument holding the valid length, rows per unit of it) when the kernel's valid extent bounds the
+    rows of each group: the bounded iteration dim is the outermost of the dims merged into rows."""
+    if k.valid_extent is None or split >= len(outer) or dims[split] != k.valid_extent[1]:
         return None
-    return k.valid_extent[0], math.prod(outer[1:])
+    return k.valid_extent[0], math.prod(outer[split + 1:])
+
+
+def _bounded_place(k: GenericKernel, dims: list[int], outer: list[int]) -> int | None:
+    """The place among the outer dims of the iteration dim the kernel's valid extent bounds, if any."""
+    if k.valid_extent is None or k.valid_extent[1] not in dims[:len(outer)]:
+        return None
+    return dims.index(k.valid_extent[1])
+
+
+def _merged_groups(sizes: list[int], strides: list[list[int]], dims: list[int],
+                   split: int) -> tuple[list[int], list[list[int]], list[int]]:
+    """The group dims (before `split`) merged where every operand strides them uniformly (attention's KVH and
+    rep: one group dim of KVH x rep, a runtime loop, not rep unrolled copies of a loop over KVH)."""
+    sizes, strides, dims = list(sizes), [list(st) for st in strides], list(dims)
+    d = split - 1
+    while d > 0:
+        if all(st[d - 1] == st[d] * sizes[d] for st in strides):
+            sizes[d - 1:d + 1] = [sizes[d - 1] * sizes[d]]
+            for st in strides:
+                st[d - 1:d + 1] = [st[d]]
+            dims[d - 1:d + 1] = [dims[d]]
+        d -= 1
+    return sizes, strides, dims
 
 
 def _longest(dims: list[int]) -> tuple[int, int]:
@@ -358,7 +394,8 @@ def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buff
         n = size[0] * size[1]
         b.emit("wait", flag=ctx.flag(Flag.LOAD, p))
         issue_next()
-        computed = rows_reg if valid is not None else None  # a runtime tile computes the rows it moves
+        # a runtime tile computes about the rows it moves: rows_reg of each piece of size[0] rows
+        computed = (rows_reg, size[0]) if valid is not None and rows_reg is not None else None
         for s in streams[:-1]:
             if s.expanded is not None:
                 assert s.tiles is not None
@@ -371,14 +408,15 @@ def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buff
         move(False, out, out_tiles[p], p, *size, rows_reg)
         b.new_block("tile_next")  # a tile's code ends a block: its DMA issues before the next tile's waits
 
-    if valid is not None:
+    if valid is not None and groups is None:
         _runtime_tiles(ctx, valid, rows, sizes[0][0], issue_loads, tile)
         return
+    moved = None if valid is None else _valid_count(ctx, valid, rows)  # each group's valid rows
 
     def static_tile(p: int, size: tuple[int, int], next_size: tuple[int, int] | None) -> None:
-        tile(p, size, lambda: issue_loads(1 - p, next_size) if next_size else None)
+        tile(p, size, lambda: issue_loads(1 - p, next_size, moved) if next_size else None, moved)
 
-    issue_loads(0, sizes[0])
+    issue_loads(0, sizes[0], moved)
     pairs = (len(sizes) - 1) // 2  # tiles 0 .. 2 * pairs - 1 are full and each has a next tile
     if pairs:
         b.counted_loop(pairs, lambda: (static_tile(0, sizes[0], sizes[0]), static_tile(1, sizes[0], sizes[0])),
@@ -394,12 +432,7 @@ def _runtime_tiles(ctx: KernelContext, valid: tuple[int, int], rows: int, T: int
     computed rows past them are never stored); the next tile's loads are issued only when rows are left for
     it, so that no DMA moves 0 rows."""
     b = ctx.b
-    arg, unit = valid
-    left = b.sreg()
-    b.emit("max", left, (ctx.value(arg), b.const(1)))  # a bogus count never loops on nothing
-    b.emit("min", left, (left, b.const(rows // unit)))
-    if unit > 1:
-        b.emit("mul", left, (left, b.const(unit)))
+    left = _valid_count(ctx, valid, rows)
 
     def now(x: Reg) -> Reg:
         return b.emit("min", b.sreg(), (x, b.const(T)))
@@ -420,23 +453,37 @@ def _runtime_tiles(ctx: KernelContext, valid: tuple[int, int], rows: int, T: int
     b.while_positive(left, T, pair, "tiles")  # after a skipped odd tile, left <= -T: the loop ends
 
 
-def _in_parts(b: Builder, n: int, vrows_per_row: int, rows: Reg | None, emit: Callable[[Reg, int], None]) -> None:
-    """emit(first row, count) over a tile's n rows: at once, or, given `rows` (the rows a runtime tile moves,
-    at most n), in equal parts while rows are left, so that a tile of a dynamic-shape bucket computes about
-    the rows it holds, not all n (the rows past them up to a part's end are computed and never stored)."""
-    part = _part_rows(n, vrows_per_row) if rows is not None else n
-    if part >= n:
+def _in_parts(b: Builder, n: int, vrows_per_row: int, rows: ValidRows, emit: Callable[[Reg, int], None]) -> None:
+    """emit(first row, count) over a tile's n rows: at once, or, given `rows` (a register holding the valid
+    rows of each piece, and the piece's rows: a group's), in equal parts while a piece's valid rows are left,
+    so that a tile of a dynamic-shape bucket computes about the rows it holds, not all n (the rows past them
+    up to a part's end are computed and never stored)."""
+    if rows is None:
         emit(ZERO, n)
         return
-    left = b.emit("addi", b.sreg(), (rows,), imm=0)
+    valid, piece = rows
+    part = _part_rows(piece, vrows_per_row)
+    if part >= piece:
+        emit(ZERO, n)
+        return
     first = b.sreg()
     b.emit("li", first, imm=0)
 
-    def one_part() -> None:
-        emit(first, part)
-        b.addi(first, part, first)
+    def one_piece() -> None:
+        left = b.emit("addi", b.sreg(), (valid,), imm=0)
+        start = b.emit("addi", b.sreg(), (first,), imm=0)
 
-    b.while_positive(left, part, one_part, "part")
+        def one_part() -> None:
+            emit(start, part)
+            b.addi(start, part, start)
+
+        b.while_positive(left, part, one_part, "part")
+        b.addi(first, piece, first)
+
+    if n == piece:
+        one_piece()
+    else:
+        b.counted_loop(n // piece, one_piece, "piece")
 
 
 def _set_times(b: Builder, dst: Reg, first: Reg, factor: int) -> None:
@@ -452,6 +499,19 @@ def _part_rows(n: int, vrows_per_row: int) -> int:
     them (n when none does)."""
     return next((d for d in range(1, n) if n % d == 0 and d * vrows_per_row % 8 == 0
                  and d * vrows_per_row >= 8 * MIN_PART_CHUNKS), n)
+
+
+def _valid_count(ctx: KernelContext, valid: tuple[int, int], rows: int) -> Reg:
+    """A register holding the valid rows of `rows`: the value of argument valid[0] (clamped to [1, rows /
+    unit]: a bogus count never loops on nothing) x valid[1] rows per unit."""
+    b = ctx.b
+    arg, unit = valid
+    count = b.sreg()
+    b.emit("max", count, (ctx.value(arg), b.const(1)))
+    b.emit("min", count, (count, b.const(rows // unit)))
+    if unit > 1:
+        b.emit("mul", count, (count, b.const(unit)))
+    return count
 
 
 def _lane0_mask(b: Builder) -> Reg:
@@ -473,7 +533,7 @@ def _lane0_everywhere(b: Builder, v: Reg, integer: bool) -> Reg:
 
 
 def _broadcast_rows(b: Builder, col: Region, dst: Region, n: int, P: int, integer: bool = False,
-                    rows: Reg | None = None) -> None:
+                    rows: ValidRows = None) -> None:
     """dst (row layout, P vmem rows per row) = the lane-0 value of each of the n rows of `col` (integer:
     int32 / bool bits, copied exactly); `rows`: see `_in_parts`."""
     if P == 1:
@@ -516,7 +576,7 @@ def _store(b: Builder, r: Reg, out: Region, base: Reg, row: int = 0) -> None:
 
 
 def _map_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream], p: int, out: Region, n: int,
-              P: int, rows: Reg | None = None) -> None:
+              P: int, rows: ValidRows = None) -> None:
     b = ctx.b
 
     def chunk(off: Reg) -> None:
@@ -533,7 +593,7 @@ def _map_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream], p:
 
 
 def _reduce_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream], p: int, out: Region, n: int,
-                 C: int, P: int, init_value: float | None, rows: Reg | None = None) -> None:
+                 C: int, P: int, init_value: float | None, rows: ValidRows = None) -> None:
     b = ctx.b
     out_arg = body.args[-1]
     combine_name, value = _split_reduction(body, out_arg)

@@ -160,7 +160,7 @@ def _swiglu(x: torch.Tensor, w: torch.Tensor, count: torch.Tensor) -> torch.Tens
 
 
 def _head_rows(x: torch.Tensor, w: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    return x * w  # [H, L, D]: H outside the padded L, so the rows (H x L) are not bounded
+    return x * w  # [H, L, D]: H groups outside the padded L
 
 
 RUNTIME_ROWS = [  # (config, function, x's shape, w's shape, dtype, valid length)
@@ -170,7 +170,8 @@ RUNTIME_ROWS = [  # (config, function, x's shape, w's shape, dtype, valid length
     ("large", _swiglu, (1, 600, 1024), (1, 600, 1024), torch.bfloat16, 257),
     ("small", _rms_norm, (40, 20), (20,), torch.float32, 17),
     ("large", _swiglu, (1, 33, 64), (1, 33, 64), torch.float32, 0),  # a count of 0 computes one row
-    ("large", _head_rows, (4, 50, 64), (64,), torch.float32, 20),
+    ("large", _head_rows, (4, 50, 64), (64,), torch.float32, 20),  # 4 short groups: left whole
+    ("large", _head_rows, (32, 50, 64), (64,), torch.float32, 20),  # 32 groups share tiles: each bounded
 ]
 
 
@@ -182,7 +183,9 @@ def test_runtime_rows_of_a_generic_give_the_static_bits_and_leave_the_padding(co
     rows of the runtime count are left: the valid rows have the bits of the program compiled without the
     mark (edge values among them; also on a vmem poisoned with NaN at each kernel's start), the output's
     padding rows are never stored (zeros of the fresh arena), and fewer rows cost fewer cycles. Where the
-    padded dim is not the outermost of the rows the generic is left whole."""
+    padded dim is inside the rows ([H, L, D]), the dims outside it are groups, each running its valid rows,
+    when they are enough to share tiles in a loop (attention's KVH x rep); a few short groups, each of
+    which would wait a DMA latency, leave the generic whole."""
     g = torch.Generator().manual_seed(shape[-2])
     x = torch.randn(*shape, generator=g).to(dtype)
     w = torch.randn(*w_shape, generator=g).to(dtype)
@@ -196,7 +199,7 @@ def test_runtime_rows_of_a_generic_give_the_static_bits_and_leave_the_padding(co
         if node.op == "call_function":
             node.meta["ctpu_padding"] = {-2: list(gm.graph.nodes)[2].name}
     dynamic = compile_graph(gm, [x, w, count], config)
-    bounded = fn is not _head_rows
+    bounded = fn is not _head_rows or shape[0] > 4
     assert dynamic.value_inputs == [2] and static.value_inputs == []
     inputs = [x.float().numpy(), w.float().numpy(), count.numpy()]
     (want,), static_stats = run_fresh(static, inputs, SimulatorRunner(config))
