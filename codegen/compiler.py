@@ -356,7 +356,10 @@ def _padded_iteration_dim(k: GenericKernel, dim: int, value: torch.Tensor, op: s
     if len(indexed) != 1:
         return None
     place, node_place = _place(view.shape, indexed[0]), _place(value.shape, len(value.shape) + dim)
-    return dims[0] if place == node_place or (k.reduction and place - 1 == node_place) else None
+    # the same place from the last, or after dims that multiply to the node's before its padded dim (its
+    # rows: o_proj's factor [L, H * D], written as [L, KVH, rep, D])
+    leading = math.prod(view.shape[:indexed[0]]) == math.prod(value.shape[:len(value.shape) + dim])
+    return dims[0] if place == node_place or leading or (k.reduction and place - 1 == node_place) else None
 
 
 def _query_dim(k: GenericKernel, size: int) -> int | None:

@@ -130,7 +130,10 @@ def lower_generic(ctx: KernelContext, k: GenericKernel) -> None:
     outer = sizes[:-1]
     split, rows, row_strides = _merge_rows(outer, strides)
     bounded = _bounded_place(k, dims, outer)
-    if bounded is not None and bounded > split:
+    if bounded is not None and bounded == split and split > 1:  # groups before the bounded rows: one loop
+        sizes, strides, dims = _merged_groups(sizes, strides, dims, split)
+        outer, split = sizes[:-1], len(sizes) - 1 - (len(outer) - split)
+    elif bounded is not None and bounded > split:
         # rows bounded inside the merged rows (attention's [KVH, rep, L] query rows): the dims before the
         # bounded one become groups, each holding the same runtime count of valid rows, where the groups
         # still share tiles (enough of them to loop) or each fills a tile; else each would wait a latency
