@@ -296,14 +296,11 @@ def test_a_runtime_tile_computes_about_the_rows_it_holds() -> None:
     assert cycles[17] < 0.75 * cycles[32], cycles
 
 
-def test_attention_in_a_bucket_computes_only_its_valid_queries(monkeypatch) -> None:
-    """A Llama layer with 8 heads of dim 64 over 2 KV heads (hidden 512, bf16, `large`) at 260 and 509 tokens
-    of one bucket (512): the fused attention's row-wise generics ([KVH, rep, L, keys] scores, their row max
-    and sum, the probabilities) run KVH x rep groups of the valid queries only (`compiler._query_dim`,
-    `isel_vector._merged_groups`): 260 tokens took 421,478 cycles against 558,290 at 509 (490,314 against
-    547,045 when they ran every query of the bucket; their keys still do). Every arena buffer starts as NaN
-    (0xFF bytes), so a padded query row that was read would show. Eager's logits at both lengths."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _llama_cycles_on_a_poisoned_arena(monkeypatch, config, lengths: tuple[int, ...]) -> dict[int, int]:  # type: ignore[no-untyped-def]
+    """A bf16 Llama of `config` compiled for `large` with the sequence dynamic, called at `lengths` (one
+    bucket), with every arena buffer starting as NaN (0xFF bytes), so a padded row that was read would
+    show: eager's logits and no NaN at each length, one program, nothing on the CPU; the cycles of each."""
+    from transformers import LlamaForCausalLM
 
     from torch_tpu_backend import runtime
 
@@ -317,16 +314,14 @@ def test_attention_in_a_bucket_computes_only_its_valid_queries(monkeypatch) -> N
 
     monkeypatch.setattr(device.allocator, "alloc", poisoned)
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
-                         head_dim=64, num_hidden_layers=1, vocab_size=512, max_position_embeddings=512)
     model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
     ctpu_stats.reset()
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="ctpu", options={"cache": False, "config": "large"})
     cycles = {}
     with torch.no_grad():
-        for n in (509, 260):
-            ids = torch.randint(0, 512, (1, n), generator=torch.Generator().manual_seed(n))
+        for n in lengths:
+            ids = torch.randint(0, config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
             torch._dynamo.mark_dynamic(ids, 1)
             before = ctpu_stats.last().cycles
             got = compiled(ids).logits.float()
@@ -335,6 +330,21 @@ def test_attention_in_a_bucket_computes_only_its_valid_queries(monkeypatch) -> N
             torch.testing.assert_close(got, model(ids).logits.float(), rtol=5e-2, atol=5e-2)
     stats = ctpu_stats.last()
     assert stats.program_variants == 1 and not stats.fallback_ops
+    return cycles
+
+
+def test_attention_in_a_bucket_computes_only_its_valid_queries(monkeypatch) -> None:
+    """A Llama layer with 8 heads of dim 64 over 2 KV heads (hidden 512, bf16, `large`) at 260 and 509 tokens
+    of one bucket (512): the fused attention's row-wise generics ([KVH, rep, L, keys] scores, their row max
+    and sum, the probabilities) run KVH x rep groups of the valid queries only (`compiler._query_dim`,
+    `isel_vector._merged_groups`): 260 tokens took 421,478 cycles against 558,290 at 509 (490,314 against
+    547,045 when they ran every query of the bucket; their keys still do). The arena is poisoned, so a padded
+    query row that was read would show."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                         head_dim=64, num_hidden_layers=1, vocab_size=512, max_position_embeddings=512)
+    cycles = _llama_cycles_on_a_poisoned_arena(monkeypatch, config, (509, 260))
     assert cycles[260] < 0.8 * cycles[509], cycles
 
 
@@ -343,36 +353,10 @@ def test_a_llama_bucket_never_reads_the_padding_it_leaves_unwritten(monkeypatch)
     tokens, one bucket: the projections, norms, SwiGLU factors, rope and attention's result compute only the
     valid rows (the rest of the bucket is never written), so every buffer of the launch's arena starts as NaN
     (0xFF bytes) here: eager's logits, no NaN, and fewer cycles for fewer tokens in the same program."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
-    from torch_tpu_backend import runtime
     from torch_tpu_backend.llama_bench import GEOMETRIES
 
-    device = runtime.get_device("large")
-    alloc = device.allocator.alloc
-
-    def poisoned(nbytes: int) -> int:
-        address = alloc(nbytes)
-        device.hbm[address:address + nbytes] = 0xFF
-        return address
-
-    monkeypatch.setattr(device.allocator, "alloc", poisoned)
-    torch.manual_seed(0)
     config = LlamaConfig(**GEOMETRIES["mini"] | {"num_hidden_layers": 1}, max_position_embeddings=256)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    ctpu_stats.reset()
-    torch._dynamo.reset()
-    compiled = torch.compile(model.eval(), backend="ctpu", options={"cache": False, "config": "large"})
-    cycles = {}
-    with torch.no_grad():
-        for n in (100, 77):
-            ids = torch.randint(0, 512, (1, n), generator=torch.Generator().manual_seed(n))
-            torch._dynamo.mark_dynamic(ids, 1)
-            before = ctpu_stats.last().cycles
-            got = compiled(ids).logits.float()
-            cycles[n] = ctpu_stats.last().cycles - before
-            assert not got.isnan().any()
-            torch.testing.assert_close(got, model(ids).logits.float(), rtol=5e-2, atol=5e-2)
-    stats = ctpu_stats.last()
-    assert stats.program_variants == 1 and not stats.fallback_ops
+    cycles = _llama_cycles_on_a_poisoned_arena(monkeypatch, config, (100, 77))
     assert cycles[77] < cycles[100], cycles
