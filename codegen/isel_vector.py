@@ -351,7 +351,8 @@ def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buff
 
     `valid` (argument, rows per unit of its value): only the first value x unit rows are valid (the rest is
     a dynamic-shape bucket's padding that nothing reads): the tiles run while rows are left, each moving
-    min(rows left, T) rows (`_runtime_tiles`)."""
+    min(rows left, T) rows (`_runtime_tiles`); with `groups`, each group holds that many valid rows of its
+    `rows`, which its DMAs move. Either way a tile computes its valid rows in parts (`_in_parts`)."""
     b = ctx.b
     out = streams[-1]
     loads = streams[:-1] + ([out] if _reads_output(k) else [])  # a reduction reads its output's initial value
