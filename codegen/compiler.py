@@ -317,8 +317,8 @@ def bound_padded_rows(kernels: list[Kernel], gm: torch.fx.GraphModule) -> list[K
     - a generic of the node (its own, or one the node's op lowered to: a norm's reductions, a projection's
       elementwise factor) with exactly one iteration dim of the padded size, a parallel dim its output
       indexes: the node's padded rows, as every op that marks them is row-wise along them
-      (`GenericKernel.valid_extent`). Two dims of that size (attention's queries and keys, a hidden size equal
-      to the bucket's) leave the generic whole."""
+      (`GenericKernel.valid_extent`). Two dims of that size (a hidden size equal to the bucket's) leave the
+      generic whole, except in attention's row-wise generics, whose query dim is known (`_query_dim`)."""
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     nodes = {n.name: n for n in gm.graph.nodes}
     out = []
@@ -344,8 +344,8 @@ def _padded_iteration_dim(k: GenericKernel, dim: int, value: torch.Tensor, op: s
     runs along that padding: the only iteration dim of the padded size, a parallel dim that indexes an
     output dim at the same place from the last, size-1 dims not counted (a norm's [L, 1] sums, a
     projection's [L, I] factor, a rope's [H, L, D/2] halves; a reduction's output may lack the node's last
-    dim, which it reduces). A fused attention's generics run along its keys as well (K^T, the key mask):
-    only its result counts."""
+    dim, which it reduces). A fused attention's generics run along its keys as well (K^T, V, the key mask):
+    of those, only its result and its row-wise generics (`_query_dim`) count."""
     size, view, strides = value.shape[dim], k.output.view, k.output.iter_strides
     if op in _KEYED_OPS and view.shape != tuple(value.shape):
         return _query_dim(k, size) if dim == -2 else None

@@ -255,6 +255,17 @@ class KernelContext:
         start from its argument-table entry."""
         return self.argument(self.values[argument])
 
+    def valid_count(self, argument: int, most: int, unit: int = 1) -> Reg:
+        """A fresh register holding the value of `argument` (a dynamic-shape bucket's valid length) clamped to
+        [1, most] (a bogus count never loops on nothing), times `unit` rows per unit of it."""
+        b = self.b
+        count = b.sreg()
+        b.emit("max", count, (self.value(argument), b.const(1)))
+        b.emit("min", count, (count, b.const(most)))
+        if unit > 1:
+            b.emit("mul", count, (count, b.const(unit)))
+        return count
+
     def hbm_addr(self, view: View, element_offset: int) -> Reg:
         """A register holding the byte address of element `element_offset` of `view`'s buffer."""
         if view.buffer in self.hbm_base:

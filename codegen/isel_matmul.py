@@ -164,11 +164,10 @@ def _valid_m_tiles(ctx: KernelContext, k: MatmulKernel, t: _Tiling, B: int, batc
     b, mt = ctx.b, t.mt
     for batch in range(B):
         a0, b0, c0 = ((v.offset + (v.strides[0] * batch if batched else 0)) for v in (a, bm, c))
-        pa, pc, left = b.sreg(), b.sreg(), b.sreg()
+        pa, pc = b.sreg(), b.sreg()
         b.emit("addi", pa, (ctx.hbm_addr(a, a0),), imm=0)
         b.emit("addi", pc, (ctx.hbm_addr(c, c0),), imm=0)
-        b.emit("max", left, (ctx.value(k.valid_rows), b.const(1)))  # a bogus count never loops on nothing
-        b.emit("min", left, (left, b.const(M)))
+        left = ctx.valid_count(k.valid_rows, M)
 
         def m_body(pa: Reg = pa, pc: Reg = pc, left: Reg = left, b0: int = b0) -> None:
             rows = b.emit("min", b.sreg(), (left, b.const(mt)))

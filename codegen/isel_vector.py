@@ -128,23 +128,23 @@ def lower_generic(ctx: KernelContext, k: GenericKernel) -> None:
         raise LoweringError("generic whose output is not laid out along the innermost iteration dim")
     C = sizes[-1]
     outer = sizes[:-1]
-    split, rows, row_strides = _merge_rows(outer, strides)
-    bounded = _bounded_place(k, dims, outer)
-    if bounded is not None and bounded == split and split > 1:  # groups before the bounded rows: one loop
-        sizes, strides, dims = _merged_groups(sizes, strides, dims, split)
-        outer, split = sizes[:-1], len(sizes) - 1 - (len(outer) - split)
-    elif bounded is not None and bounded > split:
-        # rows bounded inside the merged rows (attention's [KVH, rep, L] query rows): the dims before the
-        # bounded one become groups, each holding the same runtime count of valid rows, where the groups
-        # still share tiles (enough of them to loop) or each fills a tile; else each would wait a latency
-        g_sizes, g_strides, g_dims = _merged_groups(sizes, strides, dims, bounded)
-        g_rows, g_split = math.prod(outer[bounded:]), len(g_sizes) - 1 - (len(outer) - bounded)
-        if max(g_sizes[:g_split]) > UNROLL_CHUNKS or g_rows * -(-C // ctx.lanes) >= max_tile_vmem_rows(ctx.config):
-            sizes, strides, dims, rows, split = g_sizes, g_strides, g_dims, g_rows, g_split
-            outer = sizes[:-1]
-    groups = outer[:split]
     N = ctx.lanes
     P = -(-C // N)
+    split, rows, row_strides = _merge_rows(outer, strides)
+    bounded = _bounded_place(k, dims, outer)
+    if bounded is not None and bounded >= split and bounded > 0:
+        # rows bounded at or inside the merged rows (attention's [KVH, rep, L] query rows): the dims before
+        # the bounded one are groups, each holding the same runtime count of valid rows, merged into one loop
+        # where they can be. Inside the rows, only where the groups still share tiles (enough of them to
+        # loop) or each fills a tile; else each would wait a DMA latency, and the rows stay whole
+        g_sizes, g_strides, g_dims = _merged_groups(sizes, strides, dims, bounded)
+        g_split = len(g_sizes) - 1 - (len(outer) - bounded)
+        if bounded == split or max(g_sizes[:g_split]) > UNROLL_CHUNKS or \
+                math.prod(outer[bounded:]) * P >= max_tile_vmem_rows(ctx.config):
+            sizes, strides, dims, split = g_sizes, g_strides, g_dims, g_split
+            outer = sizes[:-1]
+            rows = math.prod(outer[split:])
+    groups = outer[:split]
     body_args = k.body.args
     # groups (outer dims not merged into rows): the longest group dim runs as a runtime loop whose
     # operand addresses are pointer registers (code size independent of it), the others are unrolled
@@ -415,7 +415,8 @@ def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buff
     if valid is not None and groups is None:
         _runtime_tiles(ctx, valid, rows, sizes[0][0], issue_loads, tile)
         return
-    moved = None if valid is None else _valid_count(ctx, valid, rows)  # each group's valid rows
+    # with groups: the valid rows each group holds
+    moved = None if valid is None else ctx.valid_count(valid[0], rows // valid[1], valid[1])
 
     def static_tile(p: int, size: tuple[int, int], next_size: tuple[int, int] | None) -> None:
         tile(p, size, lambda: issue_loads(1 - p, next_size, moved) if next_size else None, moved)
@@ -436,7 +437,7 @@ def _runtime_tiles(ctx: KernelContext, valid: tuple[int, int], rows: int, T: int
     computed rows past them are never stored); the next tile's loads are issued only when rows are left for
     it, so that no DMA moves 0 rows."""
     b = ctx.b
-    left = _valid_count(ctx, valid, rows)
+    left = ctx.valid_count(valid[0], rows // valid[1], valid[1])
 
     def now(x: Reg) -> Reg:
         return b.emit("min", b.sreg(), (x, b.const(T)))
@@ -503,19 +504,6 @@ def _part_rows(n: int, vrows_per_row: int) -> int:
     them (n when none does)."""
     return next((d for d in range(1, n) if n % d == 0 and d * vrows_per_row % 8 == 0
                  and d * vrows_per_row >= 8 * MIN_PART_CHUNKS), n)
-
-
-def _valid_count(ctx: KernelContext, valid: tuple[int, int], rows: int) -> Reg:
-    """A register holding the valid rows of `rows`: the value of argument valid[0] (clamped to [1, rows /
-    unit]: a bogus count never loops on nothing) x valid[1] rows per unit."""
-    b = ctx.b
-    arg, unit = valid
-    count = b.sreg()
-    b.emit("max", count, (ctx.value(arg), b.const(1)))
-    b.emit("min", count, (count, b.const(rows // unit)))
-    if unit > 1:
-        b.emit("mul", count, (count, b.const(unit)))
-    return count
 
 
 def _lane0_mask(b: Builder) -> Reg:

@@ -337,7 +337,7 @@ def test_attention_in_a_bucket_computes_only_its_valid_queries(monkeypatch) -> N
     """A Llama layer with 8 heads of dim 64 over 2 KV heads (hidden 512, bf16, `large`) at 260 and 509 tokens
     of one bucket (512): the fused attention's row-wise generics ([KVH, rep, L, keys] scores, their row max
     and sum, the probabilities) run KVH x rep groups of the valid queries only (`compiler._query_dim`,
-    `isel_vector._merged_groups`): 260 tokens took 421,478 cycles against 558,290 at 509 (490,314 against
+    `isel_vector._merged_groups`): 260 tokens took 398,508 cycles against 521,858 at 509 (490,314 against
     547,045 when they ran every query of the bucket; their keys still do). The arena is poisoned, so a padded
     query row that was read would show."""
     from transformers import LlamaConfig
