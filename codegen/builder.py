@@ -178,18 +178,22 @@ class Builder:
 
     # ---- loops ------------------------------------------------------------------------------------
     def counted_loop(self, count: int, body: Callable[[], None], hint: str = "loop",
-                     ivs: dict[Reg, int] | None = None) -> None:
+                     ivs: dict[Reg, int] | None = None, wanted: Reg | None = None) -> None:
         """Run `body` `count` times (count >= 1) as a runtime loop: the body emits into one block that
         branches back to itself; the counter is a fresh register counting down. `ivs`: registers that hold
         their start value here and that the body advances by the given step (vmem bases: `vmem_address`
-        gives them companions)."""
+        gives them companions). `wanted`: a register holding the runs needed at run time, 1 <= value <=
+        count: the loop runs at least that many and at most `count` (a software-pipelined loop rounds up to
+        whole kernel runs)."""
         counter = self.sreg()
         self.emit("li", counter, imm=count)
+        if wanted is not None:
+            self.emit("min", counter, (counter, wanted))
         loop = self._loop_body(body, hint, ivs)
         self.emit("addi", counter, (counter,), imm=-1)
         self.emit("bnz", None, (counter,), target=loop.label)
         if self.block is loop:  # a single-block loop: candidate for software pipelining
-            loop.loop = LoopInfo(count, counter)
+            loop.loop = LoopInfo(count, counter, wanted)
         self.new_block(f"{hint}_exit")
 
     def _loop_body(self, body: Callable[[], None], hint: str, ivs: dict[Reg, int] | None = None) -> Block:

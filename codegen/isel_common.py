@@ -309,11 +309,12 @@ class KernelContext:
 
 # ---- loops over vmem rows ----------------------------------------------------------------------------
 def chunk_loop(b: Builder, count: int, body: Callable[[Reg], None], hint: str, start: Reg = ZERO,
-               step: int = 8, ivs: dict[Reg, int] | None = None) -> None:
+               step: int = 8, ivs: dict[Reg, int] | None = None, wanted: Reg | None = None) -> None:
     """body(off) for off = start, start + step, ... (`count` times): one run inline, more as a counted loop
     whose offset register is an induction variable (`addi off, off, step` ends the body), which the back
     end software-pipelines. Callers unroll short runs themselves when constant addresses pay. `ivs`: other
-    registers the body advances by the given step (`Builder.counted_loop`)."""
+    registers the body advances by the given step; `wanted`: the runs needed at run time, at most `count`
+    (`Builder.counted_loop`)."""
     if count <= 0:
         return
     if count == 1:
@@ -326,7 +327,7 @@ def chunk_loop(b: Builder, count: int, body: Callable[[Reg], None], hint: str, s
         body(off)
         b.emit("addi", off, (off,), imm=step)
 
-    b.counted_loop(count, step_body, hint, {off: step, **(ivs or {})})
+    b.counted_loop(count, step_body, hint, {off: step, **(ivs or {})}, wanted)
 
 
 def row_mem(region: Region, base: Reg, row: int, rows: int, write: bool = False) -> Mem:

@@ -34,12 +34,13 @@ from codegen.kernel_graph import ESIZE, Access, FillKernel, GenericKernel, Lower
 from codegen.math_seqs import vdivide, vexp, vrecip, vrsqrt, vsqrt, vtanh
 from codegen.mir import ZERO, Reg
 from device_sim.config import HardwareConfig
+from device_sim.isa import DMA_SHAPE_COLS_MASK
 
 MAX_TILE_VMEM_ROWS = 512  # vmem rows of one operand's tile (64 chunks): keeps double buffering useful
 UNROLL_CHUNKS = 4  # chunk sequences up to this long are unrolled, longer ones run as loops
-# a runtime-bounded tile computes its rows in parts while rows are left, each part at least this many chunks
-# of 8 vmem rows: a part's loop pays its software pipeline's fill once
-MIN_PART_CHUNKS = 32
+# a tile of several pieces (groups) computes each piece's valid rows as a loop of its own only where the
+# pieces are at least this many chunks of 8 vmem rows: each loop pays its software pipeline's fill and drain
+MIN_PIECE_CHUNKS = 32
 # (register holding the valid rows of each piece of a tile, the piece's rows), or None: every row is valid
 ValidRows = tuple[Reg, int] | None
 NEG_INF = 0xFF800000
@@ -352,7 +353,7 @@ def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buff
     `valid` (argument, rows per unit of its value): only the first value x unit rows are valid (the rest is
     a dynamic-shape bucket's padding that nothing reads): the tiles run while rows are left, each moving
     min(rows left, T) rows (`_runtime_tiles`); with `groups`, each group holds that many valid rows of its
-    `rows`, which its DMAs move. Either way a tile computes its valid rows in parts (`_in_parts`)."""
+    `rows`, which its DMAs move. Either way a tile's loops run about its valid rows (`_over_rows`)."""
     b = ctx.b
     out = streams[-1]
     loads = streams[:-1] + ([out] if _reads_output(k) else [])  # a reduction reads its output's initial value
@@ -458,37 +459,41 @@ def _runtime_tiles(ctx: KernelContext, valid: tuple[int, int], rows: int, T: int
     b.while_positive(left, T, pair, "tiles")  # after a skipped odd tile, left <= -T: the loop ends
 
 
-def _in_parts(b: Builder, n: int, vrows_per_row: int, rows: ValidRows, emit: Callable[[Reg, int], None]) -> None:
-    """emit(first row, count) over a tile's n rows: at once, or, given `rows` (a register holding the valid
-    rows of each piece, and the piece's rows: a group's), in equal parts while a piece's valid rows are left,
-    so that a tile of a dynamic-shape bucket computes about the rows it holds, not all n (the rows past them
-    up to a part's end are computed and never stored)."""
+def _over_rows(b: Builder, n: int, vrows_per_row: int, rows: ValidRows,
+               emit: Callable[[Reg, int, Reg | None], None]) -> None:
+    """emit(first row, count, valid) over a tile's n rows, where `valid` is None (every row counts) or a
+    register holding the valid rows among the count, which the emitted loops take as their runtime trip
+    count (`chunk_loop`'s wanted), so that a tile of a dynamic-shape bucket computes about the rows it holds,
+    not all n (rows past them up to a loop's rounding are computed and never stored). `rows`: (a register
+    holding the valid rows of each piece, the piece's rows: a group's), or None. Pieces that do not fill
+    whole chunks of 8 vmem rows share chunks, and pieces shorter than MIN_PIECE_CHUNKS would each pay a
+    pipeline's fill: such tiles are computed whole."""
     if rows is None:
-        emit(ZERO, n)
+        emit(ZERO, n, None)
         return
     valid, piece = rows
-    part = _part_rows(piece, vrows_per_row)
-    if part >= piece:
-        emit(ZERO, n)
+    if n == piece:
+        emit(ZERO, n, valid)
+        return
+    if piece * vrows_per_row % 8 or piece * vrows_per_row < 8 * MIN_PIECE_CHUNKS:
+        emit(ZERO, n, None)
         return
     first = b.sreg()
     b.emit("li", first, imm=0)
 
     def one_piece() -> None:
-        left = b.emit("addi", b.sreg(), (valid,), imm=0)
-        start = b.emit("addi", b.sreg(), (first,), imm=0)
-
-        def one_part() -> None:
-            emit(start, part)
-            b.addi(start, part, start)
-
-        b.while_positive(left, part, one_part, "part")
+        emit(first, piece, valid)
         b.addi(first, piece, first)
 
-    if n == piece:
-        one_piece()
-    else:
-        b.counted_loop(n // piece, one_piece, "piece")
+    b.counted_loop(n // piece, one_piece, "piece")
+
+
+def _chunks(b: Builder, valid: Reg | None, vrows_per_row: int) -> Reg | None:
+    """A register holding the chunks of 8 vmem rows that `valid` rows span (None: None)."""
+    if valid is None:
+        return None
+    vrows = valid if vrows_per_row == 1 else b.emit("mul", b.sreg(), (valid, b.const(vrows_per_row)))
+    return b.emit("srai", b.sreg(), (b.emit("addi", b.sreg(), (vrows,), imm=7),), imm=3)
 
 
 def _set_times(b: Builder, dst: Reg, first: Reg, factor: int) -> None:
@@ -497,13 +502,6 @@ def _set_times(b: Builder, dst: Reg, first: Reg, factor: int) -> None:
         b.emit("li", dst, imm=0)
     else:
         b.emit("mul", dst, (first, b.const(factor)))
-
-
-def _part_rows(n: int, vrows_per_row: int) -> int:
-    """The fewest rows that divide n, fill whole chunks of 8 vmem rows and make at least MIN_PART_CHUNKS of
-    them (n when none does)."""
-    return next((d for d in range(1, n) if n % d == 0 and d * vrows_per_row % 8 == 0
-                 and d * vrows_per_row >= 8 * MIN_PART_CHUNKS), n)
 
 
 def _lane0_mask(b: Builder) -> Reg:
@@ -527,14 +525,15 @@ def _lane0_everywhere(b: Builder, v: Reg, integer: bool) -> Reg:
 def _broadcast_rows(b: Builder, col: Region, dst: Region, n: int, P: int, integer: bool = False,
                     rows: ValidRows = None) -> None:
     """dst (row layout, P vmem rows per row) = the lane-0 value of each of the n rows of `col` (integer:
-    int32 / bool bits, copied exactly); `rows`: see `_in_parts`."""
+    int32 / bool bits, copied exactly); `rows`: see `_over_rows`."""
     if P == 1:
         def chunk(off: Reg) -> None:
             v = b.vld(off, col.row, row_mem(col, off, 0, 8))
             r = _lane0_everywhere(b, v, integer)
             b.vst(r, off, dst.row, row_mem(dst, off, 0, 8, True))
 
-        _in_parts(b, n, 1, rows, lambda first, count: chunk_loop(b, -(-count // 8), chunk, "bcast", first))
+        _over_rows(b, n, 1, rows, lambda first, count, valid: chunk_loop(
+            b, -(-count // 8), chunk, "bcast", first, wanted=_chunks(b, valid, 1)))
         return
     P8 = -(-P // 8)
     row_base = b.sreg()
@@ -550,11 +549,11 @@ def _broadcast_rows(b: Builder, col: Region, dst: Region, n: int, P: int, intege
                        row_base)
         b.emit("addi", row_base, (row_base,), imm=P)
 
-    def part(first: Reg, count: int) -> None:
+    def part(first: Reg, count: int, valid: Reg | None) -> None:
         _set_times(b, row_base, first, P)
-        chunk_loop(b, count, row, "bcast_rows", first, step=1, ivs={row_base: P})
+        chunk_loop(b, count, row, "bcast_rows", first, step=1, ivs={row_base: P}, wanted=valid)
 
-    _in_parts(b, n, P, rows, part)
+    _over_rows(b, n, P, rows, part)
 
 
 def _load(b: Builder, s: Stream, p: int, base: Reg, row: int = 0) -> Reg:
@@ -575,13 +574,13 @@ def _map_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream], p:
         env = {s.arg: _load(b, s, p, off) for s in streams[:-1]}
         _store(b, evaluate(b, body, env, body.yields[0]), out, off)
 
-    def part(first: Reg, count: int) -> None:
+    def part(first: Reg, count: int, valid: Reg | None) -> None:
         start = b.sreg() if P > 1 and first != ZERO else first
         if start != first:
             _set_times(b, start, first, P)
-        chunk_loop(b, -(-count * P // 8), chunk, "map", start)
+        chunk_loop(b, -(-count * P // 8), chunk, "map", start, wanted=_chunks(b, valid, P))
 
-    _in_parts(b, n, P, rows, part)
+    _over_rows(b, n, P, rows, part)
 
 
 def _reduce_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream], p: int, out: Region, n: int,
@@ -609,7 +608,8 @@ def _reduce_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream],
                 f = b.vop("vsel", mask, f, b.vconst_bits(identity))
             _store(b, b.vop(vop, b.vop(red_l, f), initial(off)), out, off)
 
-        _in_parts(b, n, 1, rows, lambda first, count: chunk_loop(b, -(-count // 8), chunk, "reduce", first))
+        _over_rows(b, n, 1, rows, lambda first, count, valid: chunk_loop(
+            b, -(-count // 8), chunk, "reduce", first, wanted=_chunks(b, valid, 1)))
         return
     tail = C % (8 * ctx.lanes)
     P8 = -(-P // 8)
@@ -635,11 +635,11 @@ def _reduce_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream],
         _store(b, b.vop(vop, total, initial(t, one_row=True)), out, t)
         b.emit("addi", row_base, (row_base,), imm=P)
 
-    def part(first: Reg, count: int) -> None:
+    def part(first: Reg, count: int, valid: Reg | None) -> None:
         _set_times(b, row_base, first, P)
-        chunk_loop(b, count, row, "reduce_rows", first, step=1, ivs={row_base: P})
+        chunk_loop(b, count, row, "reduce_rows", first, step=1, ivs={row_base: P}, wanted=valid)
 
-    _in_parts(b, n, P, rows, part)
+    _over_rows(b, n, P, rows, part)
 
 
 def _split_reduction(body: ScalarProgram, out_arg: str) -> tuple[str, str]:
@@ -744,6 +744,7 @@ class ChainMember:
     rows: int
     C: int
     P: int
+    valid: tuple[int, int] | None = None  # a dynamic-shape bucket's valid rows (`_tile_loop`'s valid)
     out_tile: Region | None = None
 
     def pitch(self, s: Stream) -> tuple[int, int]:
@@ -765,7 +766,7 @@ class KernelChain:
 def chain_member(k: object, lanes: int, max_rows: int = CHAIN_MIN_TILE_ROWS) -> ChainMember | None:
     if not isinstance(k, GenericKernel):
         return None
-    sizes, strides, _ = _iteration(k)
+    sizes, strides, dims = _iteration(k)
     if any(st[-1] not in (0, 1) for st in strides[:-1]) or strides[-1][-1] not in (0, 1) \
             or (strides[-1][-1] == 0) != k.reduction:
         return None
@@ -776,7 +777,7 @@ def chain_member(k: object, lanes: int, max_rows: int = CHAIN_MIN_TILE_ROWS) -> 
     operands = [*k.inputs, k.output]
     streams = [Stream(o.view, rs, o.view.offset, "row" if st[-1] == 1 else "col", arg)
                for o, rs, st, arg in zip(operands, row_strides, strides, k.body.args, strict=True)]
-    return ChainMember(k, streams, rows, C, P)
+    return ChainMember(k, streams, rows, C, P, _valid_rows(k, dims, sizes[:-1], split))
 
 
 def _forwards(writer: ChainMember, reader: ChainMember, s: Stream) -> bool:
@@ -843,8 +844,15 @@ def form_chains(kernels: list[tuple[object, int]], lanes: int, vmem_rows: int) -
 
 def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
     """Every member's loads (but what an earlier member's output tile holds) at once, one wait, then each
-    member computes into its output tile and stores it."""
+    member computes into its output tile and stores it. Where every member has the same rows and valid
+    rows (a dynamic-shape bucket's norm and its neighbours), the chain moves and computes only those."""
     b = ctx.b
+    first = chain.members[0]
+    bounded = first.valid is not None and all((m.rows, m.valid) == (first.rows, first.valid)
+                                              and m.C <= DMA_SHAPE_COLS_MASK for m in chain.members)
+    moved = ctx.valid_count(first.valid[0], first.rows // first.valid[1], first.valid[1]) \
+        if bounded and first.valid is not None else None
+    computed = None if moved is None else (moved, first.rows)
     written: dict[str, ChainMember] = {}
     loads: list[tuple[Stream, ChainMember]] = []
     for m in chain.members:
@@ -864,7 +872,7 @@ def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
     for s, m in loads:
         assert s.tiles is not None
         ctx.dma(True, s.view.dtype, ctx.hbm_addr(s.view, s.base), s.tiles[0], 0, m.rows, m.pitch(s)[1],
-                s.row_stride, Flag.LOAD)
+                s.row_stride, Flag.LOAD, rows_reg=moved)
     if loads:
         b.emit("wait", flag=ctx.flag(Flag.LOAD))
     for m in chain.members:
@@ -876,10 +884,10 @@ def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
         for s in m.streams[:-1]:
             if s.expanded is not None:
                 assert s.tiles is not None
-                _broadcast_rows(b, s.tiles[0], s.expanded, m.rows, m.P, s.view.dtype in ("i32", "i1"))
+                _broadcast_rows(b, s.tiles[0], s.expanded, m.rows, m.P, s.view.dtype in ("i32", "i1"), computed)
         if k.reduction:
-            _reduce_tile(ctx, k.body, m.streams, 0, m.out_tile, m.rows, m.C, m.P, k.init)
+            _reduce_tile(ctx, k.body, m.streams, 0, m.out_tile, m.rows, m.C, m.P, k.init, computed)
         else:
-            _map_tile(ctx, k.body, m.streams, 0, m.out_tile, m.rows, m.P)
+            _map_tile(ctx, k.body, m.streams, 0, m.out_tile, m.rows, m.P, computed)
         ctx.dma(False, out.view.dtype, ctx.hbm_addr(out.view, out.base), m.out_tile, 0, m.rows, m.pitch(out)[1],
-                out.row_stride, Flag.STORE)
+                out.row_stride, Flag.STORE, rows_reg=moved)

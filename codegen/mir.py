@@ -110,10 +110,14 @@ class MInstr:
 
 @dataclass(frozen=True)
 class LoopInfo:
-    """A counted loop: `trip_count` >= 1 runs of a body ending `addi counter, counter, -1 ; bnz counter`."""
+    """A counted loop: `trip_count` >= 1 runs of a body ending `addi counter, counter, -1 ; bnz counter`.
+    `wanted`: a register holding the runs needed at run time (1 <= value <= trip_count; a dynamic-shape
+    bucket's valid rows): the loop runs at least that many, at most trip_count (its preheader clamps the
+    counter with `min counter, counter, wanted`, which software pipelining rewrites)."""
 
     trip_count: int
     counter: Reg
+    wanted: Reg | None = None
 
 
 @dataclass

@@ -201,3 +201,60 @@ def test_a_register_bound_loop_takes_its_hoisted_constants_back(monkeypatch: pyt
     hoisted, hoisted_cycles = run()
     np.testing.assert_array_equal(back.view(np.uint32), hoisted.view(np.uint32))
     assert cycles < 0.85 * hoisted_cycles, (cycles, hoisted_cycles)
+
+
+@pytest.mark.parametrize("count", [40, 41])
+def test_a_runtime_trip_count_runs_at_least_the_wanted_iterations(count: int) -> None:
+    """A counted loop with a runtime trip count (`wanted`, a launch register: a dynamic-shape bucket's valid
+    chunks), software-pipelined: for every wanted value it computes at least the wanted chunks and at most
+    `count`, with the prologue and epilogue of the static loop, and runs fewer bundles for fewer chunks.
+    The odd count makes the pipeline peel an iteration."""
+    import numpy as np
+
+    from device_sim.simulator import Simulator
+
+    def build() -> tuple[Function, Reg]:
+        wanted = Reg("s", 1, True)
+        f = Function(pinned=(wanted,))
+        b = Builder(f)
+        off = b.sreg()
+        b.emit("li", off, imm=0)
+
+        def body() -> None:
+            x = b.vreg()
+            b.emit("vld", x, (off,), imm=0, mem=(Mem(IN, 0, 512),))
+            y = b.vop("vadd.f", b.vop("vmul.f", x, b.vconst(2.0)), b.vconst(1.0))
+            b.emit("vst", None, (y, off), imm=512, mem=(Mem(OUT, 0, 512, True),))
+            b.emit("addi", off, (off,), imm=8)
+
+        b.counted_loop(count, body, "chunk", wanted=wanted)
+        b.emit("halt")
+        return f, wanted
+
+    f, _ = build()
+    mc = compile_function(f, next_id=1000, pipeline=True, verify=True)
+    assert mc.pipelined, mc.log
+    bundles = {}
+    for wanted in (1, 2, 5, count // 2, count - 1, count, count + 7):
+        sim = Simulator("small")
+        x = np.arange(count * 8 * sim.vmem.shape[1], dtype=np.float32).reshape(count * 8, -1)
+        sim.load(mc.program)
+        sim.vmem[:count * 8] = x.view(np.uint32)
+        bundles[wanted] = sim.run({1: wanted}).bundles
+        out = sim.vmem[512:512 + count * 8].view(np.float32)
+        done = int((out != 0).any(axis=1).sum()) // 8  # x * 2 + 1 is never 0 here
+        assert min(wanted, count) <= done <= count, (wanted, done)
+        np.testing.assert_array_equal(out[:done * 8], x[:done * 8] * 2 + 1)
+        assert not out[done * 8:].any()
+    assert bundles[1] < bundles[count // 2] < bundles[count] == bundles[count + 7], bundles
+
+
+@pytest.mark.parametrize("u", [1, 2, 3, 5, 6, 7, 12])
+def test_the_runtime_trip_count_divides_exactly(u: int) -> None:
+    from codegen.modulo import _reciprocal
+
+    most = 4096
+    found = _reciprocal(u, most)
+    assert found is not None
+    s, m = found
+    assert all((x * m) >> s == x // u for x in range(most + 1)) and most * m < 2**31

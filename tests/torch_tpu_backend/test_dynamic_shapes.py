@@ -270,10 +270,11 @@ def test_one_program_computes_only_the_rows_of_each_call() -> None:
 
 def test_a_runtime_tile_computes_about_the_rows_it_holds() -> None:
     """A SwiGLU-like factor (silu(x) * x, [1, n, 8192] bf16, `large`) at 17 and 32 tokens of one bucket (32):
-    one tile of 32 rows, which computes its rows in parts of 4 while rows are left (`isel_vector._in_parts`),
-    so 17 tokens cost about 20 rows' work, not 32 (measured 12,183 against 18,732 cycles; 17,525 against
-    18,005 when every tile computed all its rows). inf, -inf, NaN, -0 and a subnormal in the last valid row
-    come out as eager's."""
+    one tile of 32 rows, whose software-pipelined loop runs a runtime trip count: the chunks of the valid
+    rows, rounded up to whole kernel runs (`isel_vector._over_rows`), so 17 tokens cost about 17 rows' work,
+    not 32 (measured 10,333 against 18,013 cycles; 12,183 against 18,732 when it computed parts of 4 rows
+    while rows were left; 17,525 against 18,005 when every tile computed all its rows). inf, -inf, NaN, -0
+    and a subnormal in the last valid row come out as eager's."""
     def factor(x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.silu(x) * x
 
@@ -291,6 +292,37 @@ def test_a_runtime_tile_computes_about_the_rows_it_holds() -> None:
             got = compiled(x)
             cycles[n] = ctpu_stats.last().cycles - before
             torch.testing.assert_close(got, factor(x), rtol=1e-2, atol=1e-2, equal_nan=True)
+    stats = ctpu_stats.last()
+    assert stats.program_variants == 1 and not stats.fallback_ops
+    assert cycles[17] < 0.62 * cycles[32], cycles
+
+
+def test_a_chain_of_small_kernels_computes_only_its_valid_rows() -> None:
+    """Llama's RMS norm in bf16 ([1, n, 2048], `large`: f32 upcast, mean of squares, rsqrt, weight, bf16),
+    whose generics run as one chain of small kernels (`isel_vector.lower_chain`), at 17 and 32 tokens of
+    one bucket: the chain moves and computes only the valid rows (measured 4,414 against 6,874 cycles;
+    6,857 at both lengths when it moved and computed every row of the bucket). inf, -inf, NaN, -0, a
+    subnormal and the largest bf16 in the last two valid rows come out as eager's."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(2048, eps=1e-5).to(torch.bfloat16)
+    norm.weight.data = torch.randn(2048).to(torch.bfloat16)
+    ctpu_stats.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(norm, backend="ctpu", options={"cache": False, "config": "large"})
+    cycles = {}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        for n in (17, 32):
+            x = torch.randn(1, n, 2048, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+            x[0, n - 2, :3] = torch.tensor([float("inf"), -0.0, 1e-40])
+            x[0, n - 1, :4] = torch.tensor([float("-inf"), float("nan"), 3.3895e38, -1e-40])
+            torch._dynamo.mark_dynamic(x, 1)
+            before = ctpu_stats.last().cycles
+            got = compiled(x)
+            cycles[n] = ctpu_stats.last().cycles - before
+            torch.testing.assert_close(got, norm(x), rtol=2e-2, atol=2e-2, equal_nan=True)
     stats = ctpu_stats.last()
     assert stats.program_variants == 1 and not stats.fallback_ops
     assert cycles[17] < 0.75 * cycles[32], cycles
