@@ -17,6 +17,7 @@ import torch.fx
 
 from device_sim import numerics
 from device_sim.executable import ArgSpec, Executable, OutputView, pack_input, read_output
+from device_sim.machine import CtpuTrap
 from torch_tpu_backend import cache, runtime
 from torch_tpu_backend import stats as exec_stats
 from torch_tpu_backend.dump import GraphDump
@@ -66,31 +67,34 @@ class CtpuTarget:
 
     def launch(self, exe: Executable, args: Sequence[Any], outputs: Sequence[OutputSpec], name: str,
                bumped_after: frozenset[int] = frozenset()) -> list[Any]:
-        return launch_executable(exe, args, outputs, self.name, name, bumped_after, self.opts.profile)
+        return launch_executable(exe, args, outputs, self.name, name, bumped_after, self.opts.profile,
+                                 self.opts.max_cycles)
 
 
 def launch_executable(exe: Executable, tensors: Sequence[Any], outputs: Sequence[OutputSpec], target: str,
                       name: str, bumped_after: frozenset[int] = frozenset(),
-                      profile: str | None = None) -> list[torch.Tensor]:
+                      profile: str | None = None, max_cycles: int | None = None) -> list[torch.Tensor]:
     """Launch on the device of the executable's configuration. ctpu tensors already in its HBM are read in
     place (their addresses go in the argument table); CPU tensors are read from their resident HBM copies
     (torch_tpu_backend.resident: uploaded when new or updated in place, so a CPU model's weights cross once);
     anything else is copied into HBM for this launch. The arena lives for the launch. Each output is made as
     `outputs` says (a ctpu tensor written in HBM, or a CPU tensor). Host <-> HBM bytes go to the statistics.
-    `profile`: a folder to write the launch's trace in (device_sim.profile)."""
+    `profile`: a folder to write the launch's trace in (device_sim.profile); `max_cycles`: the simulator's
+    cycle limit (None: its default)."""
     device = runtime.get_device(exe.config)
     with device.resident.launch_lock:  # no other launch evicts the copies this one reads
         try:
-            return _launch(device, exe, tensors, outputs, target, name, bumped_after, profile)
+            return _launch(device, exe, tensors, outputs, target, name, bumped_after, profile, max_cycles)
         except runtime.HbmOutOfMemory:
             if not device.resident.evict():  # HBM full: the copies of host tensors are what can go
                 raise
             device.allocator.uncount_oom()
-            return _launch(device, exe, tensors, outputs, target, name, bumped_after, profile)
+            return _launch(device, exe, tensors, outputs, target, name, bumped_after, profile, max_cycles)
 
 
 def _launch(device: runtime.CtpuDevice, exe: Executable, tensors: Sequence[Any], outputs: Sequence[OutputSpec],
-            target: str, name: str, bumped_after: frozenset[int], profile: str | None) -> list[torch.Tensor]:
+            target: str, name: str, bumped_after: frozenset[int], profile: str | None,
+            max_cycles: int | None) -> list[torch.Tensor]:
     allocations: list[int] = []
     uploaded = read_back = 0
     try:
@@ -117,7 +121,15 @@ def _launch(device: runtime.CtpuDevice, exe: Executable, tensors: Sequence[Any],
             input_addrs.append(addr)
         arena = device.allocator.alloc(max(exe.arena_bytes, 1))
         allocations.append(arena)
-        arrays, run_stats = device.launch(exe, input_addrs, arena, target=target, name=name, profile_dir=profile)
+        try:
+            arrays, run_stats = device.launch(exe, input_addrs, arena, target=target, name=name,
+                                              max_cycles=max_cycles, profile_dir=profile)
+        except CtpuTrap as e:
+            if e.reason.startswith("cycle limit"):
+                e.add_note(f"ctpu: {name} ({len(exe.program)} bundles) ran past the cycle limit: a long program "
+                           "(a 2048-token prefill of many layers) needs a larger one, the backend option "
+                           "max_cycles (torch.compile(..., options={'max_cycles': N}))")
+            raise
         # The program wrote a CPU input's HBM copy in place: the host tensor gets the bytes it wrote (a KV cache
         # step: the new rows only), and a resident copy stays current through the version bump the caller makes
         # after the call (a CPU KV cache is not uploaded again next step; any other change to it is).

@@ -10,6 +10,8 @@
     dynamic_max       the largest value of a symbolic size without a declared maximum (default 65536;
                       `torch._dynamo.mark_dynamic(x, dim, min=, max=)` declares one per dim)
     profile           a folder: each launch on `sim` writes a Chrome / Perfetto trace there (device_sim.profile)
+    max_cycles        a launch's cycle limit on `sim` (default 100,000,000: a runaway-program guard; a 16-layer
+                      1B-geometry prefill of 2048 tokens takes about 530,000,000)
 
 This is the only place the compile path reads the environment; the layers below get a frozen value.
 """
@@ -36,6 +38,7 @@ class CompileOptions:
     verify: bool = False
     profile: str | None = None
     dynamic_max: int = 1 << 16
+    max_cycles: int | None = None
 
     @classmethod
     def resolve(cls, options: dict[str, Any] | None) -> CompileOptions:
@@ -61,6 +64,11 @@ class CompileOptions:
         if profile is not None and target != "sim":
             raise ValueError(f"ctpu backend: profile needs target 'sim' (the simulator records the trace), not "
                              f"{target!r}")
+        max_cycles = options.get("max_cycles")
+        if max_cycles is not None and (isinstance(max_cycles, bool) or not isinstance(max_cycles, int)
+                                       or max_cycles < 1):
+            raise ValueError(f"ctpu backend: max_cycles {max_cycles!r}; expected a positive int")
         return cls(target, config, str(dump) if dump else None, use_cache, precision,
                    bool(options.get("pipeline", True)), bool(options.get("verify", False)),
-                   str(profile) if profile is not None else None, int(options.get("dynamic_max", 1 << 16)))
+                   str(profile) if profile is not None else None, int(options.get("dynamic_max", 1 << 16)),
+                   max_cycles)

@@ -65,6 +65,25 @@ def test_options_are_validated() -> None:
         torch.compile(f, backend="ctpu", options={"target": "tpu"})(torch.ones(2))
 
 
+def test_max_cycles_bounds_a_launch_and_says_how_to_raise_it() -> None:
+    """A launch past the cycle limit (a runaway guard, 10^8 by default; a long prefill of many layers needs
+    more) traps with a note naming the backend option; the option raises it, and a bad value is refused."""
+    from device_sim.machine import CtpuTrap
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(x * 2.0, dim=-1)
+
+    x = torch.randn(64, 256)
+    with pytest.raises(CtpuTrap, match="cycle limit 100 exceeded") as caught:
+        torch.compile(f, backend="ctpu", options={"max_cycles": 100, "cache": False})(x)
+    assert any("max_cycles" in note for note in caught.value.__notes__)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, backend="ctpu", options={"max_cycles": 10**6})(x), f(x))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="max_cycles 0"):
+        torch.compile(f, backend="ctpu", options={"max_cycles": 0})(x)
+
+
 def test_dump_dir_has_every_stage(tmp_path: Path) -> None:
     def f(x: torch.Tensor) -> torch.Tensor:
         return torch.softmax(x * 2.0, dim=-1)
