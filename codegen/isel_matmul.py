@@ -60,6 +60,9 @@ HEAD_MAX_K_TILES = 64  # first n-tiles of up to this many k-tiles are pipelined 
 MAX_M_TILE = 1024  # rows of A and C per m-tile: each m-tile pays a pipeline fill and drain
 UNROLL_BATCHES = 2  # batched matmuls of more batches run a batch loop
 MAX_RESIDENT_BATCHES = 32  # `_resident_batches` unrolls its batches
+# ... and their MXU commands: more than this many a batch only where a batch's MXU work is within a DMA
+# latency (the list scheduler's time grows with the unrolled block: 38 n-tiles a batch on `small` took minutes)
+MAX_RESIDENT_COMMANDS = 4
 ROW_COMMAND_ROWS = 8  # resident batches of at most this many rows of A run an MXU command a row (`_mxu_by_row`)
 SPLIT_MIN_ROWS = 256  # m-tiles of at least this many rows start on part of A and end storing C in two parts
 A_ROWS, A_REST = -1, -2  # a pipelined start's A loads (in place of an n-tile): rows 0 .. head (all), the rest
@@ -183,12 +186,14 @@ RESIDENT_FLAGS = ((Flag.LOAD, 0), (Flag.LOAD, 1), (Flag.MATMUL_A, 0), (Flag.MATM
 
 def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool, KT: int, NT: int,
                       trans_b: bool, precision: str) -> bool:
-    """Many small matmuls (decode attention: q @ K^T and P @ V for each KV head) with many batches' A, B and
-    C in vmem at once: all of them in one round, every load issued first and the MXU work in groups that
-    each wait for their own loads, or, when vmem holds only some, in double-buffered rounds
-    (`_resident_rounds`). The batch loop pays a DMA latency in and one out per batch; a batch whose
-    MXU work is shorter than a latency is worth that. False (nothing emitted) when it does not apply or two
-    batches do not fit."""
+    """Batched matmuls of at most one m-tile a batch (attention's q @ K^T and P @ V for each KV head, at decode
+    and at a prefill of up to MAX_M_TILE query rows a head group) with many batches' A, B and C in vmem at
+    once: all of them in one round, every load issued first and the MXU work in groups that each wait for
+    their own loads, or, when vmem holds only some, in double-buffered rounds (`_resident_rounds`). The
+    general batch loop waits a DMA latency in and one out per batch: at 128 queries of 4 heads a group (512
+    rows a batch) the scores took 11,929 cycles that way and take 5,286 here. A batch of more than
+    MAX_RESIDENT_COMMANDS MXU commands only where its MXU work is within a latency. False (nothing emitted)
+    when it does not apply or two batches do not fit."""
     a, bm, c = k.a, k.b, k.c
     L, b = ctx.lanes, ctx.b
     M, K = a.shape[-2:]
@@ -198,7 +203,9 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
     passes = _passes(precision, names, False, a.dtype == "bf16", bm.dtype == "bf16")
     per_batch = parts * (KT * mt + 8 + NT * (KT * L + 8)) + NT * (mt + 8)
     R = min(B, ctx.vmem_free() // per_batch)  # batches a round
-    if not 1 < B <= MAX_RESIDENT_BATCHES or mt > MAX_M_TILE or len(passes) * NT * KT * mt > ctx.config.dma_latency \
+    n_commands = len(passes) * NT * KT  # a batch's MXU commands, unrolled for every batch
+    if not 1 < B <= MAX_RESIDENT_BATCHES or mt > MAX_M_TILE \
+            or (n_commands > MAX_RESIDENT_COMMANDS and n_commands * mt > ctx.config.dma_latency) \
             or R < 2:
         return False
     a_parts = [[ctx.region(KT * mt, f"a{q}_") for q in range(parts)] for _ in range(R)]

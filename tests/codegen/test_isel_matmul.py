@@ -176,6 +176,11 @@ def _bmm_kt(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     (8, 4, 64, 18, "pv"),
     (4, 2, 128, 301, "qk"),  # head dim 128, an odd context over three n-tiles
     (4, 2, 128, 301, "pv"),  # K = 301: weight rows past it zeroed in every batch's panels
+    # a prefill of 128 queries (a dynamic bucket's, 1B geometry): 512 rows a KV head, one m-tile a batch, whose
+    # MXU work outlasts a DMA latency (11,929 cycles as the batch loop, 5,286 resident)
+    (8, 512, 64, 128, "qk"),
+    (8, 512, 64, 128, "pv"),
+    (2, 1000, 128, 250, "pv"),  # 4 heads of 250 queries over head dim 128: an odd m-tile, K = 250
 ], ids=str)
 def test_resident_batches_pay_one_latency_not_one_per_batch(heads: int, rows: int, d: int, keys: int, fn: str,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
