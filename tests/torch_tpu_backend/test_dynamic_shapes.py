@@ -6,6 +6,7 @@ over it) at lengths of one bucket and of two; the tiny Llama at 5, 9, 17, 33 tok
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -245,25 +246,37 @@ class Mlp(torch.nn.Module):
         return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x)) + x
 
 
+def _cycles_in_one_bucket(fn: Callable[[torch.Tensor], torch.Tensor], inputs: dict[int, torch.Tensor],
+                          tol: float) -> dict[int, int]:
+    """`fn` compiled for `large` with dim 1 of its input dynamic, called at each length of `inputs`: eager's
+    values (NaN where eager's), no fallback warning, one graph and one program variant, nothing on the CPU;
+    the cycles of each call."""
+    ctpu_stats.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="ctpu", options={"cache": False, "config": "large"})
+    cycles = {}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        for n, x in inputs.items():
+            torch._dynamo.mark_dynamic(x, 1)
+            before = ctpu_stats.last().cycles
+            got = compiled(x)
+            cycles[n] = ctpu_stats.last().cycles - before
+            torch.testing.assert_close(got.float(), fn(x).float(), rtol=tol, atol=tol, equal_nan=True)
+    stats = ctpu_stats.last()
+    assert stats.graphs_compiled == 1 and stats.program_variants == 1 and not stats.fallback_ops
+    return cycles
+
+
+def _bf16_rows(n: int, width: int) -> torch.Tensor:
+    return torch.randn(1, n, width, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+
+
 def test_one_program_computes_only_the_rows_of_each_call() -> None:
     """`large`, bf16, lengths 131 and 250 in one bucket (256): ONE program, whose projections take their row
     count from the argument table (the valid length), so 131 tokens cost fewer cycles than 250 in the same
     program; eager's values at both. Before, every call of the bucket computed all 256 rows."""
-    model = Mlp().to(torch.bfloat16)
-    ctpu_stats.reset()
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="ctpu", options={"cache": False, "config": "large"})
-    cycles = {}
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("error")  # no fallback warning
-        for n in (131, 250):
-            x = torch.randn(1, n, 2048, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
-            torch._dynamo.mark_dynamic(x, 1)
-            before = ctpu_stats.last().cycles
-            torch.testing.assert_close(compiled(x).float(), model(x).float(), rtol=2e-2, atol=2e-2)
-            cycles[n] = ctpu_stats.last().cycles - before
-    stats = ctpu_stats.last()
-    assert stats.graphs_compiled == 1 and stats.program_variants == 1 and not stats.fallback_ops
+    cycles = _cycles_in_one_bucket(Mlp().to(torch.bfloat16), {n: _bf16_rows(n, 2048) for n in (131, 250)}, 2e-2)
     # three projections of 2048 x 1024 (128 weight tiles each) stream 119 rows fewer through the MXU per tile
     assert cycles[250] - cycles[131] >= 3 * 119 * 128 * 3 // 4, cycles
 
@@ -278,22 +291,10 @@ def test_a_runtime_tile_computes_about_the_rows_it_holds() -> None:
     def factor(x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.silu(x) * x
 
-    ctpu_stats.reset()
-    torch._dynamo.reset()
-    compiled = torch.compile(factor, backend="ctpu", options={"cache": False, "config": "large"})
-    cycles = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no fallback warning
-        for n in (17, 32):
-            x = torch.randn(1, n, 8192, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
-            x[0, n - 1, :5] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 1e-40])
-            torch._dynamo.mark_dynamic(x, 1)
-            before = ctpu_stats.last().cycles
-            got = compiled(x)
-            cycles[n] = ctpu_stats.last().cycles - before
-            torch.testing.assert_close(got, factor(x), rtol=1e-2, atol=1e-2, equal_nan=True)
-    stats = ctpu_stats.last()
-    assert stats.program_variants == 1 and not stats.fallback_ops
+    inputs = {n: _bf16_rows(n, 8192) for n in (17, 32)}
+    for n, x in inputs.items():
+        x[0, n - 1, :5] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 1e-40])
+    cycles = _cycles_in_one_bucket(factor, inputs, 1e-2)
     assert cycles[17] < 0.62 * cycles[32], cycles
 
 
@@ -308,23 +309,11 @@ def test_a_chain_of_small_kernels_computes_only_its_valid_rows() -> None:
     torch.manual_seed(0)
     norm = LlamaRMSNorm(2048, eps=1e-5).to(torch.bfloat16)
     norm.weight.data = torch.randn(2048).to(torch.bfloat16)
-    ctpu_stats.reset()
-    torch._dynamo.reset()
-    compiled = torch.compile(norm, backend="ctpu", options={"cache": False, "config": "large"})
-    cycles = {}
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("error")  # no fallback warning
-        for n in (17, 32):
-            x = torch.randn(1, n, 2048, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
-            x[0, n - 2, :3] = torch.tensor([float("inf"), -0.0, 1e-40])
-            x[0, n - 1, :4] = torch.tensor([float("-inf"), float("nan"), 3.3895e38, -1e-40])
-            torch._dynamo.mark_dynamic(x, 1)
-            before = ctpu_stats.last().cycles
-            got = compiled(x)
-            cycles[n] = ctpu_stats.last().cycles - before
-            torch.testing.assert_close(got, norm(x), rtol=2e-2, atol=2e-2, equal_nan=True)
-    stats = ctpu_stats.last()
-    assert stats.program_variants == 1 and not stats.fallback_ops
+    inputs = {n: _bf16_rows(n, 2048) for n in (17, 32)}
+    for n, x in inputs.items():
+        x[0, n - 2, :3] = torch.tensor([float("inf"), -0.0, 1e-40])
+        x[0, n - 1, :4] = torch.tensor([float("-inf"), float("nan"), 3.3895e38, -1e-40])
+    cycles = _cycles_in_one_bucket(norm, inputs, 2e-2)
     assert cycles[17] < 0.75 * cycles[32], cycles
 
 
