@@ -10,6 +10,7 @@ second (a gap within bf16 rounding is a near tie).
     python scripts/real_scale.py qwen 4 2048 3 17       # Qwen3-0.6B geometry, 4 layers, vocab 2048
     python scripts/real_scale.py llama 16 128256 3 17 --inductor   # and Inductor's compile of the same forward
     python scripts/real_scale.py qwen 28 151936 16 17 --seed 6     # another prompt (its generator's seed; 1)
+    python scripts/real_scale.py llama 16 128256 1 2048 --max-cycles 1000000000   # a 2048-token prefill (~3.5 h)
 
 Set CTPU_CACHE=0 to measure compiles. The full 1B needs ~6 GB of host memory (model + simulator HBM).
 `--inductor` then compiles the same forward with Inductor (CPU, fresh caches) in the same process and
@@ -68,7 +69,9 @@ def main() -> None:
         t = time.time()
         ref = generate()
         eager_s = time.time() - t
-        m.forward = torch.compile(m.forward, backend="ctpu", options={"config": "large", "cache": False})
+        limit = int(sys.argv[sys.argv.index("--max-cycles") + 1]) if "--max-cycles" in sys.argv else None
+        m.forward = torch.compile(m.forward, backend="ctpu", options={"config": "large", "cache": False,
+                                                                       "max_cycles": limit})
         ctpu_stats.reset()
         t = time.time()
         out = generate()
