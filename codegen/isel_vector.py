@@ -417,7 +417,7 @@ def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buff
         _runtime_tiles(ctx, valid, rows, sizes[0][0], issue_loads, tile)
         return
     # with groups: the valid rows each group holds
-    moved = None if valid is None else ctx.valid_count(valid[0], rows // valid[1], valid[1])
+    moved = None if valid is None else _valid_count(ctx, valid, rows)
 
     def static_tile(p: int, size: tuple[int, int], next_size: tuple[int, int] | None) -> None:
         tile(p, size, lambda: issue_loads(1 - p, next_size, moved) if next_size else None, moved)
@@ -438,7 +438,7 @@ def _runtime_tiles(ctx: KernelContext, valid: tuple[int, int], rows: int, T: int
     computed rows past them are never stored); the next tile's loads are issued only when rows are left for
     it, so that no DMA moves 0 rows."""
     b = ctx.b
-    left = ctx.valid_count(valid[0], rows // valid[1], valid[1])
+    left = _valid_count(ctx, valid, rows)
 
     def now(x: Reg) -> Reg:
         return b.emit("min", b.sreg(), (x, b.const(T)))
@@ -457,6 +457,11 @@ def _runtime_tiles(ctx: KernelContext, valid: tuple[int, int], rows: int, T: int
 
     issue_loads(0, (T, 1), now(left))
     b.while_positive(left, T, pair, "tiles")  # after a skipped odd tile, left <= -T: the loop ends
+
+
+def _valid_count(ctx: KernelContext, valid: tuple[int, int], rows: int) -> Reg:
+    """A register holding the valid rows among `rows` (`_tile_loop`'s valid: argument, rows per unit)."""
+    return ctx.valid_count(valid[0], rows // valid[1], valid[1])
 
 
 def _over_rows(b: Builder, n: int, vrows_per_row: int, rows: ValidRows,
@@ -848,10 +853,9 @@ def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
     rows (a dynamic-shape bucket's norm and its neighbours), the chain moves and computes only those."""
     b = ctx.b
     first = chain.members[0]
-    bounded = first.valid is not None and all((m.rows, m.valid) == (first.rows, first.valid)
-                                              and m.C <= DMA_SHAPE_COLS_MASK for m in chain.members)
-    moved = ctx.valid_count(first.valid[0], first.rows // first.valid[1], first.valid[1]) \
-        if bounded and first.valid is not None else None
+    shared = all((m.rows, m.valid) == (first.rows, first.valid) and m.C <= DMA_SHAPE_COLS_MASK
+                 for m in chain.members)
+    moved = _valid_count(ctx, first.valid, first.rows) if shared and first.valid is not None else None
     computed = None if moved is None else (moved, first.rows)
     written: dict[str, ChainMember] = {}
     loads: list[tuple[Stream, ChainMember]] = []

@@ -348,14 +348,17 @@ def pipeline_loop(func: Function, index: int, log: list[str], fresh: Callable[[s
         return None
     peel = (n - S + 1) % u
     runs = (n - peel - S + 1) // u
-    if loop.loop.wanted is not None and u & (u - 1) and _reciprocal(u, runs * u + u) is None:
-        log.append(f"{loop.label}: not pipelined (no reciprocal of {u} for its runtime trip count)")
-        return None
+    divide = None  # x // u for the runtime trip count: a shift, else a multiplicative reciprocal (s, m)
+    if loop.loop.wanted is not None and u & (u - 1):
+        divide = _reciprocal(u, runs * u + u)
+        if divide is None:
+            log.append(f"{loop.label}: not pipelined (no reciprocal of {u} for its runtime trip count)")
+            return None
     pro, ker, epi, epi_len = expand(body, sched, S - 1 + u * runs, runs, fresh)
     init[0].imm = runs - 1
     if loop.loop.wanted is not None:  # the same code with fewer kernel runs (its steady state repeats each run)
         clamp = next(i for i, ins in enumerate(pre.instrs) if ins.op == "min" and ins.dst == counter)
-        start = _runtime_runs(counter, loop.loop.wanted, n - runs * u, u, runs, fresh)
+        start = _runtime_runs(counter, loop.loop.wanted, n - runs * u, u, runs, divide, fresh)
         if uses is not None:
             uses.subtract(pre.instrs[clamp].uses)
             uses.update(r for ins in start for r in ins.uses)
@@ -382,19 +385,18 @@ def pipeline_loop(func: Function, index: int, log: list[str], fresh: Callable[[s
     return PipelinedLoop(loop.label, body, sched, pro, ker, epi, runs, epi_len, tuple(b.label for b in blocks))
 
 
-def _runtime_runs(counter: Reg, wanted: Reg, fixed: int, u: int, runs: int, fresh: Callable[[str], Reg]
-                  ) -> list[MInstr]:
+def _runtime_runs(counter: Reg, wanted: Reg, fixed: int, u: int, runs: int, divide: tuple[int, int] | None,
+                  fresh: Callable[[str], Reg]) -> list[MInstr]:
     """`counter` = the kernel runs that cover `wanted` iterations, less one (its start): ceil((wanted -
-    fixed) / u) clamped to [1, runs], where `fixed` = peel + S - 1 iterations run outside the kernel."""
+    fixed) / u) clamped to [1, runs], where `fixed` = peel + S - 1 iterations run outside the kernel; the
+    division a shift (u a power of two), else (x * m) >> s with `divide` = (s, m) (`_reciprocal`)."""
     x, q, low, high = fresh("s"), fresh("s"), fresh("s"), fresh("s")
     code = [MInstr("addi", x, (wanted,), imm=u - 1 - fixed), MInstr("li", low, imm=u),
             MInstr("max", x, (x, low))]  # x / u >= 1
-    if u & (u - 1) == 0:
+    if divide is None:
         code.append(MInstr("srai", q, (x,), imm=u.bit_length() - 1))
-    else:  # x // u = (x * m) >> s, checked for every x the loop can see
-        found = _reciprocal(u, runs * u + u)
-        assert found is not None, "pipeline_loop checks that the reciprocal exists"
-        s, m = found
+    else:
+        s, m = divide
         magic = fresh("s")
         code += [MInstr("li", magic, imm=m), MInstr("mul", q, (x, magic)), MInstr("srai", q, (q,), imm=s)]
     return [*code, MInstr("li", high, imm=runs), MInstr("min", q, (q, high)), MInstr("addi", counter, (q,), imm=-1)]
