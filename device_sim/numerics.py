@@ -51,14 +51,20 @@ def f32_to_i32(a: np.ndarray) -> np.ndarray:
 
 def fmax(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """`vmax.f`: b > a ? b : a, canonical NaN if either is NaN."""
-    r = np.where(b > a, b, a)
-    return canonicalize_nan(np.where(np.isnan(a) | np.isnan(b), np.float32(np.nan), r).astype(np.float32))
+    return _pick(np.greater(b, a), a, b)
 
 
 def fmin(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """`vmin.f`: b < a ? b : a, canonical NaN if either is NaN."""
-    r = np.where(b < a, b, a)
-    return canonicalize_nan(np.where(np.isnan(a) | np.isnan(b), np.float32(np.nan), r).astype(np.float32))
+    return _pick(np.less(b, a), a, b)
+
+
+def _pick(take_b: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    r = np.where(take_b, b, a).astype(np.float32, copy=False)
+    nan = np.isnan(a) | np.isnan(b)
+    if nan.any():
+        r.view(np.uint32)[nan] = CANONICAL_NAN_F32
+    return r
 
 
 def tree_reduce(x: np.ndarray, axis: int, op: str) -> np.ndarray:
@@ -66,16 +72,21 @@ def tree_reduce(x: np.ndarray, axis: int, op: str) -> np.ndarray:
 
     With w the width: x[i] = op(x[i], x[i + w/2]) for i < w/2, then w = w/2, until w = 1.
     """
-    x = np.moveaxis(np.asarray(x, dtype=np.float32), axis, -1)
+    x = np.swapaxes(np.asarray(x, dtype=np.float32), axis, -1)
     width = w = x.shape[-1]
+    # max: b > a ? b : a at each level, and NaN where the reduced values hold one (NaN wins every level)
+    nan = np.isnan(x).any(axis=-1, keepdims=True) if op != "sum" else None
     with np.errstate(all="ignore"):
         while w > 1:
             h = w // 2
             lo, hi = x[..., :h], x[..., h:w]
-            x = (lo + hi) if op == "sum" else fmax(lo, hi)
+            x = (lo + hi) if op == "sum" else np.where(hi > lo, hi, lo)
             w = h
-    out = np.broadcast_to(canonicalize_nan(x), (*x.shape[:-1], width))
-    return np.moveaxis(out, -1, axis)
+    if nan is not None and nan.any():
+        x = np.where(nan, np.float32(np.nan), x)
+    out = np.empty((*x.shape[:-1], width), np.float32)
+    out[...] = canonicalize_nan(x)
+    return np.swapaxes(out, axis, -1)
 
 
 def mxu_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -89,7 +100,10 @@ def mxu_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 def mxu_matmul_bf16(xb: np.ndarray, wb: np.ndarray) -> np.ndarray:
     """As mxu_matmul, for operands that are already bf16 values in fp32 containers."""
     p = np.zeros((xb.shape[0], wb.shape[1]), dtype=np.float32)
+    columns = np.ascontiguousarray(xb.T, dtype=np.float32)[:, :, None]  # x[:, k] as a contiguous column
+    product = np.empty_like(p)
     with np.errstate(all="ignore"):
         for k in range(wb.shape[0]):
-            p += xb[:, k : k + 1] * wb[k : k + 1, :]
+            np.multiply(columns[k], wb[k], out=product)
+            p += product
     return canonicalize_nan(p)

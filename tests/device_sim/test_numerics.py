@@ -149,3 +149,61 @@ def test_tree_reduction_order() -> None:
     np.testing.assert_array_equal(out, numerics.tree_reduce(a.reshape(8, 8), 1, "sum"))
     col = vector_op("vred.max.s v4, v1", np.arange(64, dtype=F32)).view(F32)
     np.testing.assert_array_equal(col, np.broadcast_to(np.arange(56, 64, dtype=F32), (8, 8)))
+
+
+# ---- the vectorized numerics against their definitions, one element at a time ------------------------
+EDGES = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -1e-40, 3.38e38, -3.38e38, 1.0, -1.0, 2.5], F32)
+
+
+def _edge_values(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    x = numerics.round_to_bf16(rng.standard_normal(shape).astype(F32) * F32(1e3))
+    edge = rng.random(shape) < 0.25
+    x[edge] = rng.choice(EDGES, int(edge.sum()))
+    x.view(np.uint32)[rng.random(shape) < 0.02] = 0x7FA00001  # a NaN that is not canonical
+    return x
+
+
+def _scalar_max(a: F32, b: F32) -> F32:
+    return F32(np.nan) if np.isnan(a) or np.isnan(b) else (b if b > a else a)
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=F32).view(np.uint32)
+
+
+def test_fmax_fmin_and_tree_reductions_match_their_definitions_bit_for_bit() -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        a, b = _edge_values(rng, (8, 16)), _edge_values(rng, (8, 16))
+        want_max = [_scalar_max(x, y) for x, y in zip(a.ravel(), b.ravel(), strict=True)]
+        want_min = [-_scalar_max(-x, -y) for x, y in zip(a.ravel(), b.ravel(), strict=True)]
+        for got, want in ((numerics.fmax(a, b), want_max), (numerics.fmin(a, b), want_min)):
+            want = numerics.canonicalize_nan(np.array(want, F32).reshape(a.shape))
+            np.testing.assert_array_equal(_bits(got), _bits(want))
+        for axis in (0, 1):
+            for op in ("sum", "max"):
+                x = np.moveaxis(a, axis, -1).copy()
+                while x.shape[-1] > 1:  # the definition: pairwise halves, one element at a time
+                    h = x.shape[-1] // 2
+                    pairs = zip(x[..., :h].ravel(), x[..., h:].ravel(), strict=True)
+                    with np.errstate(all="ignore"):
+                        x = np.array([F32(lo + hi) if op == "sum" else _scalar_max(lo, hi) for lo, hi in pairs],
+                                     F32).reshape(*x.shape[:-1], h)
+                want = np.moveaxis(np.broadcast_to(numerics.canonicalize_nan(x), (*x.shape[:-1], a.shape[axis])),
+                                   -1, axis)
+                np.testing.assert_array_equal(_bits(numerics.tree_reduce(a, axis, op)), _bits(want))
+
+
+@pytest.mark.parametrize("rows", [1, 8, 33])
+def test_mxu_matmul_matches_its_definition_bit_for_bit(rows: int) -> None:
+    rng = np.random.default_rng(rows)
+    x, w = _edge_values(rng, (rows, 16)), _edge_values(rng, (16, 16))
+    x[0], w[:, 0] = -0.0, 1.0  # -0 products only: the sum starts at +0, so it is +0
+    want = np.zeros((rows, 16), F32)
+    with np.errstate(all="ignore"):
+        for i, j in np.ndindex(rows, 16):
+            acc = F32(0.0)
+            for k in range(16):  # k ascending, fp32 rounding at every step
+                acc = F32(acc + F32(x[i, k] * w[k, j]))
+            want[i, j] = acc
+    np.testing.assert_array_equal(_bits(numerics.mxu_matmul_bf16(x, w)), _bits(numerics.canonicalize_nan(want)))
