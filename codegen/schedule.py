@@ -270,7 +270,9 @@ def _list_schedule(instrs: list[MInstr], deps: list[Dep], release: list[int]) ->
     bundles: list[list[MInstr]] = []
     placed = 0
     cycle = 0
+    stuck = False  # the last cycle placed nothing and nothing was on its way: this one would repeat it
     while placed < n:
+        stuck = bool(bundles) and not bundles[-1] and not pending
         while pending and pending[0][0] <= cycle:
             i = heapq.heappop(pending)[1]
             by_unit[units[i]].append(i)
@@ -289,6 +291,8 @@ def _list_schedule(instrs: list[MInstr], deps: list[Dep], release: list[int]) ->
         # start.
         # (both asked only while nothing is placed this cycle, so they see the cycle's start, and found once
         # a cycle: a scan of every candidate in every cycle made big blocks quadratic)
+        # Waits can block each other across kinds (a spill's vbcast frees a scalar but needs a vector register,
+        # and what frees one needs a scalar): a cycle that would repeat an empty one places regardless.
         found: dict[tuple[str, str], bool] = {}
         now = []
         while heap:
@@ -302,7 +306,7 @@ def _list_schedule(instrs: list[MInstr], deps: list[Dep], release: list[int]) ->
             if used[unit] >= SLOT_COUNT[unit]:
                 continue
             dst = instrs[i].dst
-            if (dst is not None and live[dst.kind] >= PRESSURE_LIMIT[dst.kind] and growth(i, dst.kind) > 0
+            if (not stuck and dst is not None and live[dst.kind] >= PRESSURE_LIMIT[dst.kind] and growth(i, dst.kind) > 0
                     and (now or pressure(found, "frees", dst.kind)
                          or (not _reads_live(i, dst.kind) and pressure(found, "continues", dst.kind)))):
                 continue  # under pressure: at most one new value per cycle (see above)

@@ -2,7 +2,8 @@
 
 A graph with symbolic sizes (dynamo's SymInts) compiles, per bucket of its symbols' values, into an
 ordinary static program in which every dim of symbolic size e(s) is padded to e(B), B the bucket's bound
-of s (`choose_bounds`: the next power of two, at least MIN_BOUND, at most the symbol's declared maximum).
+of s (`choose_bounds`: the next power of two, at least MIN_BOUND, two an octave above FINE_BUCKETS_ABOVE, at
+most the symbol's declared maximum).
 The real sizes are runtime values: one 0-d int64 input per size expression (`DynamicPlan.valid_exprs`,
 computed on the host at each call), so one program serves every size of its bucket.
 
@@ -47,6 +48,9 @@ from .graph_utils import is_call, op_arg, refresh_meta, val
 aten = torch.ops.aten
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 MIN_BOUND = 16  # the smallest bucket: sizes 2 .. 16 share one program
+# above this size, buckets come two an octave (384, 512, 768, 1024, ...): attention's cost grows with the
+# square of its padded length, and at one an octave 300 tokens ran 1.11x its static program's cycles
+FINE_BUCKETS_ABOVE = 256
 DEFAULT_MAX = 1 << 16  # a symbol without a declared maximum
 # node.meta key: {dim (negative, from the last): name of the placeholder holding its valid length} for each
 # padded dim of the node's value whose padding nothing reads (the invariant): the back end may leave those
@@ -127,11 +131,20 @@ def evaluate(expr: sympy.Expr, values: Mapping[sympy.Symbol, int]) -> int:
     return int(expr.xreplace({s: sympy.Integer(v) for s, v in values.items()}))
 
 
+def bucket_bound(value: int, minimum: int = MIN_BOUND) -> int:
+    """The bucket of a size: the next power of two (at least `minimum`), or above FINE_BUCKETS_ABOVE the next
+    of 2^k and 3 * 2^(k-1)."""
+    power = max(1 << max(value - 1, 0).bit_length(), minimum)
+    if power > FINE_BUCKETS_ABOVE and value <= power * 3 // 4:
+        return power * 3 // 4
+    return power
+
+
 def choose_bounds(plan: DynamicPlan, values: Mapping[sympy.Symbol, int], minimum: int = MIN_BOUND,
                   default_max: int = DEFAULT_MAX) -> dict[sympy.Symbol, int]:
-    """Each symbol's bucket bound: the next power of two of its value (at least `minimum`), capped by its
-    declared maximum; a value above that maximum raises CtpuDynamicShapeError. Where the bounds break a shape
-    guard or make some padded size smaller than its real size, the values themselves (an unpadded variant)."""
+    """Each symbol's bucket bound (`bucket_bound` of its value), capped by its declared maximum; a value above
+    that maximum raises CtpuDynamicShapeError. Where the bounds break a shape guard or make some padded size
+    smaller than its real size, the values themselves (an unpadded variant)."""
     bounds = {}
     for sym in plan.symbols:
         value = values[sym]
@@ -140,7 +153,7 @@ def choose_bounds(plan: DynamicPlan, values: Mapping[sympy.Symbol, int], minimum
         if value > cap:
             raise CtpuDynamicShapeError(f"size {sym} = {value} is above its bound {cap} "
                                         "(torch._dynamo.mark_dynamic(..., max=) or the option dynamic_max)")
-        bounds[sym] = max(min(max(1 << max(value - 1, 0).bit_length(), minimum), cap), value, low)
+        bounds[sym] = max(min(bucket_bound(value, minimum), cap), value, low)
     point = {s: sympy.Integer(v) for s, v in bounds.items()}
     if not all(bool(guard.xreplace(point)) for guard in plan.guards) or any(
             evaluate(e, bounds) < evaluate(e, values) for e in plan.dim_exprs):

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import random
+import signal
 
 import pytest
 
 from codegen.builder import Builder
 from codegen.machine_code import compile_function, schedule_function
-from codegen.mir import Function
+from codegen.mir import Function, MInstr, Reg
 from codegen.regalloc import allocate
+from codegen.schedule import PRESSURE_LIMIT, schedule_block
 from codegen.verify import verify_allocation, verify_schedule
 
 OPS = ["vadd.f", "vmul.f", "vsub.f", "vred.sum.l", "vmax.f"]
@@ -51,6 +53,37 @@ def test_schedule_packs_independent_work() -> None:
     bundles = schedule_function(f)[f.blocks[0].label]
     verify_schedule(f.blocks[0].instrs, bundles)
     assert len(bundles) <= 8 + 6
+
+
+def test_pressure_waits_that_block_each_other_across_kinds_do_not_hang_the_scheduler() -> None:
+    """Scalars and vectors both at their pressure limit; X (vbcast) frees a scalar but needs a vector register,
+    Y (vext) frees a vector but needs a scalar one: each waited for the other forever (a dynamic-shape
+    attention kernel's spills hung the compiler so)."""
+    s, v = [Reg("s", i) for i in range(200)], [Reg("v", i) for i in range(200)]
+    ns, nv = PRESSURE_LIMIT["s"], PRESSURE_LIMIT["v"]
+    instrs = [MInstr("li", s[100], imm=1), MInstr("viota", v[100])]
+    for k in range(30):  # one live value each, and X's and Y's inputs late: the fills below come first
+        instrs += [MInstr("add", s[101 + k], (s[100 + k], s[100 + k])),
+                   MInstr("vadd.f", v[101 + k], (v[100 + k], v[100 + k]))]
+    instrs += [MInstr("li", s[i], imm=i) for i in range(ns)] + [MInstr("viota", v[i]) for i in range(nv)]
+    instrs += [MInstr("vbcast", v[50], (s[130],)), MInstr("vext", s[50], (v[130],), imm=0)]  # X, Y
+    for j in range(nv):  # everything stays live until X's and Y's results are read
+        instrs.append(MInstr("vadd.f", v[60 + j], (v[50] if j == 0 else v[59 + j], v[j])))
+    for j in range(ns):
+        instrs.append(MInstr("add", s[60 + j], (s[50] if j == 0 else s[59 + j], s[j])))
+
+    def hung(*_: object) -> None:
+        raise TimeoutError("the list scheduler did not finish a 150-instruction block in 20 s")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        bundles = schedule_block(instrs)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    verify_schedule(instrs, bundles)
+    assert sum(map(len, bundles)) == len(instrs)
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -247,11 +247,13 @@ def test_a_merged_batch_and_padded_dim_is_rows(length: int, garbage: float) -> N
     torch.testing.assert_close(run_padded(masked, plan, [x], garbage)[0], fn(x))
 
 
-def test_bounds_are_powers_of_two_capped_by_the_declared_max() -> None:
+def test_bounds_are_powers_of_two_then_two_an_octave_capped_by_the_declared_max() -> None:
     gm = symbolic_graph(lambda x: x.sum(0), torch.randn(6, 3))
     plan = mask_padding(gm)
     (sym,) = plan.symbols
-    assert [choose_bounds(plan, {sym: n})[sym] for n in (2, 16, 17, 100)] == [16, 16, 32, 128]
+    sizes = (2, 16, 17, 100, 256, 257, 300, 384, 385, 512, 513, 1000, 4097)
+    assert [choose_bounds(plan, {sym: n})[sym] for n in sizes] == [
+        16, 16, 32, 128, 256, 384, 384, 384, 512, 512, 768, 1024, 6144]
     plan.ranges[sym] = (2, 40)
     assert choose_bounds(plan, {sym: 33})[sym] == 40
     with pytest.raises(CtpuDynamicShapeError, match=f"{sym} = 41 is above its bound 40"):
