@@ -313,7 +313,8 @@ def bound_padded_rows(kernels: list[Kernel], gm: torch.fx.GraphModule) -> list[K
     """Kernels of a dynamic-shape bucket's program compute only the valid rows of a padded dim (PADDING_META
     on their FX node), reading the valid length from its placeholder at run time:
     - a matmul of a row-wise op (mm, bmm, addmm, ctpu::linear) whose C is the node's value, padded at dim -2
-      (`MatmulKernel.valid_rows`);
+      (`MatmulKernel.valid_rows`), or a fused attention's, whose rows are [rep, L] a KV head
+      (`MatmulKernel.row_segments`);
     - a generic of the node (its own, or one the node's op lowered to: a norm's reductions, a projection's
       elementwise factor) with exactly one iteration dim of the padded size, a parallel dim its output
       indexes: the node's padded rows, as every op that marks them is row-wise along them
@@ -330,6 +331,11 @@ def bound_padded_rows(kernels: list[Kernel], gm: torch.fx.GraphModule) -> list[K
         if isinstance(k, MatmulKernel) and -2 in padding and str(node.target) in _ROW_MATMULS and \
                 value.dim() >= 2 and tuple(value.shape[-2:]) == tuple(k.c.shape[-2:]):
             k = dataclasses.replace(k, valid_rows=placeholders.index(padding[-2]))
+        elif isinstance(k, MatmulKernel) and -2 in padding and str(node.target) in _KEYED_OPS and \
+                value.dim() == 4 and len(k.c.shape) == 3 and k.c.shape[-2] % value.shape[-2] == 0:
+            # attention's q @ K^T and P @ V: [rep * L] rows a KV head, the valid queries of each query head
+            k = dataclasses.replace(k, valid_rows=placeholders.index(padding[-2]),
+                                    row_segments=k.c.shape[-2] // value.shape[-2])
         elif isinstance(k, GenericKernel) and len(padding) == 1:
             (dim, name), = padding.items()
             d = _padded_iteration_dim(k, dim, value, str(node.target))

@@ -109,6 +109,9 @@ class MatmulKernel:
     # the graph argument (a 0-d integer input) holding how many of C's M rows to compute: the rest is padding
     # of a dynamic-shape bucket that nothing reads (`compiler.bound_padded_rows`); None: all M
     valid_rows: int | None = None
+    # C's M rows as this many equal segments, valid_rows rows at the start of each (attention's [rep, L] rows
+    # of a KV head's query heads: the valid queries of each head)
+    row_segments: int = 1
 
 
 @dataclass
@@ -169,7 +172,8 @@ def describe(g: KernelGraph) -> str:
                 f" (dim {k.valid_extent[1]} up to the value of argument {k.valid_extent[0]})"
             lines.append(f"{i}: {kind} {list(k.sizes)}{bound} ({ins}) -> {_v(k.output.view)} {{ {ops} }}")
         elif isinstance(k, MatmulKernel):
-            bound = "" if k.valid_rows is None else f" (rows up to the value of argument {k.valid_rows})"
+            bound = "" if k.valid_rows is None else f" (rows up to the value of argument {k.valid_rows}" + (
+                f" in each of {k.row_segments} segments)" if k.row_segments > 1 else ")")
             lines.append(f"{i}: matmul {_v(k.a)} @ {_v(k.b)} -> {_v(k.c)}{bound}")
         elif isinstance(k, FillKernel):
             lines.append(f"{i}: fill {k.value} -> {_v(k.output)}")

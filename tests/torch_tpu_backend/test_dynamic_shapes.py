@@ -5,6 +5,7 @@ over it) at lengths of one bucket and of two; the tiny Llama at 5, 9, 17, 33 tok
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 
@@ -317,10 +318,12 @@ def test_a_chain_of_small_kernels_computes_only_its_valid_rows() -> None:
     assert cycles[17] < 0.75 * cycles[32], cycles
 
 
-def _llama_cycles_on_a_poisoned_arena(monkeypatch, config, lengths: tuple[int, ...]) -> dict[int, int]:  # type: ignore[no-untyped-def]
+def _llama_cycles_on_a_poisoned_arena(monkeypatch, config, lengths: tuple[int, ...],  # type: ignore[no-untyped-def]
+                                      macs: dict[int, int] | None = None) -> dict[int, int]:
     """A bf16 Llama of `config` compiled for `large` with the sequence dynamic, called at `lengths` (one
     bucket), with every arena buffer starting as NaN (0xFF bytes), so a padded row that was read would
-    show: eager's logits and no NaN at each length, one program, nothing on the CPU; the cycles of each."""
+    show: eager's logits and no NaN at each length, one program, nothing on the CPU; the cycles of each
+    (and into `macs`, the MXU's multiply-accumulates of each)."""
     from transformers import LlamaForCausalLM
 
     from torch_tpu_backend import runtime
@@ -344,9 +347,11 @@ def _llama_cycles_on_a_poisoned_arena(monkeypatch, config, lengths: tuple[int, .
         for n in lengths:
             ids = torch.randint(0, config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
             torch._dynamo.mark_dynamic(ids, 1)
-            before = ctpu_stats.last().cycles
+            before = dataclasses.replace(ctpu_stats.last())
             got = compiled(ids).logits.float()
-            cycles[n] = ctpu_stats.last().cycles - before
+            cycles[n] = ctpu_stats.last().cycles - before.cycles
+            if macs is not None:
+                macs[n] = ctpu_stats.last().macs - before.macs
             assert not got.isnan().any()
             torch.testing.assert_close(got, model(ids).logits.float(), rtol=5e-2, atol=5e-2)
     stats = ctpu_stats.last()
@@ -367,6 +372,31 @@ def test_attention_in_a_bucket_computes_only_its_valid_queries(monkeypatch) -> N
                          head_dim=128, num_hidden_layers=1, vocab_size=512, max_position_embeddings=512)
     cycles = _llama_cycles_on_a_poisoned_arena(monkeypatch, config, (509, 390))
     assert cycles[390] < 0.82 * cycles[509], cycles
+
+
+def test_attention_matmuls_in_a_bucket_multiply_only_each_query_heads_valid_rows(monkeypatch) -> None:
+    """GQA attention (8 heads of dim 64 over 2 KV heads, hidden 512, bf16, `large`) at 129 and 200 tokens of
+    one bucket (256): q @ K^T and P @ V run a KV head's [rep, L] query rows, the valid queries of each head a
+    segment of them (`MatmulKernel.row_segments`), so with every other matmul bounded to its valid rows the
+    bucket's program multiplies exactly as much as the static program of the real length (the MXU works in
+    whole tiles: 129 keys take two n-tiles as 256 do). Computing every row of the bucket multiplied 25% more
+    at 129 tokens, 7% more at 200 (448,790,528 MACs against 419,430,400); on the poisoned arena a padded row
+    that was read would show."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=512, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
+                         head_dim=64, num_hidden_layers=1, vocab_size=256, max_position_embeddings=256)
+    macs: dict[int, int] = {}
+    _llama_cycles_on_a_poisoned_arena(monkeypatch, config, (200, 129), macs)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    torch._dynamo.reset()
+    static = torch.compile(model, backend="ctpu", dynamic=False, options={"cache": False, "config": "large"})
+    with torch.no_grad():
+        for n in macs:
+            ctpu_stats.reset()
+            static(torch.randint(0, config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n)))
+            assert macs[n] == ctpu_stats.last().macs, (n, macs[n], ctpu_stats.last().macs)
 
 
 def test_a_llama_bucket_never_reads_the_padding_it_leaves_unwritten(monkeypatch) -> None:
