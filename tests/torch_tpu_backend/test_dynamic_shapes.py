@@ -363,9 +363,10 @@ def test_attention_in_a_bucket_computes_only_its_valid_queries(monkeypatch) -> N
     """A Llama layer with 8 heads of dim 128 over 2 KV heads (hidden 1024, bf16, `large`) at 390 and 509 tokens
     of one bucket (512): the fused attention's row-wise generics ([KVH, rep, L, keys] scores, their row max
     and sum, the probabilities) run KVH x rep groups of the valid queries only (`compiler._query_dim`,
-    `isel_vector._merged_groups`): 390 tokens took 651,185 cycles against 818,764 at 509, 0.795 (717,851
-    against 850,246, 0.844, with `_query_dim` disabled: every query of the bucket; their keys still do). The
-    arena is poisoned, so a padded query row that was read would show."""
+    `isel_vector._merged_groups`), as do its matmuls (`MatmulKernel.row_segments`): 390 tokens took 639,645
+    cycles against 814,245 at 509, 0.786 (651,185 against 818,764 with every row of the matmuls; 717,851
+    against 850,246, 0.844, with `_query_dim` disabled too: every query of the bucket; their keys still do).
+    The arena is poisoned, so a padded query row that was read would show."""
     from transformers import LlamaConfig
 
     config = LlamaConfig(hidden_size=1024, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=2,
