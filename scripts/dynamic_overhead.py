@@ -5,7 +5,7 @@ marked dynamic (one program per bucket, padded to its bound) and with dynamic=Fa
 length); each prompt length runs on both and the JSON gives the cycles and their ratio.
 
     python scripts/dynamic_overhead.py 1b-2l 17,100,300      # about 8 minutes on 2 cores
-    python scripts/dynamic_overhead.py 1b-2l 129,385         # just past a bucket's start: the worst cases
+    python scripts/dynamic_overhead.py 1b-2l 33,65,129       # just past a short bucket's start: the worst cases
     python scripts/dynamic_overhead.py mini 17,33,100
 """
 
