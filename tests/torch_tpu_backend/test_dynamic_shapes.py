@@ -400,6 +400,45 @@ def test_attention_matmuls_in_a_bucket_multiply_only_each_query_heads_valid_rows
             assert macs[n] == ctpu_stats.last().macs, (n, macs[n], ctpu_stats.last().macs)
 
 
+def test_segmented_attention_matmuls_keep_eagers_edge_values() -> None:
+    """Causal GQA attention (8 heads of dim 64 over 2 KV heads, bf16, `large`) with the sequence dynamic, at
+    200 and 129 tokens of one bucket (256), with inf, -inf, NaN, -0, subnormals and the largest bf16 in q, K
+    and V: eager's NaN pattern (a NaN or inf score spreads along its rows), its values elsewhere within bf16,
+    nothing on the CPU, and the static program's MACs (each query head's valid rows only)."""
+    import torch.nn.functional as F
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    def inputs(n: int) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(n)
+        q, k, v = (torch.randn(1, heads, n, 64, generator=g).to(torch.bfloat16) for heads in (8, 2, 2))
+        q[0, 1, 3, 5], k[0, 0, 7, 2], v[0, 1, 10, 0] = float("inf"), float("nan"), float("-inf")
+        q[0, 2, 4, :4] = torch.tensor([-0.0, 1e-40, 3.3e38, -3.3e38])
+        v[0, 0, 20, 1:3] = torch.tensor([1e-40, -0.0])
+        return q, k, v
+
+    macs: dict[str, dict[int, int]] = {"dynamic": {}, "static": {}}
+    for mode, per_length in macs.items():
+        torch._dynamo.reset()
+        compiled = torch.compile(attention, backend="ctpu", dynamic=False if mode == "static" else None,
+                                 options={"config": "large", "cache": False})
+        for n in (200, 129):
+            q, k, v = inputs(n)
+            if mode == "dynamic":
+                for t in (q, k, v):
+                    torch._dynamo.mark_dynamic(t, 2)
+            ctpu_stats.reset()
+            got = compiled(q, k, v).float()
+            stats = ctpu_stats.last()
+            assert not stats.fallback_ops
+            per_length[n] = stats.macs
+            want = attention(q.float(), k.float(), v.float()).to(torch.bfloat16).float()
+            assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
+            torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=2e-2, atol=2e-2)
+    assert macs["dynamic"] == macs["static"], macs
+
+
 def test_a_llama_bucket_never_reads_the_padding_it_leaves_unwritten(monkeypatch) -> None:
     """A layer of the 1B's proportions at hidden 256 (`ctpu bench --llama mini`, bf16, `large`) at 100 and 77
     tokens, one bucket: the projections, norms, SwiGLU factors, rope and attention's result compute only the
