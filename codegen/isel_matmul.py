@@ -211,9 +211,10 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
     per_batch = parts * (KT * mt + 8 + NT * (KT * L + 8)) + NT * (mt + 8)
     R = min(B, ctx.vmem_free() // per_batch)  # batches a round
     n_commands = len(passes) * NT * KT  # a batch's MXU commands, unrolled for every batch
-    # an m-tile's rows, or with segments a segment's: each mm is a segment (a bucket of 512 queries of 4
-    # heads a KV head is 2048 rows a batch)
-    if not 1 < B <= MAX_RESIDENT_BATCHES or (M // k.row_segments if k.row_segments > 1 else mt) > MAX_M_TILE \
+    # rows an mm: a batch's, or with segments a segment's (a bucket of 512 queries of 4 heads a KV head is
+    # 2048 rows a batch)
+    seg = M // k.row_segments
+    if not 1 < B <= MAX_RESIDENT_BATCHES or seg > MAX_M_TILE \
             or (n_commands > MAX_RESIDENT_COMMANDS and n_commands * mt > ctx.config.dma_latency) \
             or R < 2:
         return False
@@ -244,8 +245,7 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
 
     commands = [(qa, qb, kt, kt) for qa, qb in passes for kt in range(KT)]
     # attention's query heads: the valid rows at the start of each segment
-    segments = (M // k.row_segments, ctx.valid_count(k.valid_rows, M // k.row_segments)) \
-        if k.row_segments > 1 else None
+    segments = (seg, ctx.valid_count(k.valid_rows, seg)) if k.row_segments > 1 else None
 
     def load(i: int, s: int, role: Flag, parity: int) -> None:  # batch i's A and B into slot s
         if by_row:

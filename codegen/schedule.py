@@ -270,8 +270,8 @@ def _list_schedule(instrs: list[MInstr], deps: list[Dep], release: list[int]) ->
     bundles: list[list[MInstr]] = []
     placed = 0
     cycle = 0
-    stuck = False  # the last cycle placed nothing and nothing was on its way: this one would repeat it
     while placed < n:
+        # the last cycle placed nothing and nothing was on its way: this one would repeat it
         stuck = bool(bundles) and not bundles[-1] and not pending
         while pending and pending[0][0] <= cycle:
             i = heapq.heappop(pending)[1]
