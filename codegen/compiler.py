@@ -483,7 +483,7 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
     free_rows = cfg.vmem_rows - ctx.base_row
     emitted = _emitted_kernels(graph, loops)
     if chains:  # runs of small generics lowered as one kernel (isel_vector.KernelChain)
-        emitted = form_chains(emitted, cfg.lanes, free_rows // 2)
+        emitted = form_chains(emitted, cfg, free_rows // 2)
     prefetches = plan_prefetches(cfg, emitted, free_rows)
     table_word = fixed  # the next loop's address table, in words from the arena's start
     loop: Loop | None = None

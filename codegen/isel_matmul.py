@@ -57,6 +57,9 @@ SIGN = 0x80000000
 UNROLL_SPLIT_CHUNKS = 4  # splits of up to this many chunks of 8 vmem rows are unrolled, longer ones loop
 HEAD_GROUP_ROWS = 640  # DMA rows per load group of a pipelined first n-tile (more than the DMA latency)
 HEAD_MAX_K_TILES = 64  # first n-tiles of up to this many k-tiles are pipelined (unrolled by group)
+# ... and m-tiles whose rows are a runtime value (a dynamic-shape bucket's) of at least this many rows: 1B
+# projections at 129 of 256 rows ~1,000 cycles faster each, at 33 of 64 ~450 slower (A is small there)
+HEAD_MIN_RUNTIME_ROWS = 128
 MAX_M_TILE = 1024  # rows of A and C per m-tile: each m-tile pays a pipeline fill and drain
 UNROLL_BATCHES = 2  # batched matmuls of more batches run a batch loop
 MAX_RESIDENT_BATCHES = 32  # `_resident_batches` unrolls its batches
@@ -535,7 +538,8 @@ def _head_group(t: _Tiling, rows: int, L: int) -> int:
     so that two groups in flight keep the channel busy), its MXU commands start as the first group lands
     instead of after all of them. bf16 (one part: no split) with A whole and one k-chunk, k loops that
     are short enough to unroll by group."""
-    if len(t.a_sets[0]) > 1 or t.a_chunked or t.nch > 1 or t.KT > HEAD_MAX_K_TILES or t.rows_reg is not None:
+    if len(t.a_sets[0]) > 1 or t.a_chunked or t.nch > 1 or t.KT > HEAD_MAX_K_TILES or \
+            (t.rows_reg is not None and rows < HEAD_MIN_RUNTIME_ROWS):
         return 0
     return 1 if t.KT * (L + rows) >= 3 * HEAD_GROUP_ROWS else 0
 
@@ -559,7 +563,8 @@ def _pipelined_start(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int,
     # loads (n-tile, or A_ROWS / A_REST for A; k-tile) in the order the commands need them, grouped at
     # command boundaries: the first group is the first command's, so that the MXU starts as early as it
     # can; a long A k-tile 0 comes in two parts, the first command in two (`_first_rows`)
-    a_head = _first_rows(ctx, rows, min(L, K) * _esize(a))
+    # (rows at run time: A's k-tiles whole, each DMA moving the m-tile's valid rows)
+    a_head = rows if t.rows_reg is not None else _first_rows(ctx, rows, min(L, K) * _esize(a))
     groups: list[list[tuple[int, int]]] = [[]]
     group_of: dict[tuple[int, int], int] = {}
     size = 0
@@ -586,7 +591,7 @@ def _pipelined_start(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int,
             if n < 0:
                 r0, nrows = (a_head, rows - a_head) if n == A_REST else (0, a_head if kt == 0 else rows)
                 ctx.dma(True, a.dtype, a_at.addr(ctx, a, kt * L + r0 * a.strides[-2]), t.a_sets[0][0],
-                        kt * t.mt + r0, nrows, kk, a.strides[-2], Flag.MATMUL_A, g % 2)
+                        kt * t.mt + r0, nrows, kk, a.strides[-2], Flag.MATMUL_A, g % 2, rows_reg=t.rows_reg)
                 continue
             at, ncols = tiles[n]
             raw = t.b_sets[n][0]

@@ -734,10 +734,10 @@ def evaluate(b: Builder, body: ScalarProgram, env: dict[str, Reg], result: str) 
 # reads what an earlier member wrote from that member's output tile in vmem (the tile holds exactly what
 # the store writes, and a load would bring back: bf16 values are bf16-exact, other types are raw words).
 # Every member still stores its output, so HBM ends as it would have.
-# vmem rows of one operand's single tile (chains are for small kernels): at least 64, a 32nd of the vmem a
-# chain may take on a larger configuration (`large`: a decode step's softmax over a key chunk of 2048
-# positions, 32 heads of f32 scores: 512 rows)
-CHAIN_MIN_TILE_ROWS, CHAIN_TILE_SHARE = 64, 16
+# vmem rows of one operand's single tile (chains are for small kernels): at least 64, a 32nd of vmem on a
+# larger configuration (`large`: 1024 rows; a decode step's softmax over a key chunk of 2048 positions, 32
+# heads of f32 scores, is 512; a norm of hidden 2048 over a dynamic-shape bucket of 64 tokens is 1024)
+CHAIN_MIN_TILE_ROWS, CHAIN_TILE_SHARE = 64, 32
 CHAIN_MAX_MEMBERS = 16
 
 
@@ -807,11 +807,12 @@ def _tile_rows_needed(m: ChainMember, forwarded: set[int]) -> int:
     return rows + sum(_round8(m.rows * m.P + 8) for s in m.streams[:-1] if s.kind == "col")
 
 
-def form_chains(kernels: list[tuple[object, int]], lanes: int, vmem_rows: int) -> list[tuple[object, int]]:
+def form_chains(kernels: list[tuple[object, int]], config: HardwareConfig, vmem_rows: int) -> list[tuple[object, int]]:
     """`kernels` (what each kernel lowers to, its segment: compiler._emitted_kernels) with every run of two or
     more chainable generics of one segment replaced by one KernelChain (at each member's index). A run
     ends where a member would read a buffer an earlier member wrote other than as that member's output
     tile holds it, or where the members' tiles would take more than `vmem_rows`."""
+    lanes, tile_rows = config.lanes, max(CHAIN_MIN_TILE_ROWS, config.vmem_rows // CHAIN_TILE_SHARE)
     out = list(kernels)
     i = 0
     while i < len(kernels):
@@ -820,7 +821,7 @@ def form_chains(kernels: list[tuple[object, int]], lanes: int, vmem_rows: int) -
         rows = 0
         j = i
         while j < len(kernels) and len(members) < CHAIN_MAX_MEMBERS and kernels[j][1] == kernels[i][1]:
-            m = chain_member(kernels[j][0], lanes, max(CHAIN_MIN_TILE_ROWS, vmem_rows // CHAIN_TILE_SHARE))
+            m = chain_member(kernels[j][0], lanes, tile_rows)
             if m is None:
                 break
             forwarded = set()
@@ -852,13 +853,26 @@ def form_chains(kernels: list[tuple[object, int]], lanes: int, vmem_rows: int) -
 def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
     """Every member's loads (but what an earlier member's output tile holds) at once, one wait, then each
     member computes into its output tile and stores it. Where every member has the same rows and valid
-    rows (a dynamic-shape bucket's norm and its neighbours), the chain moves and computes only those."""
+    rows (a dynamic-shape bucket's norm and its neighbours), the chain moves and computes only those; else
+    the members with valid rows compute only theirs (their padding rows, which nothing reads, move as they
+    are: rope's cos and sin, whose head dim is the bucket's size, beside a norm)."""
     b = ctx.b
     first = chain.members[0]
     shared = all((m.rows, m.valid) == (first.rows, first.valid) and m.C <= DMA_SHAPE_COLS_MASK
                  for m in chain.members)
     moved = _valid_count(ctx, first.valid, first.rows) if shared and first.valid is not None else None
-    computed = None if moved is None else (moved, first.rows)
+    counts: dict[tuple[tuple[int, int], int], Reg] = {}
+
+    def computed(m: ChainMember) -> ValidRows:
+        if moved is not None:
+            return moved, m.rows
+        if m.valid is None:
+            return None
+        key = (m.valid, m.rows)
+        if key not in counts:
+            counts[key] = _valid_count(ctx, m.valid, m.rows)
+        return counts[key], m.rows
+
     written: dict[str, ChainMember] = {}
     loads: list[tuple[Stream, ChainMember]] = []
     for m in chain.members:
@@ -887,13 +901,14 @@ def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
         b.new_block("chain_member")
         k, out = m.kernel, m.streams[-1]
         assert m.out_tile is not None
+        rows = computed(m)
         for s in m.streams[:-1]:
             if s.expanded is not None:
                 assert s.tiles is not None
-                _broadcast_rows(b, s.tiles[0], s.expanded, m.rows, m.P, s.view.dtype in ("i32", "i1"), computed)
+                _broadcast_rows(b, s.tiles[0], s.expanded, m.rows, m.P, s.view.dtype in ("i32", "i1"), rows)
         if k.reduction:
-            _reduce_tile(ctx, k.body, m.streams, 0, m.out_tile, m.rows, m.C, m.P, k.init, computed)
+            _reduce_tile(ctx, k.body, m.streams, 0, m.out_tile, m.rows, m.C, m.P, k.init, rows)
         else:
-            _map_tile(ctx, k.body, m.streams, 0, m.out_tile, m.rows, m.P, computed)
+            _map_tile(ctx, k.body, m.streams, 0, m.out_tile, m.rows, m.P, rows)
         ctx.dma(False, out.view.dtype, ctx.hbm_addr(out.view, out.base), m.out_tile, 0, m.rows, m.pitch(out)[1],
                 out.row_stride, Flag.STORE, rows_reg=moved)

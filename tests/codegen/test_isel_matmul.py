@@ -322,6 +322,7 @@ RUNTIME_ROWS = [  # (config, batch, M, K, N, dtype, valid rows)
     pytest.param("large", 0, 512, 8192, 256, torch.bfloat16, 300,  # m-tiles of 128 rows (down_proj's K)
                  marks=pytest.mark.slow),
     ("large", 0, 256, 4096, 128, torch.bfloat16, 131),  # m-tiles of 2 x 128 rows: a partial second one
+    ("large", 0, 256, 2048, 384, torch.bfloat16, 129),  # one m-tile of 256 rows, its first n-tiles pipelined
     ("large", 0, 48, 40, 24, torch.float32, 48),  # every row valid
     ("small", 0, 40, 20, 12, torch.float32, 17),  # fp32 "highest": the split parts
     ("small", 2, 24, 16, 8, torch.float32, 9),  # bmm: the valid rows of each batch

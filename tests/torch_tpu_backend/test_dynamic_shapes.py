@@ -318,6 +318,30 @@ def test_a_chain_of_small_kernels_computes_only_its_valid_rows() -> None:
     assert cycles[17] < 0.75 * cycles[32], cycles
 
 
+def test_a_chains_members_with_valid_rows_compute_only_those_beside_members_without() -> None:
+    """A chain whose members do not all know the valid rows (rope's cos and sin of head dim 64 in a bucket
+    of 64: two dims of the bucket's size, so the generic runs whole) beside an RMS norm that does: the
+    norm's members compute only the valid rows (33 tokens 9,594 against 14,308 cycles at 64; 14,244 when the
+    whole chain computed every row because one member could not bound its own). inf, NaN, the largest bf16
+    and a subnormal in the last valid row come out as eager's."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(2048, eps=1e-5).to(torch.bfloat16)
+    norm.weight.data = torch.randn(2048).to(torch.bfloat16)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        f = torch.arange(x.shape[1], dtype=torch.float32)[:, None] * torch.linspace(0.1, 1.0, 32)
+        cos = torch.cat((f, f), -1).cos().to(torch.bfloat16)  # [n, 64]
+        return torch.cat((cos[None], norm(x * cos[:, :1])), -1)
+
+    inputs = {n: _bf16_rows(n, 2048) for n in (33, 64)}
+    for n, x in inputs.items():
+        x[0, n - 1, :4] = torch.tensor([float("-inf"), float("nan"), 3.3895e38, -1e-40])
+    cycles = _cycles_in_one_bucket(fn, inputs, 2e-2)
+    assert cycles[33] < 0.8 * cycles[64], cycles
+
+
 def _llama_cycles_on_a_poisoned_arena(monkeypatch, config, lengths: tuple[int, ...],  # type: ignore[no-untyped-def]
                                       macs: dict[int, int] | None = None) -> dict[int, int]:
     """A bf16 Llama of `config` compiled for `large` with the sequence dynamic, called at `lengths` (one
