@@ -135,24 +135,29 @@ def lower_generic(ctx: KernelContext, k: GenericKernel) -> None:
     P = -(-C // N)
     split, rows, row_strides = _merge_rows(outer, strides)
     bounded = _bounded_place(k, dims, outer)
+    shared_tile = False  # bounded groups that one tile holds together (their loop is the tile loop)
     if bounded is not None and bounded >= split and bounded > 0:
         # rows bounded at or inside the merged rows (attention's [KVH, rep, L] query rows): the dims before
         # the bounded one are groups, each holding the same runtime count of valid rows, merged into one loop
         # where they can be. Inside the rows, only where the groups still share tiles (enough of them to
-        # loop) or each fills a tile; else each would wait a DMA latency, and the rows stay whole
+        # loop, or few enough to share one) or each fills a tile; else each would wait a DMA latency, and
+        # the rows stay whole
         g_sizes, g_strides, g_dims = _merged_groups(sizes, strides, dims, bounded)
         g_split = len(g_sizes) - 1 - (len(outer) - bounded)
-        if bounded == split or max(g_sizes[:g_split]) > UNROLL_CHUNKS or \
-                math.prod(outer[bounded:]) * P >= max_tile_vmem_rows(ctx.config):
+        group_rows = math.prod(outer[bounded:]) * P
+        one_tile = g_split == 1 and g_sizes[0] * group_rows <= max_tile_vmem_rows(ctx.config)
+        if bounded == split or max(g_sizes[:g_split]) > UNROLL_CHUNKS or one_tile or \
+                group_rows >= max_tile_vmem_rows(ctx.config):
             sizes, strides, dims, split = g_sizes, g_strides, g_dims, g_split
             outer = sizes[:-1]
             rows = math.prod(outer[split:])
+            shared_tile = one_tile
     groups = outer[:split]
     body_args = k.body.args
     # groups (outer dims not merged into rows): the longest group dim runs as a runtime loop whose
     # operand addresses are pointer registers (code size independent of it), the others are unrolled
     d, looped = _longest(groups) if groups else (0, 1)
-    looped = looped if looped > UNROLL_CHUNKS else 1
+    looped = looped if looped > UNROLL_CHUNKS or shared_tile else 1
     valid = _valid_rows(k, dims, outer, split)
     buffers: TileBuffers | None = None
     for g_index in _multi_index(groups[:d] + groups[d + 1:] if looped > 1 else groups):

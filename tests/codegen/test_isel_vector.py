@@ -8,6 +8,7 @@ import torch
 from codegen_helpers import run_with_poisoned_vmem, trace
 
 from codegen import compile_graph
+from codegen.isel_vector import max_tile_vmem_rows
 from device_sim.config import get_config
 from device_sim.executable import run_fresh
 from device_sim.runners import SimulatorRunner
@@ -170,7 +171,8 @@ RUNTIME_ROWS = [  # (config, function, x's shape, w's shape, dtype, valid length
     ("large", _swiglu, (1, 600, 1024), (1, 600, 1024), torch.bfloat16, 257),
     ("small", _rms_norm, (40, 20), (20,), torch.float32, 17),
     ("large", _swiglu, (1, 33, 64), (1, 33, 64), torch.float32, 0),  # a count of 0 computes one row
-    ("large", _head_rows, (4, 50, 64), (64,), torch.float32, 20),  # 4 short groups: left whole
+    ("large", _head_rows, (4, 50, 64), (64,), torch.float32, 20),  # 4 short groups share one tile: each bounded
+    ("large", _head_rows, (4, 600, 64), (64,), torch.float32, 300),  # 4 groups of a tile each: left whole
     ("large", _head_rows, (32, 50, 64), (64,), torch.float32, 20),  # 32 groups share tiles: each bounded
 ]
 
@@ -184,8 +186,9 @@ def test_runtime_rows_of_a_generic_give_the_static_bits_and_leave_the_padding(co
     mark (edge values among them; also on a vmem poisoned with NaN at each kernel's start), the output's
     padding rows are never stored (zeros of the fresh arena), and fewer rows cost fewer cycles. Where the
     padded dim is inside the rows ([H, L, D]), the dims outside it are groups, each running its valid rows,
-    when they are enough to share tiles in a loop (attention's KVH x rep); a few short groups, each of
-    which would wait a DMA latency, leave the generic whole."""
+    when they are enough to share tiles in a loop (attention's KVH x rep) or few enough to share one tile
+    (a small model's one KV head x rep); a few groups of a tile each, each of which would wait a DMA
+    latency, leave the generic whole."""
     g = torch.Generator().manual_seed(shape[-2])
     x = torch.randn(*shape, generator=g).to(dtype)
     w = torch.randn(*w_shape, generator=g).to(dtype)
@@ -199,7 +202,7 @@ def test_runtime_rows_of_a_generic_give_the_static_bits_and_leave_the_padding(co
         if node.op == "call_function":
             node.meta["ctpu_padding"] = {-2: list(gm.graph.nodes)[2].name}
     dynamic = compile_graph(gm, [x, w, count], config)
-    bounded = fn is not _head_rows or shape[0] > 4
+    bounded = fn is not _head_rows or shape[0] > 4 or shape[0] * shape[1] <= max_tile_vmem_rows(get_config(config))
     assert dynamic.value_inputs == [2] and static.value_inputs == []
     inputs = [x.float().numpy(), w.float().numpy(), count.numpy()]
     (want,), static_stats = run_fresh(static, inputs, SimulatorRunner(config))
