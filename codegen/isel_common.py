@@ -85,21 +85,27 @@ def guard_stores_in_flight(func: Function, clashes: Callable[[MInstr], bool] = _
     """Make `func` (a kernel) safe to start while the earlier kernels' stores still read their vmem rows:
     wait on STORE_FLAGS before its first instruction that writes vmem by any unit but the DMA channel (which
     orders itself) and `clashes` with those rows, unless a wait on one of its own DMA commands comes first:
-    the channel completes commands in issue order, so that wait covers the earlier stores. Only the entry
-    block (the straight-line code before any loop) is searched; when it ends uncovered, the waits go at its
-    end. Returns whether it waits (nothing to wait for when no instruction of `func` clashes)."""
+    the channel completes commands in issue order, so that wait covers the earlier stores. The code that
+    runs first is searched: the entry block, then the blocks it falls into up to the first branch (a loop's
+    first block: a runtime count of m-tiles or tiles loads, then waits, on its first run as on the others);
+    when that ends uncovered, the waits go at the entry block's end, or before its first clash. Returns
+    whether it waits (nothing to wait for when no instruction of `func` clashes)."""
     if not any(ins.unit is not Unit.DMA and clashes(ins) for blk in func.blocks for ins in blk.instrs):
         return False
     entry = func.blocks[0]
     dma_flags: set[int | None] = set()
-    for i, ins in enumerate(entry.instrs):
-        if ins.op == "wait" and ins.flag in dma_flags:
-            return False
-        if ins.unit is Unit.DMA:
-            dma_flags.add(ins.flag)
-        elif clashes(ins) or ins.is_control:
-            entry.instrs[i:i] = wait_for_stores()
-            return True
+    for blk in func.blocks:
+        for i, ins in enumerate(blk.instrs):
+            if ins.op == "wait" and ins.flag in dma_flags:
+                return False
+            if ins.unit is Unit.DMA:
+                dma_flags.add(ins.flag)
+            elif clashes(ins) or ins.is_control:
+                if blk is entry:
+                    entry.instrs[i:i] = wait_for_stores()
+                else:
+                    entry.instrs.extend(wait_for_stores())
+                return True
     entry.instrs.extend(wait_for_stores())
     return True
 
