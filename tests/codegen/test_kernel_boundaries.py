@@ -53,6 +53,30 @@ def test_a_wait_on_its_own_load_covers_the_stores_in_flight() -> None:
     assert _waits(f) == [Flag.LOAD]
 
 
+@pytest.mark.parametrize("writes_first", [False, True])
+def test_a_loop_that_loads_and_waits_first_covers_the_stores_in_flight(writes_first: bool) -> None:
+    # a matmul over a runtime count of m-tiles: its entry block only sets registers up and falls into the
+    # loop, whose first block loads, waits, then writes vmem: that wait covers the earlier stores on the first
+    # run (the channel completes in order), so no store wait (it cost the previous kernel's store latency).
+    # A loop that writes vmem before its wait gets them at the entry's end, outside the loop
+    f = Function()
+    b = Builder(f)
+    shape = b.const(8 << 16 | 8)
+
+    def body() -> None:
+        if writes_first:
+            b.vst(b.vconst(0.0), b.const(0), 256, Mem("zeroed", 0, 8, True))
+        b.emit("dma.ld", None, (b.const(0), b.const(64), shape, b.const(8)), flag=Flag.LOAD,
+               mem=(Mem("in", write=True),))
+        b.emit("wait", flag=Flag.LOAD)
+        b.vst(b.vld(b.const(0), 64, Mem("in", 0, 8)), b.const(0), 128, Mem("out", 0, 8, True))
+
+    b.counted_loop(3, body, "mtile")
+    assert guard_stores_in_flight(f) == writes_first
+    assert _waits(f) == (list(STORE_FLAGS) if writes_first else [])
+    assert all(i.op != "wait" or i.flag not in STORE_FLAGS for blk in f.blocks[1:] for i in blk.instrs)
+
+
 def test_a_chain_of_small_kernels_pays_one_latency() -> None:
     # three reductions in a chain, each reading the one before: on `large` (latency 500) they lower as one
     # KernelChain: every load issued at once and waited for once, a member reading what the one before it
