@@ -833,10 +833,12 @@ def _row_pieces(rows: int) -> list[tuple[int, int]]:
     return [(0, rows - q), (rows - q, rows)]
 
 
-def _mm_rows(ctx: KernelContext, a: Region, a_row: int, c_tile: Region, lo: int, hi: int, op: str, flag: int) -> None:
-    """One MXU command over rows lo .. hi of an m-tile (A's k-tile at region row a_row, C's tile)."""
+def _mm_rows(ctx: KernelContext, a: Region, a_row: int, c_tile: Region, lo: int, hi: int, op: str, flag: int,
+             count: Reg | None = None) -> None:
+    """One MXU command over rows lo .. hi of an m-tile (A's k-tile at region row a_row, C's tile); `count`: a
+    register holding the rows it runs at run time (at most hi - lo)."""
     b = ctx.b
-    b.emit(op, None, (b.const(a.row + a_row + lo), b.const(c_tile.row + lo), b.const(hi - lo)), flag=flag,
+    b.emit(op, None, (b.const(a.row + a_row + lo), b.const(c_tile.row + lo), count or b.const(hi - lo)), flag=flag,
            mem=(a.mem(a_row + lo, a_row + hi), c_tile.mem(lo, hi, True)))
 
 
@@ -932,10 +934,7 @@ def _mxu(ctx: KernelContext, t: _Tiling, a_parts: list[Region], weights: list[Re
         elif segments:
             seg, valid = segments
             for lo in range(0, rows, seg):  # the first swaps the weights in, the others reuse them
-                a_row = ka * mt + lo
-                b.emit(op if lo == 0 else op[:-1], None,
-                       (b.const(a_parts[qa].row + a_row), b.const(c_tile.row + lo), valid), flag=f,
-                       mem=(a_parts[qa].mem(a_row, a_row + seg), c_tile.mem(lo, lo + seg, True)))
+                _mm_rows(ctx, a_parts[qa], ka * mt, c_tile, lo, lo + seg, op if lo == 0 else op[:-1], f, valid)
         else:
             a_row = a_parts[qa].row + ka * mt
             b.emit(op, None, (b.const(a_row), c_row, n_rows), flag=f,
