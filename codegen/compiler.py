@@ -318,8 +318,9 @@ def bound_padded_rows(kernels: list[Kernel], gm: torch.fx.GraphModule) -> list[K
     - a generic of the node (its own, or one the node's op lowered to: a norm's reductions, a projection's
       elementwise factor) with exactly one iteration dim of the padded size, a parallel dim its output
       indexes: the node's padded rows, as every op that marks them is row-wise along them
-      (`GenericKernel.valid_extent`). Two dims of that size (a hidden size equal to the bucket's) leave the
-      generic whole, except in attention's row-wise generics, whose query dim is known (`_query_dim`)."""
+      (`GenericKernel.valid_extent`). Of two dims of that size (a hidden size equal to the bucket's), the
+      one at the padded place of the output; attention's row-wise generics run along their query dim
+      (`_query_dim`)."""
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     nodes = {n.name: n for n in gm.graph.nodes}
     out = []
@@ -347,25 +348,32 @@ def bound_padded_rows(kernels: list[Kernel], gm: torch.fx.GraphModule) -> list[K
 
 def _padded_iteration_dim(k: GenericKernel, dim: int, value: torch.Tensor, op: str) -> int | None:
     """The iteration dim of a generic lowered from a node whose value is padded at `dim` (from the last) that
-    runs along that padding: the only iteration dim of the padded size, a parallel dim that indexes an
-    output dim at the same place from the last, size-1 dims not counted (a norm's [L, 1] sums, a
-    projection's [L, I] factor, a rope's [H, L, D/2] halves; a reduction's output may lack the node's last
-    dim, which it reduces). A fused attention's generics run along its keys as well (K^T, V, the key mask):
-    of those, only its result and its row-wise generics (`_query_dim`) count."""
-    size, view, strides = value.shape[dim], k.output.view, k.output.iter_strides
+    runs along that padding: the one iteration dim of the padded size, a parallel dim, that indexes an
+    output dim at the same place from the last (None when none or several do), size-1 dims not counted (a
+    norm's [L, 1] sums, a projection's [L, I] factor, a rope's [H, L, D/2] halves; a reduction's output may
+    lack the node's last dim, which it reduces). A fused attention's generics run along its keys as well
+    (K^T, V, the key mask): of those, only its result and its row-wise generics (`_query_dim`) count."""
+    size, view = value.shape[dim], k.output.view
     if op in _KEYED_OPS and view.shape != tuple(value.shape):
         return _query_dim(k, size) if dim == -2 else None
-    dims = [d for d in range(len(k.sizes)) if k.sizes[d] == size]
-    if len(dims) != 1 or (k.reduction and dims[0] == len(k.sizes) - 1):
-        return None
-    indexed = [j for j in range(len(view.shape)) if view.shape[j] == size and view.strides[j] == strides[dims[0]]]
+    last = len(k.sizes) - 1
+    dims = [d for d in range(len(k.sizes)) if k.sizes[d] == size and not (k.reduction and d == last)]
+    placed = [d for d in dims if _at_padded_place(k, d, dim, value)]
+    return placed[0] if len(placed) == 1 else None
+
+
+def _at_padded_place(k: GenericKernel, d: int, dim: int, value: torch.Tensor) -> bool:
+    """Whether iteration dim d indexes exactly one dim of the output, at the node's padded place: the same
+    place from the last, or after dims that multiply to the node's before its padded dim (its rows: o_proj's
+    factor [L, H * D], written as [L, KVH, rep, D]). A hidden size equal to the bucket's gives two dims of
+    the padded size; only the rows' is at the padded place."""
+    view, size, stride = k.output.view, k.sizes[d], k.output.iter_strides[d]
+    indexed = [j for j in range(len(view.shape)) if view.shape[j] == size and view.strides[j] == stride]
     if len(indexed) != 1:
-        return None
+        return False
     place, node_place = _place(view.shape, indexed[0]), _place(value.shape, len(value.shape) + dim)
-    # the same place from the last, or after dims that multiply to the node's before its padded dim (its
-    # rows: o_proj's factor [L, H * D], written as [L, KVH, rep, D])
     leading = math.prod(view.shape[:indexed[0]]) == math.prod(value.shape[:len(value.shape) + dim])
-    return dims[0] if place == node_place or leading or (k.reduction and place - 1 == node_place) else None
+    return place == node_place or leading or (k.reduction and place - 1 == node_place)
 
 
 def _query_dim(k: GenericKernel, size: int) -> int | None:

@@ -202,8 +202,9 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
     MAX_RESIDENT_COMMANDS MXU commands only where its MXU work is within a latency. With segments of valid
     rows (`MatmulKernel.row_segments`: attention's [rep, L] rows of a dynamic-shape bucket) each command's mm
     runs a segment at a time over that segment's valid rows (a runtime count), under one weight load; A and C
-    still move whole (their padding rows are arbitrary: nothing reads them). False (nothing emitted) when it
-    does not apply or two batches do not fit."""
+    still move whole (their padding rows are arbitrary: nothing reads them); that way even one batch (a
+    single KV head) multiplies only its valid rows. False (nothing emitted) when it does not apply or two
+    batches do not fit."""
     a, bm, c = k.a, k.b, k.c
     L, b = ctx.lanes, ctx.b
     M, K = a.shape[-2:]
@@ -217,9 +218,10 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
     # rows an mm: a batch's, or with segments a segment's (a bucket of 512 queries of 4 heads a KV head is
     # 2048 rows a batch)
     seg = M // k.row_segments
-    if not 1 < B <= MAX_RESIDENT_BATCHES or seg > MAX_M_TILE \
+    # one batch: only for its segments' runtime rows (a single KV head)
+    if not (1 < B or k.row_segments > 1) or B > MAX_RESIDENT_BATCHES or seg > MAX_M_TILE \
             or (n_commands > MAX_RESIDENT_COMMANDS and n_commands * mt > ctx.config.dma_latency) \
-            or R < 2:
+            or R < min(B, 2):
         return False
     a_parts = [[ctx.region(KT * mt, f"a{q}_") for q in range(parts)] for _ in range(R)]
     # B = K^T of one k-tile (head dim <= lanes): a batch's keys land one a row in one DMA, its n-tiles' panels

@@ -318,6 +318,25 @@ def test_a_chain_of_small_kernels_computes_only_its_valid_rows() -> None:
     assert cycles[17] < 0.75 * cycles[32], cycles
 
 
+def test_a_norm_whose_hidden_size_is_the_buckets_computes_only_its_valid_rows() -> None:
+    """An RMS norm of hidden 256 (bf16, `large`) at 129 and 256 tokens of one bucket (256): its generics run
+    over two dims of the bucket's size, rows and hidden; the rows' is the one at the padded place of the
+    output (`compiler._at_padded_place`), so 129 tokens compute 129 rows (measured 7,023 against 12,246
+    cycles; 12,231 at both when such a generic ran whole). Eager's values at both, with inf, -inf, NaN, -0, a
+    subnormal and the largest bf16 in the last valid rows: the hidden dim was not taken for the rows."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(256, eps=1e-5).to(torch.bfloat16)
+    norm.weight.data = torch.randn(256).to(torch.bfloat16)
+    inputs = {n: _bf16_rows(n, 256) for n in (129, 256)}
+    for n, x in inputs.items():
+        x[0, n - 2, :3] = torch.tensor([float("inf"), -0.0, 1e-40])
+        x[0, n - 1, 250:] = torch.tensor([float("-inf"), float("nan"), 3.3895e38, -1e-40, 1.0, 2.0])
+    cycles = _cycles_in_one_bucket(norm, inputs, 2e-2)
+    assert cycles[129] < 0.7 * cycles[256], cycles
+
+
 def test_a_chains_members_with_valid_rows_compute_only_those_beside_members_without() -> None:
     """A chain whose members do not all know the valid rows (rope's cos and sin of head dim 64 in a bucket
     of 64: two dims of the bucket's size, so the generic runs whole) beside an RMS norm that does: the
@@ -399,6 +418,20 @@ def test_attention_in_a_bucket_computes_only_its_valid_queries(monkeypatch) -> N
     assert cycles[390] < 0.82 * cycles[509], cycles
 
 
+def test_a_llama_whose_hidden_size_is_the_buckets_computes_only_its_valid_rows(monkeypatch) -> None:
+    """The `mini` geometry's layer (hidden 256, 4 heads of dim 64 over one KV head, bf16, `large`) at 129 and
+    250 tokens of one bucket (256), the bucket's size equal to the hidden size: its norms, rope and residual
+    generics run the rows' dim bounded, never the hidden one, so on the poisoned arena eager's logits and no
+    NaN at both, and 129 tokens cost well under 250's (measured 104,955 against 159,862 cycles; 120,949
+    against 160,031 when a generic with both dims ran whole)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=256, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=1,
+                         head_dim=64, num_hidden_layers=1, vocab_size=256, max_position_embeddings=256)
+    cycles = _llama_cycles_on_a_poisoned_arena(monkeypatch, config, (250, 129))
+    assert cycles[129] < 0.7 * cycles[250], cycles
+
+
 def test_attention_matmuls_in_a_bucket_multiply_only_each_query_heads_valid_rows(monkeypatch) -> None:
     """GQA attention (8 heads of dim 64 over 2 KV heads, hidden 512, bf16, `large`) at 129 and 200 tokens of
     one bucket (256): q @ K^T and P @ V run a KV head's [rep, L] query rows, the valid queries of each head a
@@ -424,11 +457,13 @@ def test_attention_matmuls_in_a_bucket_multiply_only_each_query_heads_valid_rows
             assert macs[n] == ctpu_stats.last().macs, (n, macs[n], ctpu_stats.last().macs)
 
 
-def test_segmented_attention_matmuls_keep_eagers_edge_values() -> None:
-    """Causal GQA attention (8 heads of dim 64 over 2 KV heads, bf16, `large`) with the sequence dynamic, at
-    200 and 129 tokens of one bucket (256), with inf, -inf, NaN, -0, subnormals and the largest bf16 in q, K
-    and V: eager's NaN pattern (a NaN or inf score spreads along its rows), its values elsewhere within bf16,
-    nothing on the CPU, and the static program's MACs (each query head's valid rows only)."""
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_segmented_attention_matmuls_keep_eagers_edge_values(kv_heads: int) -> None:
+    """Causal GQA attention (4 heads of dim 64 a KV head, 2 KV heads or one, bf16, `large`) with the sequence
+    dynamic, at 200 and 129 tokens of one bucket (256), with inf, -inf, NaN, -0, subnormals and the largest
+    bf16 in q, K and V: eager's NaN pattern (a NaN or inf score spreads along its rows), its values elsewhere
+    within bf16, nothing on the CPU, and the static program's MACs (each query head's valid rows only; one
+    KV head's matmuls are one resident batch for that: they multiplied every row of the bucket)."""
     import torch.nn.functional as F
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -436,8 +471,9 @@ def test_segmented_attention_matmuls_keep_eagers_edge_values() -> None:
 
     def inputs(n: int) -> tuple[torch.Tensor, ...]:
         g = torch.Generator().manual_seed(n)
-        q, k, v = (torch.randn(1, heads, n, 64, generator=g).to(torch.bfloat16) for heads in (8, 2, 2))
-        q[0, 1, 3, 5], k[0, 0, 7, 2], v[0, 1, 10, 0] = float("inf"), float("nan"), float("-inf")
+        q, k, v = (torch.randn(1, heads, n, 64, generator=g).to(torch.bfloat16)
+                   for heads in (4 * kv_heads, kv_heads, kv_heads))
+        q[0, 1, 3, 5], k[0, 0, 7, 2], v[0, -1, 10, 0] = float("inf"), float("nan"), float("-inf")
         q[0, 2, 4, :4] = torch.tensor([-0.0, 1e-40, 3.3e38, -3.3e38])
         v[0, 0, 20, 1:3] = torch.tensor([1e-40, -0.0])
         return q, k, v
