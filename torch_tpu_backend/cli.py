@@ -33,6 +33,9 @@
     ctpu bench --llama 1b|1b-2l|mini|qwen3-0.6b|qwen3-0.6b-2l [--prompt 17 | --context 4096] [--top N]
                                          a bf16 Llama on large: decode cycles / token against the HBM
                                          roofline, prefill MXU utilization (JSON)
+    ctpu bench --llama GEOMETRY --dynamic 17,33,129
+                                         dynamic-shape overhead: each length's cycles compiled with the
+                                         sequence dynamic (one program a bucket) against dynamic=False (JSON)
     ctpu bench --train [--config small] [--autocast bf16]
                                          the tiny Llama's training step (SGD, 2 steps, the second measured):
                                          cycles, kernels and MXU utilization of forward, backward, optimizer
@@ -194,7 +197,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.llama is not None:
         from torch_tpu_backend import llama_bench
 
-        if args.context is not None:
+        if args.dynamic is not None:
+            print(f"ctpu bench: {args.llama}, forwards of {args.dynamic} tokens, dynamic against static on large "
+                  "(compiling)", file=sys.stderr)
+            result = llama_bench.run_dynamic(args.llama, args.dynamic)
+        elif args.context is not None:
             print(f"ctpu bench: {args.llama}, one decode step at context {args.context} on large (compiling)",
                   file=sys.stderr)
             result = llama_bench.run_context(args.llama, args.context, top=args.top)
@@ -346,11 +353,23 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--context", type=_positive, help="with --llama: only one decode step, at the last of this many "
                    "cached positions (random keys and values; no prefill)")
     b.add_argument("--top", type=int, help="with --llama: profile the decode step, its N longest kernels")
+    b.add_argument("--dynamic", type=_lengths, metavar="N,N,...", help="with --llama: forwards of these prompt "
+                   "lengths compiled with the sequence dynamic and with dynamic=False: cycles and their ratio")
     b.set_defaults(fn=_cmd_bench)
 
     i = sub.add_parser("isa", help="print the instruction table as markdown")
     i.set_defaults(fn=_cmd_isa)
     return p
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of lengths") from None
+    if min(lengths) < 2:
+        raise argparse.ArgumentTypeError(f"{text}: prompt lengths of at least 2 (dynamo specializes 0 and 1)")
+    return lengths
 
 
 def _positive(text: str) -> int:

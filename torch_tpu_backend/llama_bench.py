@@ -7,10 +7,12 @@ utilization; `--top N` adds the decode step's N longest kernels from the profile
     ctpu bench --llama 1b-2l [--prompt 17] [--top 10]
     ctpu bench --llama 1b-2l --context 4096 [--top 10]   # one decode step at a long context, no prefill
     ctpu bench --llama qwen3-0.6b-2l [--top 10]           # Qwen3-0.6B's layers (head dim 128, QK-norm)
+    ctpu bench --llama 1b-2l --dynamic 17,33,129          # dynamic-shape overhead: cycles against static
 """
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import warnings
 from typing import Any
@@ -148,3 +150,36 @@ def run_context(geometry: str, context: int, config: str = "large", top: int | N
         rows = sorted(decode.profile.roofline(), key=lambda r: -r["cycles"])
         result["decode_kernels"] = rows[:top]
     return result
+
+
+def run_dynamic(geometry: str, lengths: list[int], config: str = "large", **overrides: Any) -> dict[str, Any]:
+    """The cost of dynamic shapes: a forward of each prompt length compiled with the sequence marked dynamic
+    (one program a bucket, padded to its bound, computing the valid rows) and with dynamic=False (one
+    program a length); each length's cycles in both and their ratio, as a JSON-able dict. `overrides`
+    replace config fields (fewer layers)."""
+    if not lengths or min(lengths) < 2:
+        raise ValueError(f"--dynamic {lengths}: prompt lengths of at least 2 (dynamo specializes 0 and 1)")
+    cfg, model = build(geometry, max(lengths) + 8, **overrides)
+    cycles: dict[str, dict[int, int]] = {"dynamic": {}, "static": {}}
+    for mode, per_length in cycles.items():
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="ctpu", dynamic=False if mode == "static" else None,
+                                 options={"config": config, "cache": False})
+        for n in lengths:
+            ids = torch.randint(0, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+            if mode == "dynamic":
+                torch._dynamo.mark_dynamic(ids, 1)
+            ctpu_stats.reset()
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                compiled(ids)
+            stats = ctpu_stats.last()
+            if stats.fallback_ops:
+                raise RuntimeError(f"{mode} at {n} tokens ran ops on the CPU: {dict(stats.fallback_ops)}")
+            per_length[n] = stats.cycles
+            print(f"{mode} {n} tokens: {stats.cycles} cycles", file=sys.stderr, flush=True)
+    ratios = {n: cycles["dynamic"][n] / cycles["static"][n] for n in lengths}
+    return {"geometry": geometry, "config": config, "dtype": "bfloat16", "layers": cfg.num_hidden_layers,
+            "max_ratio": round(max(ratios.values()), 3),
+            "lengths": {n: {"static_cycles": cycles["static"][n], "dynamic_cycles": cycles["dynamic"][n],
+                            "ratio": round(ratios[n], 3)} for n in lengths}}
