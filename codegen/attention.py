@@ -31,8 +31,12 @@ from device_sim.config import HardwareConfig
 # bucket's kernels compute only its valid queries (compiler._query_dim)
 QUERY_DIM = 3
 # vmem rows per score row of a tile: the tile's generics (a few operands, double-buffered) then fit even
-# `small`'s vmem with rows to spare (a row of S keys used to take S / lanes vmem rows per operand)
+# `small`'s vmem with rows to spare (a row of S keys used to take S / lanes vmem rows per operand); a larger
+# vmem takes a 1024th of its rows (`large`: 32, 4096 keys: a decode step at a 4096-token context is one tile,
+# 153,236 cycles a 1B layer against 156,732 in two: each tile's three kernels pay their DMA latencies, and
+# the rescales cost a kernel)
 KEY_TILE_VMEM_ROWS = 16
+KEY_TILE_VMEM_SHARE = 1024
 # a tile's f32 scores take at most this share of HBM (a long prefill has many query rows) ...
 SCORE_HBM_SHARE = 64
 # ... unless that makes more tiles than this: the tiles are unrolled, a few kernels each (~2k bundles on
@@ -46,12 +50,14 @@ FUSED_TILES = 2
 
 
 def key_tile(cfg: HardwareConfig, query_rows: int, keys: int) -> int:
-    """Keys per tile, whole vmem rows: KEY_TILE_VMEM_ROWS vmem rows of the configuration, fewer (at least one
-    vmem row) when `query_rows` (B * H * L) rows of f32 scores of that width would take more than
-    1/SCORE_HBM_SHARE of HBM, more when there would be more than MAX_KEY_TILES tiles; all keys when fewer."""
+    """Keys per tile, whole vmem rows: KEY_TILE_VMEM_ROWS vmem rows of the configuration (a
+    KEY_TILE_VMEM_SHARE of a larger vmem's rows), fewer (at least one vmem row) when `query_rows` (B * H * L)
+    rows of f32 scores of that width would take more than 1/SCORE_HBM_SHARE of HBM, more when there would be
+    more than MAX_KEY_TILES tiles; all keys when fewer."""
     lanes = cfg.lanes
     by_hbm = cfg.hbm_bytes // SCORE_HBM_SHARE // (4 * max(query_rows, 1)) // lanes * lanes
-    tile = max(lanes, min(lanes * KEY_TILE_VMEM_ROWS, by_hbm))
+    by_vmem = lanes * max(KEY_TILE_VMEM_ROWS, cfg.vmem_rows // KEY_TILE_VMEM_SHARE)
+    tile = max(lanes, min(by_vmem, by_hbm))
     return min(keys, max(tile, -(-keys // (MAX_KEY_TILES * lanes)) * lanes))
 
 

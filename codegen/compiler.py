@@ -492,6 +492,8 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
     emitted = _emitted_kernels(graph, loops)
     if chains:  # runs of small generics lowered as one kernel (isel_vector.KernelChain)
         emitted = form_chains(emitted, cfg, free_rows // 2)
+        for chain in {id(k): k for k, _ in emitted if isinstance(k, KernelChain)}.values():
+            chain.private = private_chain_outputs(graph, loops, chain)
     prefetches = plan_prefetches(cfg, emitted, free_rows)
     table_word = fixed  # the next loop's address table, in words from the arena's start
     loop: Loop | None = None
@@ -539,6 +541,37 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
     funcs[-1].blocks[0].instrs.extend(wait_for_stores())  # the outputs are in HBM when the program halts
     b.emit("halt")
     return funcs, per_kernel, ctx.scratch_peak, entries
+
+
+def private_chain_outputs(graph: KernelGraph, loops: list[Loop], chain: KernelChain) -> frozenset[int]:
+    """The members of `chain` whose output needs no store, in every run of the chain (each layer of a loop
+    body it is in): a later member writes the same view (a softmax's exponentials, divided in place), or
+    its buffer is a temporary, no result, that no kernel outside the chain touches. Their values stay in the
+    chain's vmem tiles (a decode softmax's scaled scores and f32 probabilities: 1 MiB of stores a 1B layer
+    at a 4096-token context)."""
+    touched: dict[str, set[int]] = {}
+    for i, k in enumerate(graph.kernels):
+        for v in views_of(k):
+            touched.setdefault(v.buffer, set()).add(i)
+    results = {v.buffer for v in graph.results}
+    loop = next((lp for lp in loops if lp.first <= chain.first < lp.first + lp.period), None)
+    runs = [r * loop.period for r in range(loop.repeats)] if loop is not None else [0]
+    n = len(chain.members)
+
+    def private(j: int) -> bool:
+        for run in runs:
+            outs = [k.output.view for k in graph.kernels[chain.first + run:chain.first + run + n]
+                    if isinstance(k, GenericKernel)]
+            assert len(outs) == n
+            if outs[j] in outs[j + 1:]:
+                continue
+            name = outs[j].buffer
+            if graph.buffers[name].kind != "temp" or name in results or \
+                    not touched[name] <= set(range(chain.first + run, chain.first + run + n)):
+                return False
+        return True
+
+    return frozenset(j for j in range(n) if private(j))
 
 
 def _emitted_kernels(graph: KernelGraph, loops: list[Loop]) -> list[tuple[Kernel | None, int]]:

@@ -212,8 +212,26 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
     names = ["hi_full", *RESIDUALS[precision]]  # hi in place, carrying nothing non-finite (`_layout`)
     parts = len(names)
     passes = _passes(precision, names, False, a.dtype == "bf16", bm.dtype == "bf16")
+    # B = K^T of one k-tile (head dim <= lanes): a batch's keys land one a row in one DMA, its n-tiles' panels
+    # views of that region (a DMA an n-tile cost each batch 16 commands at 2048 keys: the kernel was bound
+    # by issuing their address arithmetic)
+    whole_b = trans_b and KT == 1 and bm.strides[-2] == 1
+    # a few rows (decode: a KV head's query rows) over several k-tiles or n-tiles: a batch's A and C each in
+    # one DMA, row-major (row m's k-tile kt at region row m * KT + kt, its n-tile nt at m * NT + nt), and an
+    # MXU command a row. A DMA a tile (16 a head at 2048 keys: P's k-tiles, the scores' n-tiles) filled the
+    # DMA queue, and issuing them stalled the kernel past its first group's loads
+    by_row = M <= ROW_COMMAND_ROWS and passes == [(0, 0)] and KT * NT > 1 and a.strides[-1] == 1 and c.strides[-1] == 1
     per_batch = parts * (KT * mt + 8 + NT * (KT * L + 8)) + NT * (mt + 8)
-    R = min(B, ctx.vmem_free() // per_batch)  # batches a round
+    free = ctx.vmem_free()
+    R = min(B, free // per_batch)  # batch slots
+    # in rounds, A and C regions of every batch, B in slots, where that leaves ROUND_DEPTH slots: a round's
+    # loads then wait only for the weight loads of the round whose slots they take, not its MXU work, and
+    # no round waits for stores (`_resident_rounds`)
+    own_rows = parts * _rows8(KT * mt) + (_rows8(M * NT) if by_row else NT * _rows8(mt))  # A and C
+    slot_rows = parts * NT * _rows8(KT * L)  # B
+    by_batch = R < B and (free - B * own_rows) // slot_rows >= ROUND_DEPTH
+    if by_batch:
+        R = min(B, (free - B * own_rows) // slot_rows)
     n_commands = len(passes) * NT * KT  # a batch's MXU commands, unrolled for every batch
     # rows an mm: a batch's, or with segments a segment's (a bucket of 512 queries of 4 heads a KV head is
     # 2048 rows a batch)
@@ -223,20 +241,20 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
             or (n_commands > MAX_RESIDENT_COMMANDS and n_commands * mt > ctx.config.dma_latency) \
             or R < min(B, 2):
         return False
-    a_parts = [[ctx.region(KT * mt, f"a{q}_") for q in range(parts)] for _ in range(R)]
-    # B = K^T of one k-tile (head dim <= lanes): a batch's keys land one a row in one DMA, its n-tiles' panels
-    # views of that region (a DMA an n-tile cost each batch 16 commands at 2048 keys: the kernel was bound
-    # by issuing their address arithmetic)
-    whole_b = trans_b and KT == 1 and bm.strides[-2] == 1
+    a_parts = [[ctx.region(KT * mt, f"a{q}_") for q in range(parts)] for _ in range(B if by_batch else R)]
+
+    def a_slot(i: int, s: int) -> list[Region]:
+        return a_parts[i if by_batch else s]
+
     raw_b = [ctx.region(NT * L, "b0_") for _ in range(R)] if whole_b else []
     panels = [[[raw_b[s].view(nt * L, L) if whole_b and q == 0 else ctx.region(KT * L, f"b{q}_")
                 for q in range(parts)] for nt in range(NT)] for s in range(R)]
-    # a few rows (decode: a KV head's query rows) over several k-tiles or n-tiles: a batch's A and C each in
-    # one DMA, row-major (row m's k-tile kt at region row m * KT + kt, its n-tile nt at m * NT + nt), and an
-    # MXU command a row. A DMA a tile (16 a head at 2048 keys: P's k-tiles, the scores' n-tiles) filled the
-    # DMA queue, and issuing them stalled the kernel past its first group's loads
-    by_row = M <= ROW_COMMAND_ROWS and passes == [(0, 0)] and KT * NT > 1 and a.strides[-1] == 1 and c.strides[-1] == 1
-    c_tiles = [[ctx.region(M * NT, "c")] if by_row else [ctx.region(mt, "c") for _ in range(NT)] for _ in range(R)]
+    c_tiles = [[ctx.region(M * NT, "c")] if by_row else [ctx.region(mt, "c") for _ in range(NT)]
+               for _ in range(B if by_batch else R)]
+
+    def c_slot(i: int, s: int) -> list[Region]:
+        return c_tiles[i if by_batch else s]
+
     t = _Tiling(a_sets=[], b_sets=[], c_tiles=[], passes=passes, mt=mt, KT=KT, KC=KT, NT=NT, hi_full=False,
                 trans_b=trans_b, a_chunked=False)
     if K % L and not trans_b:  # weight rows past K must be zero (0 x stale NaN / inf is NaN): no DMA writes them
@@ -254,9 +272,9 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
 
     def load(i: int, s: int, role: Flag, parity: int) -> None:  # batch i's A and B into slot s
         if by_row:
-            ctx.dma(True, a.dtype, ctx.hbm_addr(a, at(a, i)), a_parts[s][0], 0, M, K, a.strides[-2], role, parity)
+            ctx.dma(True, a.dtype, ctx.hbm_addr(a, at(a, i)), a_slot(i, s)[0], 0, M, K, a.strides[-2], role, parity)
         else:
-            _dma_tiles(ctx, a, ctx.hbm_addr(a, at(a, i)), a_parts[s][0], mt, KT, M, K, role, parity)
+            _dma_tiles(ctx, a, ctx.hbm_addr(a, at(a, i)), a_slot(i, s)[0], mt, KT, M, K, role, parity)
         if whole_b:
             ctx.dma(True, bm.dtype, ctx.hbm_addr(bm, at(bm, i)), raw_b[s], 0, bm.shape[-1], K, bm.strides[-1],
                     role, parity)
@@ -270,32 +288,32 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
                         bm.strides[-2], role, parity)
 
     def compute(slots: list[tuple[int, int]], parity: int) -> None:  # (batch, slot)s: splits, then MXU commands
-        for _, s in slots if parts > 1 else ():
-            _split(ctx, a_parts[s], KT * mt, False)
+        for i, s in slots if parts > 1 else ():
+            _split(ctx, a_slot(i, s), KT * mt, False)
             for nt in range(NT):
                 _split(ctx, panels[s][nt], KT * L, False)
-        for _, s in slots:
+        for i, s in slots:
             if by_row:
-                _mxu_by_row(ctx, a_parts[s][0], [panel[0] for panel in panels[s]], c_tiles[s][0], M, KT, trans_b,
+                _mxu_by_row(ctx, a_slot(i, s)[0], [panel[0] for panel in panels[s]], c_slot(i, s)[0], M, KT, trans_b,
                             parity)
                 continue
             for nt in range(NT):
-                _mxu(ctx, t, a_parts[s], panels[s][nt], c_tiles[s][nt], commands, M, first=True, overwrite=True,
+                _mxu(ctx, t, a_slot(i, s), panels[s][nt], c_slot(i, s)[nt], commands, M, first=True, overwrite=True,
                      parity=parity, segments=segments)
 
-    def store(slots: list[tuple[int, int]], parity: int, store_parity: int = 0) -> None:
+    def store(slots: list[tuple[int, int]], parity: int, flag: tuple[Flag, int] = (Flag.STORE, 0)) -> None:
         b.emit("wait", flag=ctx.flag(Flag.MXU, parity))  # only these slots' commands are on it
         for i, s in slots:
             if by_row:
-                ctx.dma(False, c.dtype, ctx.hbm_addr(c, at(c, i)), c_tiles[s][0], 0, M, bm.shape[-1], c.strides[-2],
-                        Flag.STORE, store_parity)
+                ctx.dma(False, c.dtype, ctx.hbm_addr(c, at(c, i)), c_slot(i, s)[0], 0, M, bm.shape[-1], c.strides[-2],
+                        *flag)
                 continue
             for nt in range(NT):
-                ctx.dma(False, c.dtype, ctx.hbm_addr(c, at(c, i) + nt * L), c_tiles[s][nt], 0, M, cols(nt),
-                        c.strides[-2], Flag.STORE, store_parity)
+                ctx.dma(False, c.dtype, ctx.hbm_addr(c, at(c, i) + nt * L), c_slot(i, s)[nt], 0, M, cols(nt),
+                        c.strides[-2], *flag)
 
     if R < B:  # rounds, double-buffered: the next round loads while this one computes
-        _resident_rounds(ctx, B, R, load, compute, store)
+        _resident_rounds(ctx, B, R, load, compute, store, by_batch)
         return True
     # one round in up to four groups, each loading on a flag of its own: a group's MXU work starts when its
     # operands have landed, along the next groups' DMA, and its stores go along the next group's MXU work. A
@@ -317,34 +335,68 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
     return True
 
 
+# the load and store flags of resident rounds by slot group: a round's loads, and the stores its C tiles
+# wait for before the round `ROUND_DEPTH` later rewrites them (OUT: a third store flag)
+ROUND_LOAD_FLAGS = ((Flag.LOAD, 0), (Flag.LOAD, 1), (Flag.MATMUL_A, 0))
+ROUND_STORE_FLAGS = ((Flag.STORE, 0), (Flag.STORE, 1), (Flag.OUT, 0))
+ROUND_DEPTH = len(ROUND_LOAD_FLAGS)
+
+
 def _resident_rounds(ctx: KernelContext, B: int, R: int, load: Callable[[int, int, Flag, int], None],
                      compute: Callable[[list[tuple[int, int]], int], None],
-                     store: Callable[[list[tuple[int, int]], int, int], None]) -> None:
-    """More batches than vmem holds (R slots): rounds of up to R // 2 batches in two alternating halves of the
-    slots. Round k + 1's loads are issued before round k's MXU work, so the DMA queue never waits for the
-    MXU (rounds in place of that waited a latency in and out each, 3x the kernel's transfer time at a
-    4096-token context). Round k's flags and MXU parity are k % 2; its slots were last read by round k - 1's
-    MXU work, which its stores waited for, and its C tiles are stored by round k - 2 (STORE k % 2)."""
-    half = max(1, R // 2)
-    count = -(-B // half)
-    rounds = [range(r * B // count, (r + 1) * B // count) for r in range(count)]  # even sizes, each <= half
+                     store: Callable[[list[tuple[int, int]], int, tuple[Flag, int]], None],
+                     by_batch: bool = False) -> None:
+    """More batches than vmem holds (R slots): rounds of up to R // depth batches in `depth` groups of slots
+    used in turn, ROUND_DEPTH where R allows, else two. Round k's MXU parity is k % 2 (its store waits for
+    it). Two ways:
+    - slots hold a batch's A, B and C: round k + depth - 1's loads are issued before round k's MXU work, into
+      the slots of round k - 1, whose stores waited for its MXU work; round k waits for round k - depth's
+      stores (`ROUND_STORE_FLAGS`) before its MXU work rewrites their C tiles;
+    - `by_batch`: A and C have a region a batch, only B panels take slots. Round k + depth's loads are
+      issued as soon as round k's weight loads have read its panels (flag WEIGHTS), round k's stores along
+      round k + 1's MXU work, and no round waits for stores: the DMA queue holds the next rounds' loads
+      while the MXU works, and the weight port takes a round as it lands (decode's q @ K^T over 8 KV heads of
+      4096 keys, a head a round: 8,407 cycles with two groups, a DMA latency a round; 6,000 or so this way,
+      against 4,612 of transfer).
+    Rounds in place of resident batches waited a latency in and out each, 3x the kernel's transfer time at a
+    4096-token context."""
+    depth = ROUND_DEPTH if R >= ROUND_DEPTH else 2
+    size = 1 if by_batch else max(1, R // depth)  # by_batch: a round a batch (the last round's MXU work is
+    # the kernel's tail: rounds of two heads of 4096 keys took 7,009 cycles, of one 5,600 or so)
+    count = -(-B // size)
+    rounds = [range(r * B // count, (r + 1) * B // count) for r in range(count)]  # even sizes, each <= size
 
     def slots(k: int) -> list[tuple[int, int]]:
-        return [(i, (k % 2) * half + j) for j, i in enumerate(rounds[k])]
+        return [(i, (k % depth) * size + j) for j, i in enumerate(rounds[k])]
+
+    def issue(k: int) -> None:
+        if k < count:
+            for i, s in slots(k):
+                load(i, s, *ROUND_LOAD_FLAGS[k % depth])
+
+    def store_round(k: int) -> None:
+        store(slots(k), k % 2, ROUND_STORE_FLAGS[k % depth])
 
     b = ctx.b
-    for i, s in slots(0):
-        load(i, s, Flag.LOAD, 0)
+    for k in range(depth if by_batch else depth - 1):
+        issue(k)
     for k in range(count):
-        p = k % 2
-        if k + 1 < count:
-            for i, s in slots(k + 1):
-                load(i, s, Flag.LOAD, 1 - p)
-        b.emit("wait", flag=ctx.flag(Flag.LOAD, p))
-        if k >= 2:  # round k - 2's stores still read these C tiles
-            b.emit("wait", flag=ctx.flag(Flag.STORE, p))
-        compute(slots(k), p)
-        store(slots(k), p, p)
+        if not by_batch:
+            issue(k + depth - 1)
+        b.emit("wait", flag=ctx.flag(*ROUND_LOAD_FLAGS[k % depth]))
+        if k >= depth and not by_batch:  # round k - depth's stores still read these C tiles
+            b.emit("wait", flag=ctx.flag(*ROUND_STORE_FLAGS[k % depth]))
+        compute(slots(k), k % 2)
+        if not by_batch:
+            store_round(k)
+            continue
+        if k + depth < count:
+            b.emit("wait", flag=ctx.flag(Flag.WEIGHTS, k % 2))
+            issue(k + depth)
+        if k:
+            store_round(k - 1)
+    if by_batch:
+        store_round(count - 1)
 
 
 @dataclass(frozen=True)
@@ -394,6 +446,11 @@ class _Tiling:
 
     def tiles(self, kc: int) -> int:
         return min(self.KC, self.KT - kc * self.KC)
+
+
+def _rows8(rows: int) -> int:
+    """The vmem rows a region of `rows` takes (`KernelContext.region`: whole 8-row chunks)."""
+    return max(8, -(-rows // 8) * 8)
 
 
 def _esize(v: View) -> int:

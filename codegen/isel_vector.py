@@ -769,10 +769,13 @@ class ChainMember:
 
 @dataclass(eq=False)
 class KernelChain:
-    """Consecutive generics lowered as one kernel (`lower_chain`); `first` is the first member's index."""
+    """Consecutive generics lowered as one kernel (`lower_chain`); `first` is the first member's index.
+    `private`: the members whose output nothing outside the chain reads (compiler.private_chain_outputs):
+    it stays in its vmem tile, never stored."""
 
     first: int
     members: list[ChainMember]
+    private: frozenset[int] = frozenset()
 
 
 def chain_member(k: object, lanes: int, max_rows: int = CHAIN_MIN_TILE_ROWS) -> ChainMember | None:
@@ -857,10 +860,10 @@ def form_chains(kernels: list[tuple[object, int]], config: HardwareConfig, vmem_
 
 def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
     """Every member's loads (but what an earlier member's output tile holds) at once, one wait, then each
-    member computes into its output tile and stores it. Where every member has the same rows and valid
-    rows (a dynamic-shape bucket's norm and its neighbours), the chain moves and computes only those; else
-    the members with valid rows compute only theirs (their padding rows, which nothing reads, move as they
-    are: rope's cos and sin, whose head dim is the bucket's size, beside a norm)."""
+    member computes into its output tile and stores it (but a private one). Where every member has the same
+    rows and valid rows (a dynamic-shape bucket's norm and its neighbours), the chain moves and computes only
+    those; else the members with valid rows compute only theirs (their padding rows, which nothing reads,
+    move as they are: rope's cos and sin, whose head dim is the bucket's size, beside a norm)."""
     b = ctx.b
     first = chain.members[0]
     shared = all((m.rows, m.valid) == (first.rows, first.valid) and m.C <= DMA_SHAPE_COLS_MASK
@@ -900,7 +903,7 @@ def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
                 s.row_stride, Flag.LOAD, rows_reg=moved)
     if loads:
         b.emit("wait", flag=ctx.flag(Flag.LOAD))
-    for m in chain.members:
+    for j, m in enumerate(chain.members):
         # a block per member: the list scheduler, which works per block, keeps each member's register
         # pressure its own (two sin / cos range reductions interleaved did not fit the registers)
         b.new_block("chain_member")
@@ -915,5 +918,6 @@ def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
             _reduce_tile(ctx, k.body, m.streams, 0, m.out_tile, m.rows, m.C, m.P, k.init, rows)
         else:
             _map_tile(ctx, k.body, m.streams, 0, m.out_tile, m.rows, m.P, rows)
-        ctx.dma(False, out.view.dtype, ctx.hbm_addr(out.view, out.base), m.out_tile, 0, m.rows, m.pitch(out)[1],
-                out.row_stride, Flag.STORE, rows_reg=moved)
+        if j not in chain.private:
+            ctx.dma(False, out.view.dtype, ctx.hbm_addr(out.view, out.base), m.out_tile, 0, m.rows,
+                    m.pitch(out)[1], out.row_stride, Flag.STORE, rows_reg=moved)
