@@ -299,42 +299,28 @@ def test_a_runtime_tile_computes_about_the_rows_it_holds() -> None:
     assert cycles[17] < 0.62 * cycles[32], cycles
 
 
-def test_a_chain_of_small_kernels_computes_only_its_valid_rows() -> None:
-    """Llama's RMS norm in bf16 ([1, n, 2048], `large`: f32 upcast, mean of squares, rsqrt, weight, bf16),
-    whose generics run as one chain of small kernels (`isel_vector.lower_chain`), at 17 and 32 tokens of
-    one bucket: the chain moves and computes only the valid rows (measured 4,414 against 6,874 cycles;
-    6,857 at both lengths when it moved and computed every row of the bucket). inf, -inf, NaN, -0, a
-    subnormal and the largest bf16 in the last two valid rows come out as eager's."""
+@pytest.mark.parametrize(("hidden", "short", "long", "ratio"), [(2048, 17, 32, 0.75), (256, 129, 256, 0.7)])
+def test_a_norm_computes_only_its_valid_rows(hidden: int, short: int, long: int, ratio: float) -> None:
+    """Llama's RMS norm in bf16 ([1, n, hidden], `large`: f32 upcast, mean of squares, rsqrt, weight, bf16),
+    whose generics run as one chain of small kernels (`isel_vector.lower_chain`), at two lengths of one
+    bucket: the chain moves and computes only the valid rows. Hidden 2048 at 17 and 32 tokens: 4,414
+    against 6,874 cycles (6,857 at both when it moved and computed every row of the bucket). Hidden 256 at
+    129 and 256 tokens, the bucket's size: the generics run over two dims of that size, rows and hidden, and
+    the rows' is the one at the padded place of the output (`compiler._at_padded_place`): 7,023 against
+    12,246 cycles (12,231 at both when such a generic ran whole). inf, -inf, NaN, -0, subnormals and the
+    largest bf16 in the last two valid rows (at the hidden dim's end too, which must not be taken for the
+    rows) come out as eager's."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     torch.manual_seed(0)
-    norm = LlamaRMSNorm(2048, eps=1e-5).to(torch.bfloat16)
-    norm.weight.data = torch.randn(2048).to(torch.bfloat16)
-    inputs = {n: _bf16_rows(n, 2048) for n in (17, 32)}
+    norm = LlamaRMSNorm(hidden, eps=1e-5).to(torch.bfloat16)
+    norm.weight.data = torch.randn(hidden).to(torch.bfloat16)
+    inputs = {n: _bf16_rows(n, hidden) for n in (short, long)}
     for n, x in inputs.items():
         x[0, n - 2, :3] = torch.tensor([float("inf"), -0.0, 1e-40])
-        x[0, n - 1, :4] = torch.tensor([float("-inf"), float("nan"), 3.3895e38, -1e-40])
+        x[0, n - 1, -6:] = torch.tensor([float("-inf"), float("nan"), 3.3895e38, -1e-40, 1.0, 2.0])
     cycles = _cycles_in_one_bucket(norm, inputs, 2e-2)
-    assert cycles[17] < 0.75 * cycles[32], cycles
-
-
-def test_a_norm_whose_hidden_size_is_the_buckets_computes_only_its_valid_rows() -> None:
-    """An RMS norm of hidden 256 (bf16, `large`) at 129 and 256 tokens of one bucket (256): its generics run
-    over two dims of the bucket's size, rows and hidden; the rows' is the one at the padded place of the
-    output (`compiler._at_padded_place`), so 129 tokens compute 129 rows (measured 7,023 against 12,246
-    cycles; 12,231 at both when such a generic ran whole). Eager's values at both, with inf, -inf, NaN, -0, a
-    subnormal and the largest bf16 in the last valid rows: the hidden dim was not taken for the rows."""
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    torch.manual_seed(0)
-    norm = LlamaRMSNorm(256, eps=1e-5).to(torch.bfloat16)
-    norm.weight.data = torch.randn(256).to(torch.bfloat16)
-    inputs = {n: _bf16_rows(n, 256) for n in (129, 256)}
-    for n, x in inputs.items():
-        x[0, n - 2, :3] = torch.tensor([float("inf"), -0.0, 1e-40])
-        x[0, n - 1, 250:] = torch.tensor([float("-inf"), float("nan"), 3.3895e38, -1e-40, 1.0, 2.0])
-    cycles = _cycles_in_one_bucket(norm, inputs, 2e-2)
-    assert cycles[129] < 0.7 * cycles[256], cycles
+    assert cycles[short] < ratio * cycles[long], cycles
 
 
 def test_a_chains_members_with_valid_rows_compute_only_those_beside_members_without() -> None:
