@@ -312,7 +312,7 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
                 ctx.dma(False, c.dtype, ctx.hbm_addr(c, at(c, i) + nt * L), c_slot(i, s)[nt], 0, M, cols(nt),
                         c.strides[-2], *flag)
 
-    if R < B:  # rounds, double-buffered: the next round loads while this one computes
+    if R < B:  # rounds: the next rounds load while this one computes
         _resident_rounds(ctx, B, R, load, compute, store, by_batch)
         return True
     # one round in up to four groups, each loading on a flag of its own: a group's MXU work starts when its
@@ -356,13 +356,14 @@ def _resident_rounds(ctx: KernelContext, B: int, R: int, load: Callable[[int, in
       issued as soon as round k's weight loads have read its panels (flag WEIGHTS), round k's stores along
       round k + 1's MXU work, and no round waits for stores: the DMA queue holds the next rounds' loads
       while the MXU works, and the weight port takes a round as it lands (decode's q @ K^T over 8 KV heads of
-      4096 keys, a head a round: 8,407 cycles with two groups, a DMA latency a round; 6,000 or so this way,
-      against 4,612 of transfer).
+      4096 keys, a head a round, in a 1B layer: 8,407 cycles with two groups, a DMA latency a round; 5,607
+      this way, against 4,612 of transfer).
     Rounds in place of resident batches waited a latency in and out each, 3x the kernel's transfer time at a
     4096-token context."""
     depth = ROUND_DEPTH if R >= ROUND_DEPTH else 2
-    size = 1 if by_batch else max(1, R // depth)  # by_batch: a round a batch (the last round's MXU work is
-    # the kernel's tail: rounds of two heads of 4096 keys took 7,009 cycles, of one 5,600 or so)
+    # by_batch: a round a batch (the last round's MXU work is the kernel's tail: q @ K^T alone, rounds of two
+    # heads of 4096 keys took 7,009 cycles, of one 6,564)
+    size = 1 if by_batch else max(1, R // depth)
     count = -(-B // size)
     rounds = [range(r * B // count, (r + 1) * B // count) for r in range(count)]  # even sizes, each <= size
 
