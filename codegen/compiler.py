@@ -492,8 +492,12 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
     emitted = _emitted_kernels(graph, loops)
     if chains:  # runs of small generics lowered as one kernel (isel_vector.KernelChain)
         emitted = form_chains(emitted, cfg, free_rows // 2)
+        touched: dict[str, set[int]] = {}  # buffer -> the kernels that read or write it
+        for i, k in enumerate(graph.kernels):
+            for v in views_of(k):
+                touched.setdefault(v.buffer, set()).add(i)
         for chain in {id(k): k for k, _ in emitted if isinstance(k, KernelChain)}.values():
-            chain.private = private_chain_outputs(graph, loops, chain)
+            chain.private = private_chain_outputs(graph, loops, chain, touched)
     prefetches = plan_prefetches(cfg, emitted, free_rows)
     table_word = fixed  # the next loop's address table, in words from the arena's start
     loop: Loop | None = None
@@ -543,16 +547,13 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
     return funcs, per_kernel, ctx.scratch_peak, entries
 
 
-def private_chain_outputs(graph: KernelGraph, loops: list[Loop], chain: KernelChain) -> frozenset[int]:
+def private_chain_outputs(graph: KernelGraph, loops: list[Loop], chain: KernelChain,
+                          touched: dict[str, set[int]]) -> frozenset[int]:
     """The members of `chain` whose output needs no store, in every run of the chain (each layer of a loop
     body it is in): a later member writes the same view (a softmax's exponentials, divided in place), or
-    its buffer is a temporary, no result, that no kernel outside the chain touches. Their values stay in the
-    chain's vmem tiles (a decode softmax's scaled scores and f32 probabilities: 1 MiB of stores a 1B layer
-    at a 4096-token context)."""
-    touched: dict[str, set[int]] = {}
-    for i, k in enumerate(graph.kernels):
-        for v in views_of(k):
-            touched.setdefault(v.buffer, set()).add(i)
+    its buffer is a temporary, no result, that no kernel outside the chain touches (`touched`: the kernels
+    that read or write each buffer). Their values stay in the chain's vmem tiles (a decode softmax's scaled
+    scores and f32 probabilities: 1 MiB of stores a 1B layer at a 4096-token context)."""
     results = {v.buffer for v in graph.results}
     loop = next((lp for lp in loops if lp.first <= chain.first < lp.first + lp.period), None)
     runs = [r * loop.period for r in range(loop.repeats)] if loop is not None else [0]

@@ -57,6 +57,11 @@ DRAINING_ROWS_SKIPPED = 64  # a kernel's regions start above in-flight stores' r
 MAX_SPILL_ROW = 1 << 13  # spill loads / stores address vmem through s0 + imm14 (signed)
 
 
+def region_rows(rows: int) -> int:
+    """The vmem rows a region of `rows` takes (`KernelContext.region`): whole 8-row chunks, at least one."""
+    return max(8, -(-rows // 8) * 8)
+
+
 @dataclass
 class Region:
     name: str
@@ -214,7 +219,7 @@ class KernelContext:
         return any(r is None or _overlaps(self._in_flight, *r) for r in written)
 
     def region(self, rows: int, hint: str) -> Region:
-        rows = max(8, -(-rows // 8) * 8)
+        rows = region_rows(rows)
         if self._next_row + rows > self._ceiling:
             need = self._next_row + rows
             raise CapacityError(f"{self.kernel}: vmem exhausted ({need} > {self._ceiling} rows)")

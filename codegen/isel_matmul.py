@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from codegen import isel_decode
-from codegen.isel_common import Flag, KernelContext, Region, chunk_loop, row_mem
+from codegen.isel_common import Flag, KernelContext, Region, chunk_loop, region_rows, row_mem
 from codegen.kernel_graph import LoweringError, MatmulKernel, View
 from codegen.mir import ZERO, Reg
 from device_sim.isa import DMA_SHAPE_ROWS_SHIFT
@@ -227,8 +227,8 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
     # in rounds, A and C regions of every batch, B in slots, where that leaves ROUND_DEPTH slots: a round's
     # loads then wait only for the weight loads of the round whose slots they take, not its MXU work, and
     # no round waits for stores (`_resident_rounds`)
-    own_rows = parts * _rows8(KT * mt) + (_rows8(M * NT) if by_row else NT * _rows8(mt))  # A and C
-    slot_rows = parts * NT * _rows8(KT * L)  # B
+    own_rows = parts * region_rows(KT * mt) + (region_rows(M * NT) if by_row else NT * region_rows(mt))  # A and C
+    slot_rows = parts * NT * region_rows(KT * L)  # B
     by_batch = R < B and (free - B * own_rows) // slot_rows >= ROUND_DEPTH
     if by_batch:
         R = min(B, (free - B * own_rows) // slot_rows)
@@ -447,11 +447,6 @@ class _Tiling:
 
     def tiles(self, kc: int) -> int:
         return min(self.KC, self.KT - kc * self.KC)
-
-
-def _rows8(rows: int) -> int:
-    """The vmem rows a region of `rows` takes (`KernelContext.region`: whole 8-row chunks)."""
-    return max(8, -(-rows // 8) * 8)
 
 
 def _esize(v: View) -> int:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from codegen.builder import Builder
-from codegen.isel_common import Flag, KernelContext, Region, chunk_loop, row_mem
+from codegen.isel_common import Flag, KernelContext, Region, chunk_loop, region_rows, row_mem
 from codegen.kernel_graph import ESIZE, Access, FillKernel, GenericKernel, LoweringError, ScalarProgram, View
 from codegen.math_seqs import vdivide, vexp, vrecip, vrsqrt, vsqrt, vtanh
 from codegen.mir import ZERO, Reg
@@ -285,10 +285,6 @@ def _reads_output(k: GenericKernel) -> bool:
     return k.reduction and k.init is None
 
 
-def _round8(rows: int) -> int:
-    return max(8, -(-rows // 8) * 8)
-
-
 def max_tile_vmem_rows(config: HardwareConfig) -> int:
     """vmem rows of one operand's tile: MAX_TILE_VMEM_ROWS, or more where a DMA latency moves more rows
     (`large`: 500 cycles x 4 full bf16 rows, 2048), so that two tiles in flight keep the channel busy. Full
@@ -304,11 +300,11 @@ def _choose_tile_rows(ctx: KernelContext, k: GenericKernel, streams: list[Stream
     loads = streams[:-1] + ([out] if _reads_output(k) else [])
 
     def need(t: int) -> int:
-        total = 2 * _round8(t * (1 if k.reduction else P) + 8)
+        total = 2 * region_rows(t * (1 if k.reduction else P) + 8)
         for s in loads:
-            total += 2 * _round8(t * (P if s.kind == "row" else 1) + 8)
+            total += 2 * region_rows(t * (P if s.kind == "row" else 1) + 8)
             if s.kind == "col" and s is not out:
-                total += _round8(t * P + 8)
+                total += region_rows(t * P + 8)
         return total
 
     t = max(1, min(rows, max_tile_vmem_rows(ctx.config) // P))
@@ -738,7 +734,8 @@ def evaluate(b: Builder, body: ScalarProgram, env: dict[str, Reg], result: str) 
 # of them in one context: every load of the run is issued at its start and waited for once, and a member
 # reads what an earlier member wrote from that member's output tile in vmem (the tile holds exactly what
 # the store writes, and a load would bring back: bf16 values are bf16-exact, other types are raw words).
-# Every member still stores its output, so HBM ends as it would have.
+# A member stores its output unless nothing outside the chain reads it or a later member rewrites it
+# (`KernelChain.private`).
 # vmem rows of one operand's single tile (chains are for small kernels): at least 64, a 32nd of vmem on a
 # larger configuration (`large`: 1024 rows; a decode step's softmax over a key chunk of 2048 positions, 32
 # heads of f32 scores, is 512; a norm of hidden 2048 over a dynamic-shape bucket of 64 tokens is 1024)
@@ -808,11 +805,11 @@ def _forwards(writer: ChainMember, reader: ChainMember, s: Stream) -> bool:
 
 
 def _tile_rows_needed(m: ChainMember, forwarded: set[int]) -> int:
-    rows = _round8(m.rows * m.pitch(m.streams[-1])[0] + 8)
+    rows = region_rows(m.rows * m.pitch(m.streams[-1])[0] + 8)
     for s in m.reads():
         if id(s) not in forwarded:
-            rows += _round8(m.rows * m.pitch(s)[0] + 8)
-    return rows + sum(_round8(m.rows * m.P + 8) for s in m.streams[:-1] if s.kind == "col")
+            rows += region_rows(m.rows * m.pitch(s)[0] + 8)
+    return rows + sum(region_rows(m.rows * m.P + 8) for s in m.streams[:-1] if s.kind == "col")
 
 
 def form_chains(kernels: list[tuple[object, int]], config: HardwareConfig, vmem_rows: int) -> list[tuple[object, int]]:
