@@ -291,6 +291,7 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
     summary["mutated_inputs"] = [graph.arguments[i] for i in mutated]
     summary["pipelined_loops"] = len(mc.pipelined)
     summary["pipelining_undone"] = [line for line in mc.log if "trace check" in line]  # a compiler bug
+    summary["pipelining"] = mc.log  # per counted loop: pipelined (II, stages) or why not; where its constants live
     summary["chains_undone"] = chains_undone
     summary["loops"] = [{"kernels": [lp.first, lp.first + lp.period - 1], "runs": lp.repeats,
                          "slots": len(lp.slots[0])} for lp in loops]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from codegen.errors import CapacityError, ProgramTooLargeError
 from codegen.loops import hoist_invariants
 from codegen.mir import Function, MInstr, Reg
-from codegen.modulo import PipelinedLoop, pipeline_loops
+from codegen.modulo import REGISTER_BUDGET, PipelinedLoop, max_live, pipeline_loops
 from codegen.regalloc import allocate, insert_spills
 from codegen.schedule import schedule_block
 from codegen.verify import ScheduleError, verify_allocation, verify_loop_block, verify_pipelined, verify_schedule
@@ -31,8 +31,8 @@ from device_sim.isa import EncodingError, Kind, encode_bundle
 from device_sim.program import Program
 
 MAX_SPILL_ROUNDS = 32
-PIPELINE_RETRIES = 4  # recompilations with lower register budgets for pipelined loops that spilled
-PIPELINE_BUDGET_STEP = 4
+PIPELINE_RETRIES = 6  # recompilations with lower register budgets for pipelined loops that spilled
+PIPELINE_BUDGET_STEP = 1  # below the register count of the schedule that spilled
 
 
 @dataclass
@@ -73,9 +73,9 @@ def schedule_function(func: Function) -> dict[str, list[list[MInstr]]]:
 
 
 class _PipelineSpill(Exception):
-    def __init__(self, loops: set[str]) -> None:
+    def __init__(self, loops: dict[str, int]) -> None:
         super().__init__(f"values of pipelined loops {sorted(loops)} would spill")
-        self.loops = loops
+        self.loops = loops  # label -> the vector registers its schedule needs by the pipeliner's count
 
 
 def compile_function(func: Function, next_id: int, source_name: str = "<ctpu>", pipeline: bool = True,
@@ -164,8 +164,8 @@ def _compile_retrying(func: Function, next_id: int, pipeline: bool, verify: bool
             return part
         except _PipelineSpill as e:
             notes.append(f"retry: {e}; their register budget is lowered")
-            for label in e.loops:
-                cuts[label] = cuts.get(label, 0) + PIPELINE_BUDGET_STEP
+            for label, live in e.loops.items():  # below what the spilled schedule counted
+                cuts[label] = max(cuts.get(label, 0), REGISTER_BUDGET["v"] - live) + PIPELINE_BUDGET_STEP
         except ScheduleError as e:  # a pipelined loop whose trace breaks the body's order: never run it
             if verify:
                 raise  # a compiler bug: verified compiles (tests) report it instead of hiding it
@@ -189,8 +189,8 @@ def _compile(func: Function, next_id: int, pipeline: bool, verify: bool, cuts: d
         if not spills:
             break
         spilled_set = set(spills)
-        loops = {p.label for p in pipelined for b in func.blocks if b.bundles is not None
-                 and b.label in p.blocks and any(spilled_set & set(i.regs()) for i in b.instrs)}
+        loops = {p.label: max_live(p.body, p.sched, "v") for p in pipelined for b in func.blocks if b.bundles
+                 is not None and b.label in p.blocks and any(spilled_set & set(i.regs()) for i in b.instrs)}
         if loops:
             raise _PipelineSpill(loops)
         spilled += len(spills)

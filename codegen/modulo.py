@@ -31,7 +31,8 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from codegen.mir import ZERO, Block, Function, MInstr, Reg
+from codegen.mir import ZERO, Block, Function, Mem, MInstr, Reg
+from codegen.regalloc import SPILL_REGION, spill_rows
 from codegen.schedule import SLOT_COUNT, build_deps
 from device_sim import isa
 
@@ -39,6 +40,7 @@ MAX_II_SLACK = 48  # give up pipelining a loop whose II would exceed the resourc
 MEMORY_BASE_OPS = ("vld", "vld.row", "vst")
 # registers a pipelined kernel may keep live (the rest: values live around the loop, the allocator's slack)
 REGISTER_BUDGET = {"v": 28, "s": 20}
+POOL_SLOTS = 16  # spill slots a loop's constant pool may take; the register allocator keeps the others
 
 
 @dataclass
@@ -333,8 +335,8 @@ def pipeline_loop(func: Function, index: int, log: list[str], fresh: Callable[[s
         used_elsewhere = _read_outside(loop.instrs, uses)
     budget = budget or REGISTER_BUDGET
     sched = modulo_schedule(body, used_elsewhere, budget)
-    if sched is not None and uses is not None and sched.ii > _resource_ii(body):
-        body, sched = _with_constants_back(loop, pre, body, sched, uses, budget, log)
+    if uses is not None:
+        body, sched = _constants_placed(func, loop, pre, body, sched, uses, budget, log, fresh)
     if sched is None:
         log.append(f"{loop.label}: not pipelined (no II within the slack)")
         return None
@@ -427,31 +429,148 @@ def _read_outside(instrs: list[MInstr], uses: Counter[Reg]) -> set[Reg]:
     return {r for i in instrs for r in i.regs() if uses[r] > here[r]}
 
 
-def _with_constants_back(loop: Block, pre: Block, body: list[MInstr], sched: ModuloSchedule, uses: Counter[Reg],
-                         budget: dict[str, int], log: list[str]) -> tuple[list[MInstr], ModuloSchedule]:
-    """(body, schedule) of a loop whose II the registers bound, not the slots: with its hoisted constants
-    back inside (a vbcast a use costs a slot, but holds no register across the whole loop) when that runs
-    the loop in fewer cycles (SwiGLU: II 79 -> 69), moving them out of the preheader; else as given."""
-    back = _hoisted_back(loop, pre, uses)
-    if not back:
-        return body, sched
+@dataclass
+class _Placement:
+    """Where a loop's invariant values live: a body, its schedule, the change to the code it needs, and the
+    instructions that change adds to the preheader."""
+
+    body: list[MInstr]
+    sched: ModuloSchedule
+    apply: Callable[[], None]
+    note: str
+    preheader: list[MInstr] = dataclasses.field(default_factory=list)
+
+
+def _constants_placed(func: Function, loop: Block, pre: Block, body: list[MInstr], sched: ModuloSchedule | None,
+                      uses: Counter[Reg], budget: dict[str, int], log: list[str], fresh: Callable[[str], Reg]
+                      ) -> tuple[list[MInstr], ModuloSchedule | None]:
+    """(body, schedule) of the loop with its invariant values where they run it in the fewest cycles: as
+    given (hoisted into registers, which the whole loop holds), back inside (a vbcast a use: a vector slot),
+    or in a vmem pool (a vld a use: the load slot, mostly idle). The other two are tried when the registers,
+    not the slots, bound the II, the pool also when invariant code is left in the body (a decode softmax's
+    exp: II 25 -> 17; SwiGLU: 79 -> 38)."""
     assert loop.loop is not None
     n = loop.loop.trip_count
+
+    def cycles(m: ModuloSchedule, preheader: list[MInstr] = ()) -> int:  # n iterations, fill and drain, setup
+        return m.ii * (n + m.stages - 1) + (_resource_ii(list(preheader)) if preheader else 0)
+
+    def fits(p: _Placement) -> bool:  # pipelines: the registers and the iterations suffice
+        return n >= p.sched.stages - 1 + p.sched.unroll and \
+            all(max_live(p.body, p.sched, kind) <= budget[kind] for kind in budget)
+
+    bound = sched is None or sched.ii > _resource_ii(body)  # by the registers, or nothing within the slack
+    options = [p for p in (_constants_back(loop, pre, body, uses, budget) if bound else None,
+                           _constant_pool(func, loop, pre, body, sched, uses, budget, fresh))
+               if p is not None and fits(p)]
+    best = min(options, key=lambda p: cycles(p.sched, p.preheader), default=None)
+    if best is None or (sched is not None and cycles(best.sched, best.preheader) >= cycles(sched)):
+        return body, sched
+    best.apply()
+    log.append(f"{loop.label}: {best.note} (registers bound the II)")
+    return best.body, best.sched
+
+
+def _constants_back(loop: Block, pre: Block, body: list[MInstr], uses: Counter[Reg], budget: dict[str, int]
+                    ) -> _Placement | None:
+    """The loop with its hoisted constants back inside (a vbcast a use costs a slot, but holds no register
+    across the whole loop), moved out of the preheader."""
+    back = _hoisted_back(loop, pre, uses)
+    if not back:
+        return None
     inside = back + body
     other = modulo_schedule(inside, _read_outside(back + loop.instrs, uses), budget)
+    if other is None:
+        return None
 
-    def cycles(m: ModuloSchedule) -> int:  # n iterations, and the pipeline's fill and drain
-        return m.ii * (n + m.stages - 1)
+    def apply() -> None:
+        moved = {id(i) for i in back}
+        pre.instrs = [i for i in pre.instrs if id(i) not in moved]
+        loop.instrs = back + loop.instrs
+        loop.hoisted = []
+    return _Placement(inside, other, apply, f"{len(back)} hoisted instructions moved back")
 
-    if other is None or cycles(other) >= cycles(sched) or \
-            any(max_live(inside, other, kind) > budget[kind] for kind in budget):
-        return body, sched
-    moved = {id(i) for i in back}
-    pre.instrs = [i for i in pre.instrs if id(i) not in moved]
-    loop.instrs = back + loop.instrs
-    loop.hoisted = []
-    log.append(f"{loop.label}: {len(back)} hoisted instructions moved back (registers bound the II)")
-    return inside, other
+
+def _constant_pool(func: Function, loop: Block, pre: Block, body: list[MInstr], sched: ModuloSchedule | None,
+                   uses: Counter[Reg], budget: dict[str, int], fresh: Callable[[str], Reg]) -> _Placement | None:
+    """The loop with a `vld` before each use of its invariant vector values and of the values it loads more
+    than once (a register each only from its load to its use). The invariant values go to a vmem pool: the
+    preheader computes each one (the invariant code left in the body moves there too) and stores it to a
+    spill slot. A loaded value whose rows the body does not store is loaded again; the fewest-used
+    constants are pooled first, while the loads fit the II the other slots allow and POOL_SLOTS last."""
+    hoisted = _hoisted_back(loop, pre, uses)
+    here = Counter(r for i in loop.instrs for r in i.uses)
+    defined = Counter(i.dst for i in body if i.dst is not None)
+    invariant: list[MInstr] = []
+    values: set[Reg] = {i.dst for i in hoisted if i.dst is not None}
+    read: set[Reg] = set()
+    for ins in body:  # program order: an operand's invariant definition comes first
+        if (ins.unit in (isa.Unit.SCALAR, isa.Unit.VECTOR) and not ins.mem and ins.dst is not None
+                and not ins.dst.phys and defined[ins.dst] == 1 and uses[ins.dst] == here[ins.dst]
+                and ins.dst not in read and all(defined[r] == 0 or r in values for r in ins.uses)):
+            invariant.append(ins)
+            values.add(ins.dst)
+        read.update(ins.uses)
+    moved = {id(i) for i in invariant}
+    rest = [i for i in body if id(i) not in moved]
+    readers = Counter(r for i in rest for r in set(i.uses))
+    stored = [m for i in rest if i.op == "vst" for m in i.mem]
+    ivs = _ivs(rest)
+    exposed = {r for k, i in enumerate(rest) for r in i.uses if r not in {j.dst for j in rest[:k]}}
+    again = {i.dst: k for k, i in enumerate(rest) if i.op == "vld" and i.uses[-1] in ivs and readers[i.dst] > 1
+             and defined[i.dst] == 1 and uses[i.dst] == here[i.dst] and i.dst not in exposed
+             and not any(m.overlaps(w) for m in i.mem for w in stored)}
+    loads = sum(i.unit is isa.Unit.VLOAD for i in rest)
+    room = _resource_ii([i for i in rest if i.unit is not isa.Unit.VLOAD]) - loads
+    rows = spill_rows(func)[:POOL_SLOTS]
+    pooled: dict[Reg, int] = {}
+    reloaded: set[Reg] = set()
+    for r in sorted(again, key=lambda r: r.n):
+        if readers[r] - 1 <= room:
+            reloaded.add(r)
+            room -= readers[r] - 1
+    constants = sorted((r for r in readers if r in values and r.kind == "v"), key=lambda r: (readers[r], r.n))
+    for r in constants:
+        if readers[r] > room or len(pooled) == len(rows):
+            break
+        pooled[r] = rows[len(pooled)]
+        room -= readers[r]
+    if not pooled and not reloaded:
+        return None
+    zero = Reg("s", 0, True)
+    new_body: list[MInstr] = []
+    first: set[Reg] = set()  # loaded values whose first reader, which keeps the first load, has been seen
+    for k, ins in enumerate(rest):
+        operands = list(ins.uses)
+        for r in dict.fromkeys(ins.uses):
+            if r in pooled:
+                load = MInstr("vld", fresh("v"), (zero,), imm=pooled[r],
+                              mem=(Mem(SPILL_REGION, pooled[r], pooled[r] + 8),), comment="pool")
+            elif r in reloaded and r in first:  # less the step of an increment of its base in between
+                original = rest[again[r]]
+                at, step = ivs[original.uses[-1]]
+                load = dataclasses.replace(original, dst=fresh("v"),
+                                           imm=int(original.imm or 0) - (step if again[r] < at < k else 0))
+            else:
+                continue
+            new_body.append(load)
+            operands = [load.dst if u == r else u for u in operands]
+        first |= {r for r in ins.uses if r in reloaded}
+        new_body.append(dataclasses.replace(ins, uses=tuple(operands)))
+    stores = [MInstr("vst", None, (r, zero), imm=row, mem=(Mem(SPILL_REGION, row, row + 8, True),), comment="pool")
+              for r, row in pooled.items()]
+    if sched is not None and sched.ii <= _resource_ii(new_body):
+        return None
+    pooled_sched = modulo_schedule(new_body, _read_outside(new_body, uses), budget)
+    if pooled_sched is None:
+        return None
+
+    def apply() -> None:  # the invariant code left in the body moves out too, pooled or not
+        pre.instrs = pre.instrs + invariant + stores
+        uses.update(r for i in invariant + stores for r in i.uses)  # `loop.instrs` still counts the moved reads
+        loop.hoisted = []
+    note = f"{len(pooled)} constants in a vmem pool, {len(reloaded)} values loaded again"
+    return _Placement(new_body, pooled_sched, apply, note, invariant + stores)
 
 
 def _hoisted_back(loop: Block, pre: Block, uses: Counter[Reg]) -> list[MInstr]:
