@@ -855,6 +855,29 @@ def form_chains(kernels: list[tuple[object, int]], config: HardwareConfig, vmem_
     return out
 
 
+COPY_CHUNKS = 8  # chunks of a row `_copy_first_row` holds in registers at a time
+
+
+def _moved_once(s: Stream, m: ChainMember) -> bool:
+    """Whether a chain's load of stream s moves one row, copied in vmem to the others (`_copy_first_row`) while
+    the other loads land: s is the same row for every row (a decode softmax's key mask over its heads), which
+    a DMA would read from HBM once a row (4096 keys, 32 heads: 512 KiB for 16 KiB, ahead of the scores)."""
+    return s.kind == "row" and s.row_stride == 0 and m.rows > 1 and m.P % 8 == 0
+
+
+def _copy_first_row(b: Builder, tile: Region, rows: int, P: int) -> None:
+    """Rows 1 .. rows - 1 of `tile` (P vmem rows each, P a multiple of 8) = its row 0: row 0's chunks held in
+    registers, COPY_CHUNKS at a time, each stored to every other row by a loop over the rows."""
+    for c0 in range(0, P // 8, COPY_CHUNKS):
+        chunks = range(c0, min(P // 8, c0 + COPY_CHUNKS))
+        held = [b.vld(ZERO, tile.row + 8 * c, tile.mem(8 * c, 8 * c + 8)) for c in chunks]
+
+        def store(off: Reg, held: list[Reg] = held, chunks: range = chunks) -> None:
+            for v, c in zip(held, chunks, strict=True):
+                b.vst(v, off, tile.row + 8 * c, tile.mem(P, rows * P, write=True))
+        chunk_loop(b, rows - 1, store, "copy_row", b.const(P), step=P)
+
+
 def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
     """Every member's loads (but what an earlier member's output tile holds) at once, one wait, then each
     member computes into its output tile and stores it (but a private one). Where every member has the same
@@ -894,11 +917,18 @@ def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
             s.expanded = ctx.region(m.rows * m.P + 8, "bcast") if s.kind == "col" else None
         m.out_tile = ctx.region(m.rows * m.pitch(m.streams[-1])[0] + 8, "out")
         written[m.streams[-1].view.buffer] = m
-    for s, m in loads:
+    once = [(s, m) for s, m in loads if _moved_once(s, m)]
+    for s, m in once + [sm for sm in loads if sm not in once]:
         assert s.tiles is not None
-        ctx.dma(True, s.view.dtype, ctx.hbm_addr(s.view, s.base), s.tiles[0], 0, m.rows, m.pitch(s)[1],
-                s.row_stride, Flag.LOAD, rows_reg=moved)
-    if loads:
+        single = (s, m) in once
+        ctx.dma(True, s.view.dtype, ctx.hbm_addr(s.view, s.base), s.tiles[0], 0, 1 if single else m.rows,
+                m.pitch(s)[1], s.row_stride, Flag.LOAD, parity=int(single), rows_reg=None if single else moved)
+    if once:
+        b.emit("wait", flag=ctx.flag(Flag.LOAD, 1))
+        for s, m in once:
+            assert s.tiles is not None
+            _copy_first_row(b, s.tiles[0], m.rows, m.P)
+    if len(once) < len(loads):
         b.emit("wait", flag=ctx.flag(Flag.LOAD))
     for j, m in enumerate(chain.members):
         # a block per member: the list scheduler, which works per block, keeps each member's register
