@@ -879,11 +879,12 @@ def _copy_first_row(b: Builder, tile: Region, rows: int, P: int) -> None:
 
 
 def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
-    """Every member's loads (but what an earlier member's output tile holds) at once, one wait, then each
-    member computes into its output tile and stores it (but a private one). Where every member has the same
-    rows and valid rows (a dynamic-shape bucket's norm and its neighbours), the chain moves and computes only
-    those; else the members with valid rows compute only theirs (their padding rows, which nothing reads,
-    move as they are: rope's cos and sin, whose head dim is the bucket's size, beside a norm)."""
+    """Every member's loads (but what an earlier member's output tile holds) at once (a row operand the same
+    for every row moved once and copied in vmem: `_moved_once`), one wait, then each member computes into
+    its output tile and stores it (but a private one). Where every member has the same rows and valid rows
+    (a dynamic-shape bucket's norm and its neighbours), the chain moves and computes only those; else the
+    members with valid rows compute only theirs (their padding rows, which nothing reads, move as they are:
+    rope's cos and sin, whose head dim is the bucket's size, beside a norm)."""
     b = ctx.b
     first = chain.members[0]
     shared = all((m.rows, m.valid) == (first.rows, first.valid) and m.C <= DMA_SHAPE_COLS_MASK
@@ -918,9 +919,9 @@ def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
         m.out_tile = ctx.region(m.rows * m.pitch(m.streams[-1])[0] + 8, "out")
         written[m.streams[-1].view.buffer] = m
     once = [(s, m) for s, m in loads if _moved_once(s, m)]
-    for s, m in once + [sm for sm in loads if sm not in once]:
+    for s, m in sorted(loads, key=lambda sm: not _moved_once(*sm)):  # those first: they are copied as the rest land
         assert s.tiles is not None
-        single = (s, m) in once
+        single = _moved_once(s, m)
         ctx.dma(True, s.view.dtype, ctx.hbm_addr(s.view, s.base), s.tiles[0], 0, 1 if single else m.rows,
                 m.pitch(s)[1], s.row_stride, Flag.LOAD, parity=int(single), rows_reg=None if single else moved)
     if once:
