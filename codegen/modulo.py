@@ -496,32 +496,16 @@ def _constant_pool(func: Function, loop: Block, pre: Block, body: list[MInstr], 
     """The loop with a `vld` before each use of its invariant vector values and of the values it loads more
     than once (a register each only from its load to its use). The invariant values go to a vmem pool: the
     preheader computes each one (the invariant code left in the body moves there too) and stores it to a
-    spill slot. A loaded value whose rows the body does not store is loaded again; the fewest-used
+    spill slot. A loaded value is loaded again for its later readers (`_loaded_again`); the fewest-used
     constants are pooled first, while the loads fit the II the other slots allow and POOL_SLOTS last."""
-    hoisted = _hoisted_back(loop, pre, uses)
     here = Counter(r for i in loop.instrs for r in i.uses)
-    defined = Counter(i.dst for i in body if i.dst is not None)
-    invariant: list[MInstr] = []
-    values: set[Reg] = {i.dst for i in hoisted if i.dst is not None}
-    read: set[Reg] = set()
-    for ins in body:  # program order: an operand's invariant definition comes first
-        if (ins.unit in (isa.Unit.SCALAR, isa.Unit.VECTOR) and not ins.mem and ins.dst is not None
-                and not ins.dst.phys and defined[ins.dst] == 1 and uses[ins.dst] == here[ins.dst]
-                and ins.dst not in read and all(defined[r] == 0 or r in values for r in ins.uses)):
-            invariant.append(ins)
-            values.add(ins.dst)
-        read.update(ins.uses)
+    invariant, values = _body_invariants(body, _hoisted_back(loop, pre, uses), uses, here)
     moved = {id(i) for i in invariant}
     rest = [i for i in body if id(i) not in moved]
     readers = Counter(r for i in rest for r in set(i.uses))
-    stored = [m for i in rest if i.op == "vst" for m in i.mem]
     ivs = _ivs(rest)
-    exposed = {r for k, i in enumerate(rest) for r in i.uses if r not in {j.dst for j in rest[:k]}}
-    again = {i.dst: k for k, i in enumerate(rest) if i.op == "vld" and i.uses[-1] in ivs and readers[i.dst] > 1
-             and defined[i.dst] == 1 and uses[i.dst] == here[i.dst] and i.dst not in exposed
-             and not any(m.overlaps(w) for m in i.mem for w in stored)}
-    loads = sum(i.unit is isa.Unit.VLOAD for i in rest)
-    room = _resource_ii([i for i in rest if i.unit is not isa.Unit.VLOAD]) - loads
+    again = _loaded_again(rest, ivs, readers, uses, here)
+    room = _resource_ii([i for i in rest if i.unit is not isa.Unit.VLOAD]) - sum(i.unit is isa.Unit.VLOAD for i in rest)
     rows = spill_rows(func)[:POOL_SLOTS]
     pooled: dict[Reg, int] = {}
     reloaded: set[Reg] = set()
@@ -571,6 +555,44 @@ def _constant_pool(func: Function, loop: Block, pre: Block, body: list[MInstr], 
         loop.hoisted = []
     note = f"{len(pooled)} constants in a vmem pool, {len(reloaded)} values loaded again"
     return _Placement(new_body, pooled_sched, apply, note, invariant + stores)
+
+
+def _body_invariants(body: list[MInstr], hoisted: list[MInstr], uses: Counter[Reg], here: Counter[Reg]
+                     ) -> tuple[list[MInstr], set[Reg]]:
+    """The invariant code left in `body` (pure scalar or vector instructions over values defined outside the
+    body or by other invariant code, whose values nothing outside the loop reads (`uses` against `here`, the
+    loop's reads) and no body instruction reads before them), and every invariant value: theirs and the
+    hoisted code's."""
+    defined = Counter(i.dst for i in body if i.dst is not None)
+    invariant: list[MInstr] = []
+    values: set[Reg] = {i.dst for i in hoisted if i.dst is not None}
+    read: set[Reg] = set()
+    for ins in body:  # program order: an operand's invariant definition comes first
+        if (ins.unit in (isa.Unit.SCALAR, isa.Unit.VECTOR) and not ins.mem and ins.dst is not None
+                and not ins.dst.phys and defined[ins.dst] == 1 and uses[ins.dst] == here[ins.dst]
+                and ins.dst not in read and all(defined[r] == 0 or r in values for r in ins.uses)):
+            invariant.append(ins)
+            values.add(ins.dst)
+        read.update(ins.uses)
+    return invariant, values
+
+
+def _loaded_again(body: list[MInstr], ivs: dict[Reg, tuple[int, int]], readers: Counter[Reg], uses: Counter[Reg],
+                  here: Counter[Reg]) -> dict[Reg, int]:
+    """The values `body` loads through an induction base and reads in more than one instruction, which a load
+    each may serve (value -> index of its load): defined once, read by nothing outside the loop and nothing
+    before their load, from rows no store of the body writes."""
+    stored = [m for i in body if i.op == "vst" for m in i.mem]
+    seen: set[Reg] = set()
+    exposed: set[Reg] = set()  # read before any definition in the body
+    for ins in body:
+        exposed |= {r for r in ins.uses if r not in seen}
+        if ins.dst is not None:
+            seen.add(ins.dst)
+    defined = Counter(i.dst for i in body if i.dst is not None)
+    return {i.dst: k for k, i in enumerate(body) if i.op == "vld" and i.uses[-1] in ivs and readers[i.dst] > 1
+            and defined[i.dst] == 1 and uses[i.dst] == here[i.dst] and i.dst not in exposed
+            and not any(m.overlaps(w) for m in i.mem for w in stored)}
 
 
 def _hoisted_back(loop: Block, pre: Block, uses: Counter[Reg]) -> list[MInstr]:
