@@ -10,7 +10,7 @@ second (a gap within bf16 rounding is a near tie).
     python scripts/real_scale.py qwen 4 2048 3 17       # Qwen3-0.6B geometry, 4 layers, vocab 2048
     python scripts/real_scale.py llama 16 128256 3 17 --inductor   # and Inductor's compile of the same forward
     python scripts/real_scale.py qwen 28 151936 16 17 --seed 6     # another prompt (its generator's seed; 1)
-    python scripts/real_scale.py llama 16 128256 1 2048 --max-cycles 1000000000   # a 2048-token prefill (~3.5 h)
+    python scripts/real_scale.py llama 16 128256 1 2048 --max-cycles 1000000000   # 2048-token prefill (~2 h, own core)
 
 Set CTPU_CACHE=0 to measure compiles. The full 1B needs ~6 GB of host memory (model + simulator HBM).
 `--inductor` then compiles the same forward with Inductor (CPU, fresh caches) in the same process and
