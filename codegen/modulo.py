@@ -463,6 +463,12 @@ def _constants_placed(func: Function, loop: Block, pre: Block, body: list[MInstr
     options = [p for p in (_constants_back(loop, pre, body, uses, budget) if bound else None,
                            _constant_pool(func, loop, pre, body, sched, uses, budget, fresh))
                if p is not None and fits(p)]
+    def code(m: ModuloSchedule, preheader: list[MInstr] = ()) -> int:  # bundles: prologue, kernel, epilogue
+        return (2 * (m.stages - 1) + m.unroll) * m.ii + len(preheader)
+
+    # no more code than the given schedule: imem bounds `small` (a 2-layer fp32 Llama of 57
+    # tokens no longer fit it when the pool's deeper pipelines were taken whatever their size)
+    options = [p for p in options if sched is None or code(p.sched, p.preheader) <= code(sched)]
     best = min(options, key=lambda p: cycles(p.sched, p.preheader), default=None)
     if best is None or (sched is not None and cycles(best.sched, best.preheader) >= cycles(sched)):
         return body, sched
