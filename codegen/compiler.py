@@ -245,7 +245,8 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
     address_table = _address_table(graph, placements, loops)
     clock.lap("kernels_and_memory_plan")
     chains_undone: list[str] = []
-    for chains in (True, False):
+    chains, compact = True, False
+    while True:
         funcs, per_kernel, scratch, table_entries = _select(graph, placements, arena_bytes, cfg, precision, loops,
                                                             chains)
         machine_ir = "".join(f"# {f.name}\n{f.dump()}" for f in funcs)
@@ -259,13 +260,23 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
         try:
             mc: MachineCode = compile_functions(funcs, next_id=max(f.max_reg_id() for f in funcs) + 1,
                                                 source_name="<compiled graph>", pipeline=pipeline, verify=verify,
-                                                progress=progress, max_bundles=cfg.imem_bundles)
+                                                progress=progress, max_bundles=cfg.imem_bundles, compact=compact)
+            if len(mc.program) > cfg.imem_bundles:
+                raise ProgramTooLargeError(f"program of {len(mc.program)} bundles does not fit imem "
+                                           f"({cfg.imem_bundles} bundles)")
             break
+        except ProgramTooLargeError:
+            # loops pipelined for the fewest cycles may take more code than imem holds (a 2-layer fp32 Llama
+            # of 57 tokens on `small`): once more, with no loop larger than its given schedule
+            if compact or not pipeline:
+                raise
+            compact = True
         except CapacityError as e:
             # a chain's members share one block, where the list scheduler may interleave them past what
             # registers hold (two sin/cos range reductions): the members compile as kernels of their own
-            if not chains or isinstance(e, ProgramTooLargeError) or not any("chained_into" in k for k in per_kernel):
+            if not chains or not any("chained_into" in k for k in per_kernel):
                 raise
+            chains = False
             chains_undone.append(str(e))
     arena_bytes += scratch
     clock.lap("schedule_regalloc_assemble")
@@ -274,9 +285,6 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
         f = info.pop("function")
         if f is not None:
             info["start"], info["bundles"] = starts[f], mc.function_bundles[f]
-    if len(mc.program) > cfg.imem_bundles:
-        raise ProgramTooLargeError(f"program of {len(mc.program)} bundles does not fit imem "
-                                   f"({cfg.imem_bundles} bundles)")
     stages["machine_ir.txt"] = machine_ir
     stages["scheduled.txt"] = mc.scheduled_text()
     stages["program.s"] = mc.assembly
@@ -293,6 +301,7 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
     summary["pipelining_undone"] = [line for line in mc.log if "trace check" in line]  # a compiler bug
     summary["pipelining"] = mc.log  # per counted loop: pipelined (II, stages) or why not; where its constants live
     summary["chains_undone"] = chains_undone
+    summary["compact_code"] = compact  # the program fit imem only with every loop's code at its given size
     summary["loops"] = [{"kernels": [lp.first, lp.first + lp.period - 1], "runs": lp.repeats,
                          "slots": len(lp.slots[0])} for lp in loops]
     summary["vmem_table_rows"] = [SPILL_ROWS, SPILL_ROWS + table_rows(table_entries, cfg.lanes)]

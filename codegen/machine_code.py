@@ -88,20 +88,21 @@ def compile_function(func: Function, next_id: int, source_name: str = "<ctpu>", 
 def compile_functions(funcs: list[Function], next_id: int, source_name: str = "<ctpu>",
                       pipeline: bool = True, verify: bool = False,
                       progress: Callable[[int, int], None] | None = None,
-                      max_bundles: int | None = None) -> MachineCode:
+                      max_bundles: int | None = None, compact: bool = False) -> MachineCode:
     """Compile functions that run one after another into ONE program: the kernels of a megakernel. No
     virtual register may live from one function into the next (each kernel starts from its launch registers
     and ends with its commands waited for), so each is scheduled and allocated on its own: a kernel that
     spills or retries costs only itself. Virtual registers must be unique across `funcs` (one `Builder`);
     `next_id` must exceed every one of them. `progress(done, total)` is called after each function.
     `max_bundles`: imem; ProgramTooLargeError as soon as the functions compiled so far exceed it (the rest
-    is not compiled)."""
+    is not compiled). `compact`: imem is tight, so no loop's pipelining takes more code to save cycles
+    (`modulo._constants_placed`)."""
     parts: list[_Allocated] = []
     bundles_so_far = 0
     for k, func in enumerate(funcs):
         try:
             with _collector_paused():
-                part = _compile_retrying(func, next_id, pipeline, verify)
+                part = _compile_retrying(func, next_id, pipeline, verify, compact)
         except CapacityError as e:
             raise CapacityError(f"{func.name}: {e}" if func.name else str(e)) from e
         next_id = max(next_id, part.func.max_reg_id()) + 1
@@ -150,7 +151,8 @@ class _Allocated:
     log: list[str]
 
 
-def _compile_retrying(func: Function, next_id: int, pipeline: bool, verify: bool) -> _Allocated:
+def _compile_retrying(func: Function, next_id: int, pipeline: bool, verify: bool, compact: bool = False
+                      ) -> _Allocated:
     """Schedule and allocate `func`; pipelined loops that would spill get a lower register budget and, in
     the end, no pipelining."""
     if not pipeline:
@@ -159,7 +161,7 @@ def _compile_retrying(func: Function, next_id: int, pipeline: bool, verify: bool
     notes: list[str] = []
     for _ in range(PIPELINE_RETRIES):
         try:
-            part = _compile(func.clone(), next_id, True, verify, cuts)  # `func` stays as it was for a retry
+            part = _compile(func.clone(), next_id, True, verify, cuts, compact)  # `func` stays as it was for a retry
             part.log += notes
             return part
         except _PipelineSpill as e:
@@ -176,12 +178,13 @@ def _compile_retrying(func: Function, next_id: int, pipeline: bool, verify: bool
     return part
 
 
-def _compile(func: Function, next_id: int, pipeline: bool, verify: bool, cuts: dict[str, int]) -> _Allocated:
+def _compile(func: Function, next_id: int, pipeline: bool, verify: bool, cuts: dict[str, int],
+             compact: bool = False) -> _Allocated:
     hoist_invariants(func)
     pipelined: list[PipelinedLoop] = []
     log: list[str] = []
     if pipeline:
-        pipelined, log, next_id = pipeline_loops(func, next_id, cuts)
+        pipelined, log, next_id = pipeline_loops(func, next_id, cuts, compact)
     spilled = 0
     for _ in range(MAX_SPILL_ROUNDS):
         bundles = schedule_function(func)

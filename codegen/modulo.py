@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from codegen.mir import ZERO, Block, Function, Mem, MInstr, Reg
@@ -313,7 +313,8 @@ def _bundles(instances: list[Instance], length: int) -> list[list[MInstr]]:
 
 
 def pipeline_loop(func: Function, index: int, log: list[str], fresh: Callable[[str], Reg],
-                  budget: dict[str, int] | None = None, uses: Counter[Reg] | None = None) -> PipelinedLoop | None:
+                  budget: dict[str, int] | None = None, uses: Counter[Reg] | None = None, compact: bool = False
+                  ) -> PipelinedLoop | None:
     """Replace the counted loop at `func.blocks[index]` by peel / prologue / kernel / epilogue blocks.
     `uses` (optional) counts the register reads of every block of `func`; it is kept up to date here, so a
     caller pipelining many loops does not rescan the whole function for each."""
@@ -336,7 +337,7 @@ def pipeline_loop(func: Function, index: int, log: list[str], fresh: Callable[[s
     budget = budget or REGISTER_BUDGET
     sched = modulo_schedule(body, used_elsewhere, budget)
     if uses is not None:
-        body, sched = _constants_placed(func, loop, pre, body, sched, uses, budget, log, fresh)
+        body, sched = _constants_placed(func, loop, pre, body, sched, uses, budget, log, fresh, compact)
     if sched is None:
         log.append(f"{loop.label}: not pipelined (no II within the slack)")
         return None
@@ -442,8 +443,8 @@ class _Placement:
 
 
 def _constants_placed(func: Function, loop: Block, pre: Block, body: list[MInstr], sched: ModuloSchedule | None,
-                      uses: Counter[Reg], budget: dict[str, int], log: list[str], fresh: Callable[[str], Reg]
-                      ) -> tuple[list[MInstr], ModuloSchedule | None]:
+                      uses: Counter[Reg], budget: dict[str, int], log: list[str], fresh: Callable[[str], Reg],
+                      compact: bool = False) -> tuple[list[MInstr], ModuloSchedule | None]:
     """(body, schedule) of the loop with its invariant values where they run it in the fewest cycles: as
     given (hoisted into registers, which the whole loop holds), back inside (a vbcast a use: a vector slot),
     or in a vmem pool (a vld a use: the load slot, mostly idle). The other two are tried when the registers,
@@ -452,7 +453,7 @@ def _constants_placed(func: Function, loop: Block, pre: Block, body: list[MInstr
     assert loop.loop is not None
     n = loop.loop.trip_count
 
-    def cycles(m: ModuloSchedule, preheader: list[MInstr] = ()) -> int:  # n iterations, fill and drain, setup
+    def cycles(m: ModuloSchedule, preheader: Sequence[MInstr] = ()) -> int:  # n iterations, fill and drain, setup
         return m.ii * (n + m.stages - 1) + (_resource_ii(list(preheader)) if preheader else 0)
 
     def fits(p: _Placement) -> bool:  # pipelines: the registers and the iterations suffice
@@ -463,12 +464,11 @@ def _constants_placed(func: Function, loop: Block, pre: Block, body: list[MInstr
     options = [p for p in (_constants_back(loop, pre, body, uses, budget) if bound else None,
                            _constant_pool(func, loop, pre, body, sched, uses, budget, fresh))
                if p is not None and fits(p)]
-    def code(m: ModuloSchedule, preheader: list[MInstr] = ()) -> int:  # bundles: prologue, kernel, epilogue
+    def code(m: ModuloSchedule, preheader: Sequence[MInstr] = ()) -> int:  # bundles: prologue, kernel, epilogue
         return (2 * (m.stages - 1) + m.unroll) * m.ii + len(preheader)
 
-    # no more code than the given schedule: imem bounds `small` (a 2-layer fp32 Llama of 57
-    # tokens no longer fit it when the pool's deeper pipelines were taken whatever their size)
-    options = [p for p in options if sched is None or code(p.sched, p.preheader) <= code(sched)]
+    if compact:  # no more code than the given schedule: the driver retries so when a program overflows imem
+        options = [p for p in options if sched is None or code(p.sched, p.preheader) <= code(sched)]
     best = min(options, key=lambda p: cycles(p.sched, p.preheader), default=None)
     if best is None or (sched is not None and cycles(best.sched, best.preheader) >= cycles(sched)):
         return body, sched
@@ -616,11 +616,12 @@ def _hoisted_back(loop: Block, pre: Block, uses: Counter[Reg]) -> list[MInstr]:
     return list(hoisted)
 
 
-def pipeline_loops(func: Function, next_id: int, cuts: dict[str, int] | None = None
+def pipeline_loops(func: Function, next_id: int, cuts: dict[str, int] | None = None, compact: bool = False
                    ) -> tuple[list[PipelinedLoop], list[str], int]:
     """Software-pipeline every qualifying counted loop of `func`. Returns the pipelined loops, why each
     loop was or was not pipelined, and the next free register id. `cuts[label]` lowers a loop's vector
-    register budget (the driver's answer to a pipelined loop that still spilled)."""
+    register budget (the driver's answer to a pipelined loop that still spilled). `compact`: no placement
+    of a loop's constants takes more code than its given schedule (imem is tight)."""
     cuts = cuts or {}
     log: list[str] = []
     done: list[PipelinedLoop] = []
@@ -636,7 +637,7 @@ def pipeline_loops(func: Function, next_id: int, cuts: dict[str, int] | None = N
         if blk.loop is not None and blk.bundles is None and index > 0:
             cut = cuts.get(blk.label, 0)
             budget = {"v": REGISTER_BUDGET["v"] - cut, "s": REGISTER_BUDGET["s"] - cut // 2}
-            p = pipeline_loop(func, index, log, fresh, budget, uses) if budget["v"] > 8 else None
+            p = pipeline_loop(func, index, log, fresh, budget, uses, compact) if budget["v"] > 8 else None
             if p is not None:
                 done.append(p)
         index += 1

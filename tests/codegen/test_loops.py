@@ -251,3 +251,42 @@ def test_the_runtime_trip_count_divides_exactly(u: int) -> None:
     assert found is not None
     s, m = found
     assert all((x * m) >> s == x // u for x in range(most + 1)) and most * m < 2**31
+
+
+def test_a_program_over_imem_is_compiled_again_with_no_loop_larger_than_its_schedule() -> None:
+    """A decode step's masked softmax at 4096 keys (32 heads, `large`): its exp loop runs fastest with its
+    constants in a vmem pool, a deeper pipeline with more code. Where imem is one bundle short of that
+    program, the compiler compiles it again with every loop's code at most its given schedule's
+    (`compact_code`), and it fits: the same bits (edge values, masked keys); 510 -> 427 bundles, 8,080 -> 8,294
+    cycles."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+    from codegen_helpers import trace
+
+    from codegen import compile_graph
+    from device_sim.config import get_config
+    from device_sim.executable import run_fresh
+    from device_sim.runners import SimulatorRunner
+
+    torch.manual_seed(5)
+    x = torch.randn(1, 32, 1, 4096) * 4
+    x[0, 3, 0, 100], x[0, 7, 0, 9], x[0, 9, 0, 5], x[0, 6, 0, 17] = float("inf"), float("nan"), 1e-40, -0.0
+    mask = torch.arange(4096) < 3001
+
+    def softmax(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(torch.where(m, s * 0.125, float("-inf")), -1)
+
+    def build(imem: int) -> tuple[np.ndarray, int, int, bool]:
+        cfg = dataclasses.replace(get_config("large"), imem_bundles=imem)
+        exe = compile_graph(trace(softmax, x, mask), [x, mask], cfg)
+        (out,), stats = run_fresh(exe, [x.numpy(), mask.numpy()], SimulatorRunner("large"))
+        return out, stats.cycles, exe.summary["bundles"], exe.summary["compact_code"]
+
+    fast, cycles, bundles, compact = build(get_config("large").imem_bundles)
+    assert not compact
+    small, small_cycles, small_bundles, small_compact = build(bundles - 1)
+    assert small_compact and small_bundles < bundles and small_cycles > cycles, (small_bundles, bundles)
+    np.testing.assert_array_equal(small.view(np.uint32), fast.view(np.uint32))
+    np.testing.assert_allclose(fast, softmax(x, mask).numpy(), rtol=1e-5, atol=1e-7, equal_nan=True)
