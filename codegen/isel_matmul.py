@@ -67,6 +67,7 @@ MAX_RESIDENT_BATCHES = 32  # `_resident_batches` unrolls its batches
 # latency (the list scheduler's time grows with the unrolled block: 38 n-tiles a batch on `small` took minutes)
 MAX_RESIDENT_COMMANDS = 4
 ROW_COMMAND_ROWS = 8  # resident batches of at most this many rows of A run an MXU command a row (`_mxu_by_row`)
+ROUND_HALVES = True  # resident rounds of a batch each move each batch's weights in halves (`_resident_batches`)
 SPLIT_MIN_ROWS = 256  # m-tiles of at least this many rows start on part of A and end storing C in two parts
 A_ROWS, A_REST = -1, -2  # a pipelined start's A loads (in place of an n-tile): rows 0 .. head (all), the rest
 MIN_N_TILE_PAIRS = 2  # n loops of fewer pairs of n-tiles are unrolled
@@ -269,12 +270,26 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
     commands = [(qa, qb, kt, kt) for qa, qb in passes for kt in range(KT)]
     # attention's query heads: the valid rows at the start of each segment
     segments = (seg, ctx.valid_count(k.valid_rows, seg)) if k.row_segments > 1 else None
+    # a round a batch, and the DMA no faster than the MXU (a KV head's tile in the time HBM delivers it): the
+    # MXU works on a batch after it has landed, so the last batch's work is the kernel's tail. Each batch's B
+    # moves in halves (by weight tile: n-tiles of K^T, k-tiles of V), the first on the round's load flag, the
+    # second on the round's ROUND_HALF_FLAGS, and the MXU starts on the first half
+    halves = ROUND_HALVES and by_batch and by_row and (whole_b or (not trans_b and NT == 1)) and KT * NT >= 2
+    half = (NT // 2 if whole_b else KT // 2) * L  # B's rows in the first half (keys, or V's rows)
 
     def load(i: int, s: int, role: Flag, parity: int) -> None:  # batch i's A and B into slot s
         if by_row:
             ctx.dma(True, a.dtype, ctx.hbm_addr(a, at(a, i)), a_slot(i, s)[0], 0, M, K, a.strides[-2], role, parity)
         else:
             _dma_tiles(ctx, a, ctx.hbm_addr(a, at(a, i)), a_slot(i, s)[0], mt, KT, M, K, role, parity)
+        rows, stride = (bm.shape[-1], bm.strides[-1]) if whole_b else (K, bm.strides[-2])
+        region = raw_b[s] if whole_b else panels[s][0][0]
+        if halves:
+            ctx.dma(True, bm.dtype, ctx.hbm_addr(bm, at(bm, i)), region, 0, half, bm.shape[-2 if whole_b else -1],
+                    stride, role, parity)
+            ctx.dma(True, bm.dtype, ctx.hbm_addr(bm, at(bm, i) + half * stride), region, half, rows - half,
+                    bm.shape[-2 if whole_b else -1], stride, *ROUND_HALF_FLAGS[ROUND_LOAD_FLAGS.index((role, parity))])
+            return
         if whole_b:
             ctx.dma(True, bm.dtype, ctx.hbm_addr(bm, at(bm, i)), raw_b[s], 0, bm.shape[-1], K, bm.strides[-1],
                     role, parity)
@@ -287,7 +302,8 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
                 ctx.dma(True, bm.dtype, ctx.hbm_addr(bm, at(bm, i) + nt * L), panels[s][nt][0], 0, K, cols(nt),
                         bm.strides[-2], role, parity)
 
-    def compute(slots: list[tuple[int, int]], parity: int) -> None:  # (batch, slot)s: splits, then MXU commands
+    def compute(slots: list[tuple[int, int]], parity: int, group: int = 0) -> None:  # (batch, slot)s: splits, then MXU
+        # commands; `group`: the round's slot group (its load flags)
         for i, s in slots if parts > 1 else ():
             _split(ctx, a_slot(i, s), KT * mt, False)
             for nt in range(NT):
@@ -295,7 +311,7 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
         for i, s in slots:
             if by_row:
                 _mxu_by_row(ctx, a_slot(i, s)[0], [panel[0] for panel in panels[s]], c_slot(i, s)[0], M, KT, trans_b,
-                            parity)
+                            parity, (half // L * (KT if whole_b else 1), ROUND_HALF_FLAGS[group]) if halves else None)
                 continue
             for nt in range(NT):
                 _mxu(ctx, t, a_slot(i, s), panels[s][nt], c_slot(i, s)[nt], commands, M, first=True, overwrite=True,
@@ -340,10 +356,12 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
 ROUND_LOAD_FLAGS = ((Flag.LOAD, 0), (Flag.LOAD, 1), (Flag.MATMUL_A, 0))
 ROUND_STORE_FLAGS = ((Flag.STORE, 0), (Flag.STORE, 1), (Flag.OUT, 0))
 ROUND_DEPTH = len(ROUND_LOAD_FLAGS)
+# the second half of a round's B, where it moves in halves: flags that no other part of such a kernel uses
+ROUND_HALF_FLAGS = ((Flag.MATMUL_A, 1), (Flag.INDEX, 0), (Flag.ROWS, 0))
 
 
 def _resident_rounds(ctx: KernelContext, B: int, R: int, load: Callable[[int, int, Flag, int], None],
-                     compute: Callable[[list[tuple[int, int]], int], None],
+                     compute: Callable[[list[tuple[int, int]], int, int], None],
                      store: Callable[[list[tuple[int, int]], int, tuple[Flag, int]], None],
                      by_batch: bool = False) -> None:
     """More batches than vmem holds (R slots): rounds of up to R // depth batches in `depth` groups of slots
@@ -387,7 +405,7 @@ def _resident_rounds(ctx: KernelContext, B: int, R: int, load: Callable[[int, in
         b.emit("wait", flag=ctx.flag(*ROUND_LOAD_FLAGS[k % depth]))
         if k >= depth and not by_batch:  # round k - depth's stores still read these C tiles
             b.emit("wait", flag=ctx.flag(*ROUND_STORE_FLAGS[k % depth]))
-        compute(slots(k), k % 2)
+        compute(slots(k), k % 2, k % depth)
         if not by_batch:
             store_round(k)
             continue
@@ -898,12 +916,13 @@ def _mm_rows(ctx: KernelContext, a: Region, a_row: int, c_tile: Region, lo: int,
 
 
 def _mxu_by_row(ctx: KernelContext, a: Region, panels: list[Region], c: Region, M: int, KT: int, trans_b: bool,
-                parity: int) -> None:
+                parity: int, second_half: tuple[int, tuple[Flag, int]] | None = None) -> None:
     """C[m, nt] = sum over k-tiles kt of A[m, kt] @ W[kt, nt], A and C row-major (A row m's k-tile kt at region
     row m * KT + kt, C's n-tile nt at m * NT + nt; panel nt holds W's k-tiles): per weight tile a load and M
     one-row commands, the first swapping the weights in (overwriting C at kt 0, then accumulating). The next
     tile's weights load right after that swap, so the weight port does not wait for the other rows'
-    commands. Each row in k-tile order: the bits of the tile-wise commands."""
+    commands. Each row in k-tile order: the bits of the tile-wise commands. `second_half`: the weight tiles from
+    this one on (in that order) land on that flag, waited for before the first of them loads."""
     b, L, NT = ctx.b, ctx.lanes, len(panels)
     fw, f = ctx.flag(Flag.WEIGHTS, parity), ctx.flag(Flag.MXU, parity)
     tiles = [(nt, kt) for nt in range(NT) for kt in range(KT)]
@@ -920,6 +939,8 @@ def _mxu_by_row(ctx: KernelContext, a: Region, panels: list[Region], c: Region, 
             b.emit(op, None, (b.const(a.row + ra), b.const(c.row + rc), b.const(1)), flag=f,
                    mem=(a.mem(ra, ra + 1), c.mem(rc, rc + 1, True)))
             if m == 0 and j + 1 < len(tiles):
+                if second_half is not None and j + 1 == second_half[0]:
+                    b.emit("wait", flag=ctx.flag(*second_half[1]))
                 lw(*tiles[j + 1])
 
 

@@ -677,3 +677,56 @@ def test_decode_attention_matmuls_move_a_heads_rows_in_one_dma_and_give_the_same
     tiled, tiled_commands, tiled_cycles = build()
     np.testing.assert_array_equal(out.view(np.uint32), tiled.view(np.uint32))
     assert commands < tiled_commands - 200 and cycles < tiled_cycles - 1000  # 60 and 300; 12,067 and 13,331
+
+
+@pytest.mark.parametrize(("heads", "dim", "keys"), [(32, 64, 4001), (16, 128, 4095)])
+def test_decode_attention_rounds_move_each_heads_keys_and_values_in_halves(
+        monkeypatch: pytest.MonkeyPatch, heads: int, dim: int, keys: int) -> None:
+    """Decode attention at ~4096 keys on `large` (the 1B's 32 heads of dim 64, Qwen3's 16 of 128; keys not a
+    multiple of the tile): vmem holds a few KV heads at once, so q @ K^T and P @ V run a round a KV head, the
+    DMA no faster than the MXU. Each head's K (V) moves in two halves on flags of their own and the MXU starts
+    on the first: the same bits as whole heads (inf keys, a NaN masked value, -0 and a subnormal in q, masked
+    keys), and each matmul's tail after its last load half a head shorter (1B layer: q @ K^T 5,607 -> 5,342
+    cycles, P @ V 5,895 -> 5,642)."""
+    torch.manual_seed(6)
+    rep = heads // 8
+    q = torch.randn(1, heads, 1, dim).bfloat16()
+    k, v = torch.randn(1, 8, keys, dim).bfloat16(), torch.randn(1, 8, keys, dim).bfloat16()
+    mask = torch.zeros(1, 1, 1, keys).bfloat16()
+    mask[..., keys - 37:] = float("-inf")
+    k[0, 7, keys // 3, 5] = float("inf")  # the last head (its second half of keys lands apart)
+    q[0, 7 * rep:, 0, 5] = q[0, 7 * rep:, 0, 5].abs() + 0.5
+    v[0, 0, keys - 3, 11] = float("nan")  # masked: 0 x NaN is NaN, as eager
+    v[0, 7, keys - 100, 2] = float("inf")
+    q[0, 1, 0, 3], q[0, 3, 0, 4] = -0.0, 1e-39
+    args = [q, k, v, mask]
+    inputs = [t.float().numpy() for t in args]
+    halves: list[bool] = []
+    resident = isel_matmul._resident_batches
+
+    def spy(ctx: object, kernel: MatmulKernel, *rest: object) -> bool:
+        done = resident(ctx, kernel, *rest)
+        halves.append(done and any(i.flag == int(isel_matmul.ROUND_HALF_FLAGS[0][0]) + 1 for blk in ctx.b.func.blocks
+                                   for i in blk.instrs if i.op == "wait"))
+        return done
+
+    monkeypatch.setattr(isel_matmul, "_resident_batches", spy)
+
+    def build() -> tuple[np.ndarray, int]:
+        gm, _ = fx_passes.run_passes(trace(_decode_attention, *args), args)
+        cg = compile_graph(gm, args, "large")
+        (out,) = run_with_poisoned_vmem(cg, inputs)
+        _, stats = run_fresh(cg, inputs, SimulatorRunner("large"))
+        return out, stats.cycles
+
+    out, cycles = build()
+    assert halves == [True, True]  # q @ K^T and P @ V
+    ref = _decode_attention(*(t.float() for t in args)).numpy()
+    nan = np.isnan(ref).any(axis=-1).ravel()
+    assert list(np.flatnonzero(nan)) == [*range(rep), *range(7 * rep, 8 * rep)]
+    assert np.isnan(out).any(axis=-1).ravel().tolist() == nan.tolist()
+    np.testing.assert_allclose(out[~np.isnan(ref)], ref[~np.isnan(ref)], rtol=2e-2, atol=2e-2)
+    monkeypatch.setattr(isel_matmul, "ROUND_HALVES", False)
+    whole, whole_cycles = build()
+    np.testing.assert_array_equal(out.view(np.uint32), whole.view(np.uint32))
+    assert cycles < whole_cycles - 300, (cycles, whole_cycles)
