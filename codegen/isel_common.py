@@ -48,6 +48,7 @@ class Flag(IntEnum):
     ROWS = 11  # gathered rows in / scatter update rows in
     OUT = 12  # gather / scatter / iota results out
     WEIGHTS = 13  # width 2: matmul weight loads (`mxu.lw*`) done: their B panel may be overwritten
+    HALF = 15  # the second half of a chain's rows in (`isel_vector.lower_chain`)
 
 
 STORE_FLAGS = (Flag.STORE, Flag.STORE + 1, Flag.OUT)  # a kernel leaves these DMA stores in flight

@@ -22,6 +22,7 @@ Reductions (last iterator) combine `f(inputs)` across lanes, masking padding lan
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -919,33 +920,86 @@ def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
         m.out_tile = ctx.region(m.rows * m.pitch(m.streams[-1])[0] + 8, "out")
         written[m.streams[-1].view.buffer] = m
     once = [(s, m) for s, m in loads if _moved_once(s, m)]
-    for s, m in sorted(loads, key=lambda sm: not _moved_once(*sm)):  # those first: they are copied as the rest land
+    rest = [(s, m) for s, m in loads if not _moved_once(s, m)]
+    for s, m in once:  # first: they are copied as the rest land
         assert s.tiles is not None
-        single = _moved_once(s, m)
-        ctx.dma(True, s.view.dtype, ctx.hbm_addr(s.view, s.base), s.tiles[0], 0, 1 if single else m.rows,
-                m.pitch(s)[1], s.row_stride, Flag.LOAD, parity=int(single), rows_reg=None if single else moved)
+        ctx.dma(True, s.view.dtype, ctx.hbm_addr(s.view, s.base), s.tiles[0], 0, 1, m.pitch(s)[1], s.row_stride,
+                Flag.LOAD, parity=1)
+    # the rows of each part: None, every member's own rows (one part)
+    parts: list[tuple[int, int] | None] = (_row_halves(ctx, chain, rest) if moved is None else None) or [None]
+    for part, flag in zip(parts, ROW_HALF_FLAGS, strict=False):
+        for s, m in rest:
+            assert s.tiles is not None
+            r0, count = part or (0, m.rows)
+            ctx.dma(True, s.view.dtype, ctx.hbm_addr(s.view, s.base + r0 * s.row_stride), s.tiles[0],
+                    r0 * m.pitch(s)[0], count, m.pitch(s)[1], s.row_stride, flag, rows_reg=moved)
     if once:
         b.emit("wait", flag=ctx.flag(Flag.LOAD, 1))
         for s, m in once:
             assert s.tiles is not None
             _copy_first_row(b, s.tiles[0], m.rows, m.P)
-    if len(once) < len(loads):
-        b.emit("wait", flag=ctx.flag(Flag.LOAD))
-    for j, m in enumerate(chain.members):
-        # a block per member: the list scheduler, which works per block, keeps each member's register
-        # pressure its own (two sin / cos range reductions interleaved did not fit the registers)
-        b.new_block("chain_member")
-        k, out = m.kernel, m.streams[-1]
-        assert m.out_tile is not None
-        rows = computed(m)
-        for s in m.streams[:-1]:
-            if s.expanded is not None:
-                assert s.tiles is not None
-                _broadcast_rows(b, s.tiles[0], s.expanded, m.rows, m.P, s.view.dtype in ("i32", "i1"), rows)
-        if k.reduction:
-            _reduce_tile(ctx, k.body, m.streams, 0, m.out_tile, m.rows, m.C, m.P, k.init, rows)
-        else:
-            _map_tile(ctx, k.body, m.streams, 0, m.out_tile, m.rows, m.P, rows)
-        if j not in chain.private:
-            ctx.dma(False, out.view.dtype, ctx.hbm_addr(out.view, out.base), m.out_tile, 0, m.rows,
-                    m.pitch(out)[1], out.row_stride, Flag.STORE, rows_reg=moved)
+    for part, flag in zip(parts, ROW_HALF_FLAGS, strict=False):
+        if rest:
+            b.emit("wait", flag=ctx.flag(flag))
+        for j, m in enumerate(chain.members):
+            # a block per member: the list scheduler, which works per block, keeps each member's register
+            # pressure its own (two sin / cos range reductions interleaved did not fit the registers)
+            b.new_block("chain_member")
+            k, out = m.kernel, m.streams[-1]
+            assert m.out_tile is not None
+            rows = computed(m)
+            r0, count = part or (0, m.rows)
+            streams, out_tile = _rows_of(m, r0, count)
+            for s in streams[:-1]:
+                if s.expanded is not None:
+                    assert s.tiles is not None
+                    _broadcast_rows(b, s.tiles[0], s.expanded, count, m.P, s.view.dtype in ("i32", "i1"), rows)
+            if k.reduction:
+                _reduce_tile(ctx, k.body, streams, 0, out_tile, count, m.C, m.P, k.init, rows)
+            else:
+                _map_tile(ctx, k.body, streams, 0, out_tile, count, m.P, rows)
+            if j not in chain.private:
+                ctx.dma(False, out.view.dtype, ctx.hbm_addr(out.view, out.base + r0 * out.row_stride), out_tile, 0,
+                        count, m.pitch(out)[1], out.row_stride, Flag.STORE, rows_reg=moved)
+
+
+# a chain's loads in two halves of its rows: the first on LOAD, the second on a flag of its own
+ROW_HALF_FLAGS = (Flag.LOAD, Flag.HALF)
+
+
+def _row_halves(ctx: KernelContext, chain: KernelChain, loads: list[tuple[Stream, ChainMember]]
+                ) -> list[tuple[int, int] | None] | None:
+    """The chain's rows as (first row, count) parts: two halves where its loads take a DMA latency or more of
+    transfer (a decode softmax's 512 KiB of scores at 4096 keys: the members compute the first half while the
+    second lands, and store the first half's outputs while they compute the second), else None (one part).
+    Every member runs row by row (a reduction along a row), so each element's arithmetic is the same either
+    way."""
+    n = chain.members[0].rows
+    whole = None
+    cfg = ctx.config
+    moved = sum(m.rows * m.C * ESIZE[s.view.dtype] for s, m in loads)
+    if n % 2 or moved < cfg.hbm_bytes_per_cycle * cfg.dma_latency \
+            or any(m.rows != n or m.valid is not None for m in chain.members):
+        return whole
+    half = n // 2
+    if any(half * m.pitch(s)[0] % 8 or half * m.P % 8 for m in chain.members for s in m.streams):
+        return whole  # a half would share a chunk of 8 vmem rows with the other
+    return [(0, half), (half, n - half)]
+
+
+def _rows_of(m: ChainMember, r0: int, count: int) -> tuple[list[Stream], Region]:
+    """m's streams and output tile restricted to rows [r0, r0 + count) (views of their tiles)."""
+    assert m.out_tile is not None
+    if (r0, count) == (0, m.rows):
+        return m.streams, m.out_tile
+
+    def rows(region: Region | None, pitch: int) -> Region | None:
+        return None if region is None else region.view(r0 * pitch, count * pitch)
+
+    streams = []
+    for s in m.streams:
+        tiles = s.tiles and (rows(s.tiles[0], m.pitch(s)[0]), rows(s.tiles[1], m.pitch(s)[0]))
+        streams.append(dataclasses.replace(s, tiles=tiles, expanded=rows(s.expanded, m.P)))
+    out = rows(m.out_tile, m.pitch(m.streams[-1])[0])
+    assert out is not None
+    return streams, out
