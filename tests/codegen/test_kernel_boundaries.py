@@ -23,7 +23,7 @@ from codegen.isel_vector import KernelChain
 from codegen.kernel_graph import FillKernel, MatmulKernel, ScatterKernel, View
 from codegen.mir import Function, Mem
 from device_sim.config import get_config
-from device_sim.executable import run_fresh
+from device_sim.executable import Executable, RunStats, run_fresh
 from device_sim.runners import SimulatorRunner
 
 
@@ -598,6 +598,19 @@ def test_a_decode_softmax_over_a_2048_key_chunk_is_one_chain(monkeypatch: pytest
     assert kernels == 1 < many and cycles < unchained_cycles - 2 * get_config("large").dma_latency  # 7,429
 
 
+def _masked_softmax(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(torch.where(m, s * 0.125, float("-inf")), -1)
+
+
+def _run_masked_softmax(x: torch.Tensor, mask: torch.Tensor) -> tuple[np.ndarray, Executable, RunStats]:
+    """`_masked_softmax` compiled for `large`: its output with vmem poisoned, the program, a fresh run's stats."""
+    cg = compile_graph(trace(_masked_softmax, x, mask), [x, mask], "large")
+    inputs = [x.numpy(), mask.numpy()]
+    (out,) = run_with_poisoned_vmem(cg, inputs)
+    _, stats = run_fresh(cg, inputs, SimulatorRunner("large"))
+    return out, cg, stats
+
+
 @pytest.mark.parametrize("valid", [4096, 3001, 0])
 def test_a_decode_softmax_loads_its_key_mask_once_not_once_a_head(monkeypatch: pytest.MonkeyPatch,
                                                                    valid: int) -> None:
@@ -613,18 +626,12 @@ def test_a_decode_softmax_loads_its_key_mask_once_not_once_a_head(monkeypatch: p
     x[0, 11, 0, 200] = 3.0e38
     mask = torch.arange(4096) < valid
 
-    def softmax(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(torch.where(m, s * 0.125, float("-inf")), -1)
-
     def build() -> tuple[np.ndarray, int, int]:
-        cg = compile_graph(trace(softmax, x, mask), [x, mask], "large")
-        inputs = [x.numpy(), mask.numpy()]
-        (out,) = run_with_poisoned_vmem(cg, inputs)
-        _, stats = run_fresh(cg, inputs, SimulatorRunner("large"))
+        out, _, stats = _run_masked_softmax(x, mask)
         return out, stats.cycles, stats.dma_bytes_loaded
 
     out, cycles, loaded = build()
-    np.testing.assert_allclose(out, softmax(x, mask).numpy(), rtol=1e-5, atol=1e-7, equal_nan=True)
+    np.testing.assert_allclose(out, _masked_softmax(x, mask).numpy(), rtol=1e-5, atol=1e-7, equal_nan=True)
     monkeypatch.setattr(isel_vector, "_moved_once", lambda *_: False)
     every, every_cycles, every_loaded = build()
     np.testing.assert_array_equal(out.view(np.uint32), every.view(np.uint32))
@@ -633,6 +640,18 @@ def test_a_decode_softmax_loads_its_key_mask_once_not_once_a_head(monkeypatch: p
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def _decode_attention_inputs(heads: int, dim: int, keys: int, seed: int) -> list[torch.Tensor]:
+    """One decode step's bf16 q [1, heads, 1, dim] over 8 KV heads of `keys` keys, the last 37 masked (an
+    additive bf16 mask), -0 and a subnormal in q."""
+    torch.manual_seed(seed)
+    q = torch.randn(1, heads, 1, dim).bfloat16()
+    k, v = torch.randn(1, 8, keys, dim).bfloat16(), torch.randn(1, 8, keys, dim).bfloat16()
+    mask = torch.zeros(1, 1, 1, keys).bfloat16()
+    mask[..., keys - 37:] = float("-inf")
+    q[0, 1, 0, 3], q[0, 3, 0, 4] = -0.0, 1e-39
+    return [q, k, v, mask]
 
 
 @pytest.mark.parametrize(("heads", "dim", "keys"), [(32, 64, 2001), (32, 64, 2048), (16, 128, 1025)])
@@ -645,16 +664,11 @@ def test_decode_attention_matmuls_move_a_heads_rows_in_one_dma_and_give_the_same
     # command a row. inf in a key (its heads' rows NaN, as eager), NaN in a
     # masked key's value (0 x NaN: NaN, as eager), -0 and a subnormal in q; vmem poisoned at each kernel's
     # start. At 2048 the bits are the tile-wise commands' (whose compile at 2001 keys took over 10 minutes)
-    torch.manual_seed(4)
     rep = heads // 8
-    q = torch.randn(1, heads, 1, dim).bfloat16()
-    k, v = torch.randn(1, 8, keys, dim).bfloat16(), torch.randn(1, 8, keys, dim).bfloat16()
-    mask = torch.zeros(1, 1, 1, keys).bfloat16()
-    mask[..., keys - 37:] = float("-inf")
+    q, k, v, mask = _decode_attention_inputs(heads, dim, keys, 4)
     k[0, 2, keys // 2, 7] = float("inf")
     q[0, 2 * rep:3 * rep, 0, 7] = q[0, 2 * rep:3 * rep, 0, 7].abs() + 0.5  # +inf scores: kv head 2's heads
     v[0, 5, keys - 3, 11] = float("nan")
-    q[0, 1, 0, 3], q[0, 3, 0, 4] = -0.0, 1e-39
     args = [q, k, v, mask]
     inputs = [t.float().numpy() for t in args]
 
@@ -689,17 +703,12 @@ def test_decode_attention_rounds_move_each_heads_keys_and_values_in_halves(
     on the first: the same bits as whole heads (inf keys, a NaN masked value, -0 and a subnormal in q, masked
     keys), and each matmul's tail after its last load half a head shorter (1B layer: q @ K^T 5,607 -> 5,342
     cycles, P @ V 5,895 -> 5,642)."""
-    torch.manual_seed(6)
     rep = heads // 8
-    q = torch.randn(1, heads, 1, dim).bfloat16()
-    k, v = torch.randn(1, 8, keys, dim).bfloat16(), torch.randn(1, 8, keys, dim).bfloat16()
-    mask = torch.zeros(1, 1, 1, keys).bfloat16()
-    mask[..., keys - 37:] = float("-inf")
+    q, k, v, mask = _decode_attention_inputs(heads, dim, keys, 6)
     k[0, 7, keys // 3, 5] = float("inf")  # the last head (its second half of keys lands apart)
     q[0, 7 * rep:, 0, 5] = q[0, 7 * rep:, 0, 5].abs() + 0.5
     v[0, 0, keys - 3, 11] = float("nan")  # masked: 0 x NaN is NaN, as eager
     v[0, 7, keys - 100, 2] = float("inf")
-    q[0, 1, 0, 3], q[0, 3, 0, 4] = -0.0, 1e-39
     args = [q, k, v, mask]
     inputs = [t.float().numpy() for t in args]
     halves: list[bool] = []
@@ -749,19 +758,13 @@ def test_a_long_softmax_chain_computes_its_first_half_of_rows_while_the_second_l
     mask = torch.rand(1, heads, 1, keys) < 0.9
     mask[0, heads // 2] = False  # a fully masked row in the second half: NaN, as eager
 
-    def softmax(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(torch.where(m, s * 0.125, float("-inf")), -1)
-
     def build() -> tuple[np.ndarray, int, int]:
-        cg = compile_graph(trace(softmax, x, mask), [x, mask], "large")
-        inputs = [x.numpy(), mask.numpy()]
-        (out,) = run_with_poisoned_vmem(cg, inputs)
-        _, stats = run_fresh(cg, inputs, SimulatorRunner("large"))
+        out, cg, stats = _run_masked_softmax(x, mask)
         return out, stats.cycles, cg.stages["program.s"].count(f"wait f{int(Flag.HALF)}\n")
 
     out, cycles, halves = build()
     assert halves
-    np.testing.assert_allclose(out, softmax(x, mask).numpy(), rtol=1e-5, atol=1e-7, equal_nan=True)
+    np.testing.assert_allclose(out, _masked_softmax(x, mask).numpy(), rtol=1e-5, atol=1e-7, equal_nan=True)
     monkeypatch.setattr(isel_vector, "_row_halves", lambda *_: None)
     whole, whole_cycles, none = build()
     assert not none
