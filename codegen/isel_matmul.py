@@ -282,13 +282,14 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
             ctx.dma(True, a.dtype, ctx.hbm_addr(a, at(a, i)), a_slot(i, s)[0], 0, M, K, a.strides[-2], role, parity)
         else:
             _dma_tiles(ctx, a, ctx.hbm_addr(a, at(a, i)), a_slot(i, s)[0], mt, KT, M, K, role, parity)
-        rows, stride = (bm.shape[-1], bm.strides[-1]) if whole_b else (K, bm.strides[-2])
-        region = raw_b[s] if whole_b else panels[s][0][0]
-        if halves:
-            ctx.dma(True, bm.dtype, ctx.hbm_addr(bm, at(bm, i)), region, 0, half, bm.shape[-2 if whole_b else -1],
-                    stride, role, parity)
-            ctx.dma(True, bm.dtype, ctx.hbm_addr(bm, at(bm, i) + half * stride), region, half, rows - half,
-                    bm.shape[-2 if whole_b else -1], stride, *ROUND_HALF_FLAGS[ROUND_LOAD_FLAGS.index((role, parity))])
+        if halves:  # B's rows (keys of K^T, or V's rows) by halves: whole_b's shape is B transposed
+            rows, width = bm.shape[-2:][::-1] if whole_b else bm.shape[-2:]
+            stride = bm.strides[-1 if whole_b else -2]
+            region = raw_b[s] if whole_b else panels[s][0][0]
+            second = ROUND_HALF_FLAGS[ROUND_LOAD_FLAGS.index((role, parity))]
+            ctx.dma(True, bm.dtype, ctx.hbm_addr(bm, at(bm, i)), region, 0, half, width, stride, role, parity)
+            ctx.dma(True, bm.dtype, ctx.hbm_addr(bm, at(bm, i) + half * stride), region, half, rows - half, width,
+                    stride, *second)
             return
         if whole_b:
             ctx.dma(True, bm.dtype, ctx.hbm_addr(bm, at(bm, i)), raw_b[s], 0, bm.shape[-1], K, bm.strides[-1],

@@ -926,7 +926,8 @@ def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
         ctx.dma(True, s.view.dtype, ctx.hbm_addr(s.view, s.base), s.tiles[0], 0, 1, m.pitch(s)[1], s.row_stride,
                 Flag.LOAD, parity=1)
     # the rows of each part: None, every member's own rows (one part)
-    parts: list[tuple[int, int] | None] = (_row_halves(ctx, chain, rest) if moved is None else None) or [None]
+    halves = _row_halves(ctx, chain, rest) if moved is None else None
+    parts: list[tuple[int, int] | None] = list(halves) if halves else [None]
     for part, flag in zip(parts, ROW_HALF_FLAGS, strict=False):
         for s, m in rest:
             assert s.tiles is not None
@@ -968,23 +969,21 @@ ROW_HALF_FLAGS = (Flag.LOAD, Flag.HALF)
 
 
 def _row_halves(ctx: KernelContext, chain: KernelChain, loads: list[tuple[Stream, ChainMember]]
-                ) -> list[tuple[int, int] | None] | None:
+                ) -> list[tuple[int, int]] | None:
     """The chain's rows as (first row, count) parts: two halves where its loads take a DMA latency or more of
     transfer (a decode softmax's 512 KiB of scores at 4096 keys: the members compute the first half while the
     second lands, and store the first half's outputs while they compute the second), else None (one part).
     Every member runs row by row (a reduction along a row), so each element's arithmetic is the same either
     way."""
-    n = chain.members[0].rows
-    whole = None
-    cfg = ctx.config
+    n, cfg = chain.members[0].rows, ctx.config
     moved = sum(m.rows * m.C * ESIZE[s.view.dtype] for s, m in loads)
     if n % 2 or moved < cfg.hbm_bytes_per_cycle * cfg.dma_latency \
             or any(m.rows != n or m.valid is not None for m in chain.members):
-        return whole
+        return None
     half = n // 2
     if any(half * m.pitch(s)[0] % 8 or half * m.P % 8 for m in chain.members for s in m.streams):
-        return whole  # a half would share a chunk of 8 vmem rows with the other
-    return [(0, half), (half, n - half)]
+        return None  # a half would share a chunk of 8 vmem rows with the other
+    return [(0, half), (half, half)]
 
 
 def _rows_of(m: ChainMember, r0: int, count: int) -> tuple[list[Stream], Region]:
