@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from codegen.isel_common import Flag, KernelContext, Region
 from codegen.kernel_graph import (
     Access,
@@ -68,8 +70,16 @@ def _canon(x: Any, graph: KernelGraph, names: dict[str, int]) -> Any:
     if isinstance(x, list | tuple):
         return tuple(_canon(e, graph, names) for e in x)
     if isinstance(x, float):
-        return x.hex()  # NaN equals NaN, -0.0 differs from 0.0
+        return constant_key(x)
     return x
+
+
+def constant_key(x: float) -> Any:
+    """A constant as a hashable key: -0.0 differs from 0.0, and NaNs by their 32-bit lane pattern, which is
+    how an integer constant travels (`kernel_graph.constant_value`: -16 is the NaN 0xfffffff0; keyed on its
+    float value alone, the causal masks of a prefill's key tiles, which differ only by that offset, looked
+    identical and ran as a loop of the first one: issue 12's silent wrong answer at 2048 tokens)."""
+    return x.hex() if x == x else ("nan", int(np.array(x, dtype=np.float32).view(np.uint32)))
 
 
 def _canon_body(p: ScalarProgram) -> tuple[Any, ...]:
@@ -78,7 +88,7 @@ def _canon_body(p: ScalarProgram) -> tuple[Any, ...]:
 
     def ref(n: str) -> Any:
         if n in p.constants:
-            return ("const", float(p.constants[n]).hex())
+            return ("const", constant_key(float(p.constants[n])))
         return local.setdefault(n, len(local))
 
     args = tuple(ref(a) for a in p.args)

@@ -36,13 +36,13 @@ def _compile(fn, *inputs: torch.Tensor, config: str = "small", **options) -> tup
 
 
 def _llama(layers: int, dtype: torch.dtype = torch.float32, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-           vocab: int = 128) -> torch.nn.Module:
+           vocab: int = 128, positions: int = 64) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
-                      max_position_embeddings=64, use_cache=False)
+                      max_position_embeddings=positions, use_cache=False)
     return LlamaForCausalLM(cfg).eval().to(dtype)
 
 
@@ -193,6 +193,26 @@ def test_large_bf16_llama_layers_loop() -> None:
     assert sizes[4] <= 1.05 * sizes[1] and body > 0.5 * sizes[1], (sizes, body)
 
 
+def test_a_prefills_causal_masks_per_key_tile_are_not_a_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 12's silent wrong answer (the 1B geometry's 2048-token prefill, 8 key tiles of 256): the layers
+    share one causal mask per key tile, `j <= i - 256 t`, kernels that differ only by their integer offset,
+    which travels as the NaN bit pattern of its i32 lanes. Keyed on their float value, the 7 masks after the
+    first looked equal and ran as a loop of the second tile's mask. Here the same structure at 127 tokens in
+    8 tiles of 16 keys (bf16, head dim 64, `large`): the masks stay apart and the logits are eager's."""
+    import codegen.attention
+
+    monkeypatch.setattr(codegen.attention, "key_tile", lambda cfg, rows, keys: min(keys, 16))
+    model = _llama(2, torch.bfloat16, hidden=256, heads=4, kv_heads=2, vocab=256, positions=128)
+    ids = torch.randint(0, 256, (1, 127), generator=torch.Generator().manual_seed(1))
+    exe, args = _compile(lambda ids: model(ids).logits, ids, config="large")
+    masks = [line for line in exe.stages["kernels.txt"].splitlines() if "arith.cmpi.sle" in line]
+    assert len(masks) == 8 and exe.summary["loops"] == [], exe.summary["loops"]
+    (out,), _ = run_fresh(exe, args, SimulatorRunner(exe.config))
+    with torch.no_grad():
+        ref = model(ids).logits.float().numpy()
+    np.testing.assert_allclose(out, ref, rtol=3e-2, atol=3e-2)
+
+
 # ---- the search, on kernel graphs --------------------------------------------------------------------
 def _view(name: str, shape: tuple[int, ...] = (8, 8)) -> View:
     return View(name, 0, shape, (shape[1], 1), "f32")
@@ -237,6 +257,19 @@ def test_find_loops_refuses_a_different_constant() -> None:
     (loop,) = find_loops(_graph(_layers(4, const=2.0)), min_saved=1)
     assert (loop.first, loop.repeats) == (0, 3)
     assert find_loops(_graph(_layers(4, const=float("nan"))), min_saved=1)[0].repeats == 3
+
+
+def test_find_loops_tells_integer_constants_apart() -> None:
+    """An integer constant is the float of its 32-bit lane pattern: -16 and -32 are two different NaNs."""
+    def layers(offsets: list[int]) -> list:
+        out = []
+        for i, offset in enumerate(offsets):
+            lanes = float(np.array(offset & 0xFFFFFFFF, dtype=np.uint32).view(np.float32))
+            out += _layers(i + 1, const=lanes)[-3:]  # layer i of i + 1, constant `lanes`
+        return out
+
+    assert find_loops(_graph(layers([-16] * 4)), min_saved=1)[0].repeats == 4
+    assert find_loops(_graph(layers([-16, -32, -48, -64])), min_saved=1) == []
 
 
 def test_find_loops_splits_a_slot_a_repetition_reuses() -> None:
