@@ -16,6 +16,7 @@ the addresses it uses.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -35,7 +36,7 @@ from codegen.isel_common import SPILL_ROWS, Flag, KernelContext, Region, table_r
 from codegen.isel_decode import issue_prefetch, plan_prefetches, split_ragged_streams
 from codegen.isel_gather import lower_gather, lower_iota, lower_scatter
 from codegen.isel_matmul import lower_matmul
-from codegen.isel_vector import KernelChain, form_chains, lower_chain, lower_fill, lower_generic
+from codegen.isel_vector import KernelChain, form_chains, lower_chain, lower_fill, lower_generic, rows_moved_once
 from codegen.kernel_graph import (
     FillKernel,
     GatherKernel,
@@ -50,6 +51,7 @@ from codegen.kernel_graph import (
     describe,
     read_function,
     views_of,
+    written_buffer,
 )
 from codegen.layer_loop import (
     Loop,
@@ -509,6 +511,7 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
         for chain in {id(k): k for k, _ in emitted if isinstance(k, KernelChain)}.values():
             chain.private = private_chain_outputs(graph, loops, chain, touched)
     prefetches = plan_prefetches(cfg, emitted, free_rows)
+    preloads = _preloads(emitted, loops)
     table_word = fixed  # the next loop's address table, in words from the arena's start
     loop: Loop | None = None
     for i, k in enumerate(graph.kernels):
@@ -538,9 +541,12 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
             info |= {"function": None, "bundles": 0, "chained_into": lowered.first}
         else:
             ctx.prefetch = prefetches.get(i)
-            func = function(f"kernel {i} ({type(lowered).__name__})", f"k{i}", lambda k=lowered: _lower(ctx, k))
+            func = function(f"kernel {i} ({type(lowered).__name__})", f"k{i}",
+                            lambda k=lowered, i=i: _lower(ctx, k, preloads.get(i, [])))
             if ctx.prefetch is not None and ctx.prefetch.carried:
                 info["vmem_carried"] = list(ctx.prefetch.carried)
+            if ctx.taken:  # rows it reads where the kernel before left them (`KernelContext.take_resident`)
+                info["vmem_resident"] = [list(rows) for rows in ctx.taken]
             ctx.prefetch = None
             info["function"] = len(funcs) - 1
             info["instructions"] = sum(len(blk.instrs) for blk in func.blocks)
@@ -611,7 +617,38 @@ def _emitted_kernels(graph: KernelGraph, loops: list[Loop]) -> list[tuple[Kernel
     return out
 
 
-def _lower(ctx: KernelContext, k: Kernel) -> None:
+def _preloads(emitted: list[tuple[Kernel | None, int]], loops: list[Loop]
+              ) -> dict[int, list[tuple[View, int, int, int]]]:
+    """For a kernel whose function the next kernel's follows (same segment) where that one is a chain: the rows
+    the chain moves once that this kernel does not write, which it loads for the chain (`rows_moved_once`).
+    In a loop's body buffers are slots: two slots are one buffer where a repetition's row names it twice."""
+    starts = [i for i, (k, _) in enumerate(emitted)
+              if k is not None and not (isinstance(k, KernelChain) and k.first != i)]
+    out = {}
+    for i, j in itertools.pairwise(starts):
+        (k, segment), (chain, next_segment) = emitted[i], emitted[j]
+        if not isinstance(chain, KernelChain) or segment != next_segment:
+            continue
+        loop = next((lp for lp in loops if lp.first <= i < lp.first + lp.period), None)
+        writes = {m.kernel.output.view.buffer for m in k.members} if isinstance(k, KernelChain) \
+            else {written_buffer(k)}
+        rows = [r for r in rows_moved_once(chain) if not any(_same_buffer(r[0].buffer, w, loop) for w in writes)]
+        if rows:
+            out[i] = rows
+    return out
+
+
+def _same_buffer(a: str, b: str, loop: Loop | None) -> bool:
+    """Whether two buffer names of a kernel's views (a loop body's: slots) name one buffer in some run."""
+    if a == b:
+        return True
+    if loop is None:
+        return False
+    names = {slot_name(j): j for j in range(len(loop.slots[0]))}
+    return a in names and b in names and any(row[names[a]] == row[names[b]] for row in loop.slots)
+
+
+def _lower(ctx: KernelContext, k: Kernel, preloads: Sequence[tuple[View, int, int, int]] = ()) -> None:
     if isinstance(k, KernelChain):
         lower_chain(ctx, k)
     elif isinstance(k, GenericKernel):
@@ -628,6 +665,8 @@ def _lower(ctx: KernelContext, k: Kernel) -> None:
         lower_matmul(ctx, k)
     if ctx.prefetch is not None and ctx.prefetch.issue is not None and not isinstance(k, MatmulKernel):
         issue_prefetch(ctx)  # a stream issues its prefetch along its last iteration
+    for view, base, cols, stride in preloads:  # in the rows the kernel left free, issued at its start
+        ctx.preload_row(view, base, cols, stride)
 
 
 def _kind(k: Kernel) -> str:

@@ -9,6 +9,12 @@ on STORE_FLAGS before its first vmem write to those rows, unless a wait on its o
 covers them). The context keeps the rows the earlier kernels' stores may still read (`_in_flight`), so a
 kernel that writes other rows (an iota, the zero rows of a padded weight panel) starts without waiting.
 
+Two exceptions carry vmem rows across a boundary. A decode stream's prefetched weights (`isel_decode`: the
+kernels before it stay under a ceiling). And *residents* (`Resident`): rows a kernel leaves for the function
+right after it, exactly as a load would bring them, which that kernel then reads in place of the load
+(`leave`, `take_resident`): decode's f32 scores from q @ K^T to the softmax chain, and rows a kernel loads
+for the chain after it (`preload_row`: the key mask, whose DMA latency then runs along q @ K^T's work).
+
 HBM addresses: the program's entry copies the launch's argument table (the HBM addresses of the graph's
 inputs and of its arena) into vmem rows `args_row`..; a kernel loads the entries it uses (`vld` + `vext`)
 at its start, into ordinary virtual registers. So no register lives from one kernel into the next, and a
@@ -25,7 +31,7 @@ from typing import Any
 from codegen.builder import Builder
 from codegen.errors import CapacityError
 from codegen.kernel_graph import ESIZE, View
-from codegen.mir import ZERO, Function, Mem, MInstr, Reg
+from codegen.mir import ZERO, Block, Function, Mem, MInstr, Reg
 from codegen.regalloc import SPILL_SLOTS
 from device_sim.config import HardwareConfig
 from device_sim.isa import DMA_SHAPE_COLS_MASK, DMA_SHAPE_ROWS_SHIFT, NUM_FLAGS, Unit
@@ -76,6 +82,22 @@ class Region:
     def view(self, offset: int, rows: int) -> Region:
         """Rows [offset, offset + rows) as a region of their own: one DMA can fill several views."""
         return Region(self.name, self.row + offset, rows, self.base + offset)
+
+
+@dataclass(frozen=True)
+class Resident:
+    """Elements of a buffer a kernel leaves in its vmem for the next kernel to read there instead of loading
+    them: `rows` rows of `cols` elements (row r's from element `base + r * stride`), laid out as a DMA of
+    that shape would load them (row r at region row r * ceil(cols / lanes), zero past a row's last element).
+    Bit for bit what the load would bring: the kernel also stores them, and ends waiting for what writes them."""
+
+    buffer: str
+    dtype: str
+    base: int
+    rows: int
+    cols: int
+    stride: int
+    region: Region
 
 
 def wait_for_stores() -> list[MInstr]:
@@ -148,6 +170,9 @@ class KernelContext:
     _args: dict[int, Reg] = field(default_factory=dict)
     _named: dict[str, Region] = field(default_factory=dict)  # this kernel's regions by name
     _in_flight: Rows = field(default_factory=list)  # rows the earlier kernels' stores may still read
+    resident: tuple[Resident, ...] = ()  # what the function before this one left in vmem (`take_resident`)
+    _leaving: list[Resident] = field(default_factory=list)  # what this one leaves (`leave`)
+    taken: list[tuple[int, int]] = field(default_factory=list)  # rows it reads where the kernel before left them
     _scratch_used: int = 0
     scratch_peak: int = 0
 
@@ -179,6 +204,8 @@ class KernelContext:
         self._named = {}
         self.hbm_base = {}
         self.kernel = kernel
+        # only the function just before: a loop's init, header or footer in between leaves nothing
+        self.resident, self._leaving, self.taken = tuple(self._leaving), [], []
 
     def forget_stores(self) -> None:
         """The next function may run after code other than the one emitted before it (a loop's header, after
@@ -229,6 +256,51 @@ class KernelContext:
         self._named[r.name] = r
         self._next_row += rows
         return r
+
+    def leave(self, resident: Resident) -> None:
+        """`resident` stays in vmem for the next function (its rows are not written after this call)."""
+        self._leaving.append(resident)
+
+    def preload_row(self, view: View, base: int, cols: int, stride: int) -> None:
+        """After the kernel is lowered: load a row of `view` (`cols` elements from element `base`) for the next
+        kernel and leave it there (`leave`), in rows at the top of what the kernel left free (none: nothing),
+        issued at its start so that its latency runs along the kernel's work, which ends waiting for it (COPY)."""
+        rows = region_rows(-(-cols // self.lanes))
+        if self.vmem_free() < rows:
+            return
+        self._ceiling -= rows
+        self._regions += 1
+        region = Region(f"preload{self._regions}", self._ceiling, rows)
+        self._named[region.name] = region  # its DMA waits only for stores in flight on these rows
+        b, current = self.b, self.b.block
+        scratch = Block("preload")
+        b.new_scope()  # constants cached for the current block are not defined at the kernel's start
+        b.block = scratch
+        self.dma(True, view.dtype, self.hbm_addr(view, base), region, 0, 1, cols, stride, Flag.COPY)
+        b.block = current
+        b.new_scope()
+        at = 2 * len(self._args)  # after the argument loads (`argument`), which the DMA's address may have added
+        b.func.blocks[0].instrs[at:at] = scratch.instrs
+        self.leave(Resident(view.buffer, view.dtype, base, 1, cols, stride, region))
+
+    def take_resident(self, buffer: str, dtype: str, base: int, rows: int, cols: int, stride: int) -> Region | None:
+        """The region where the kernel before left exactly these elements (see `Resident`), kept out of this
+        kernel's own regions: below them (the allocator starts above it) or above (the ceiling comes down to
+        it), whichever keeps more rows; None when it did not leave them, or when they lie where this kernel
+        may not keep them (above its ceiling: a prefetch's slots; among regions it allocated already)."""
+        want = (buffer, dtype, base, rows, cols, stride)
+        for r in self.resident:
+            lo, hi = r.region.row, r.region.row + r.region.rows
+            if (r.buffer, r.dtype, r.base, r.rows, r.cols, r.stride) != want or lo < self._base_row \
+                    or hi > self._ceiling or (self._named and lo < self._next_row):
+                continue
+            if hi - self._next_row <= self._ceiling - lo:
+                self._next_row = max(self._next_row, -(-hi // 8) * 8)
+            else:
+                self._ceiling = lo
+            self.taken.append((lo, hi))
+            return r.region
+        return None
 
     def vmem_free(self) -> int:
         return self._ceiling - self._next_row

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from codegen import isel_decode
-from codegen.isel_common import Flag, KernelContext, Region, chunk_loop, region_rows, row_mem
+from codegen.isel_common import Flag, KernelContext, Region, Resident, chunk_loop, region_rows, row_mem
 from codegen.kernel_graph import LoweringError, MatmulKernel, View
 from codegen.mir import ZERO, Reg
 from device_sim.isa import DMA_SHAPE_ROWS_SHIFT
@@ -242,6 +242,11 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
             or (n_commands > MAX_RESIDENT_COMMANDS and n_commands * mt > ctx.config.dma_latency) \
             or R < min(B, 2):
         return False
+    # C a region a batch, each M rows of NT vmem rows: C's elements as a DMA of its rows would load them, left
+    # in vmem for the next kernel (`leave_c`: decode's scores, which the softmax chain reads there). First, so
+    # that they do not split the kernel's other regions from the next kernel's
+    c_tiles = [[ctx.region(M * NT, "c")] if by_row else [ctx.region(mt, "c") for _ in range(NT)]
+               for _ in range(B if by_batch else R)]
     a_parts = [[ctx.region(KT * mt, f"a{q}_") for q in range(parts)] for _ in range(B if by_batch else R)]
 
     def a_slot(i: int, s: int) -> list[Region]:
@@ -250,8 +255,6 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
     raw_b = [ctx.region(NT * L, "b0_") for _ in range(R)] if whole_b else []
     panels = [[[raw_b[s].view(nt * L, L) if whole_b and q == 0 else ctx.region(KT * L, f"b{q}_")
                 for q in range(parts)] for nt in range(NT)] for s in range(R)]
-    c_tiles = [[ctx.region(M * NT, "c")] if by_row else [ctx.region(mt, "c") for _ in range(NT)]
-               for _ in range(B if by_batch else R)]
 
     def c_slot(i: int, s: int) -> list[Region]:
         return c_tiles[i if by_batch else s]
@@ -329,6 +332,8 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
                 ctx.dma(False, c.dtype, ctx.hbm_addr(c, at(c, i) + nt * L), c_slot(i, s)[nt], 0, M, cols(nt),
                         c.strides[-2], *flag)
 
+    if by_row and len(c_tiles) == B:
+        _leave_c(ctx, k, [c[0] for c in c_tiles], B, batched)
     if R < B:  # rounds: the next rounds load while this one computes
         _resident_rounds(ctx, B, R, load, compute, store, by_batch)
         return True
@@ -350,6 +355,24 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
             store(groups[g - 1], (g - 1) % 2)  # g - 2's commands were waited
     store(groups[-1], (n - 1) % 2)
     return True
+
+
+LEAVE_C = True  # resident batches leave C in vmem for the next kernel (a knob for the tests' comparison)
+
+
+def _leave_c(ctx: KernelContext, k: MatmulKernel, regions: list[Region], B: int, batched: bool) -> None:
+    """C (f32, every batch's rows one after the other in HBM and in `regions`) left in vmem for the next
+    kernel as the [B * M, N] rows it is (`KernelContext.leave`)."""
+    c = k.c
+    M, N = c.shape[-2:]
+    rows = M * N // ctx.lanes
+    dense = B == 1 or (batched and c.strides[0] == M * c.strides[-2])
+    # whole vmem rows: a load zeroes the lanes past a row's last element, the MXU writes them
+    if not LEAVE_C or c.dtype != "f32" or c.strides[-1] != 1 or N % ctx.lanes or not dense or rows % 8 \
+            or any(r.row != regions[0].row + i * rows for i, r in enumerate(regions)):
+        return
+    region = Region(regions[0].name, regions[0].row, B * rows)
+    ctx.leave(Resident(c.buffer, c.dtype, c.offset, B * M, N, c.strides[-2], region))
 
 
 # the load and store flags of resident rounds by slot group: a round's loads, and the stores its C tiles

@@ -856,27 +856,29 @@ def form_chains(kernels: list[tuple[object, int]], config: HardwareConfig, vmem_
     return out
 
 
-COPY_CHUNKS = 8  # chunks of a row `_copy_first_row` holds in registers at a time
+COPY_CHUNKS = 8  # chunks of a row `_copy_row` holds in registers at a time
 
 
 def _moved_once(s: Stream, m: ChainMember) -> bool:
-    """Whether a chain's load of stream s moves one row, copied in vmem to the others (`_copy_first_row`) while
+    """Whether a chain's load of stream s moves one row, copied in vmem to the others (`_copy_row`) while
     the other loads land: s is the same row for every row (a decode softmax's key mask over its heads), which
     a DMA would read from HBM once a row (4096 keys, 32 heads: 512 KiB for 16 KiB, ahead of the scores)."""
     return s.kind == "row" and s.row_stride == 0 and m.rows > 1 and m.P % 8 == 0
 
 
-def _copy_first_row(b: Builder, tile: Region, rows: int, P: int) -> None:
-    """Rows 1 .. rows - 1 of `tile` (P vmem rows each, P a multiple of 8) = its row 0: row 0's chunks held in
-    registers, COPY_CHUNKS at a time, each stored to every other row by a loop over the rows."""
+def _copy_row(b: Builder, source: Region, tile: Region, rows: int, P: int) -> None:
+    """Every row of `tile` (P vmem rows each, P a multiple of 8) = the row `source` holds (the tile's own row 0,
+    or a row left in vmem by the kernel before): its chunks held in registers, COPY_CHUNKS at a time, each
+    stored to every row (but row 0 when it is the source) by a loop over the rows."""
+    first = 1 if source == tile else 0
     for c0 in range(0, P // 8, COPY_CHUNKS):
         chunks = range(c0, min(P // 8, c0 + COPY_CHUNKS))
-        held = [b.vld(ZERO, tile.row + 8 * c, tile.mem(8 * c, 8 * c + 8)) for c in chunks]
+        held = [b.vld(ZERO, source.row + 8 * c, source.mem(8 * c, 8 * c + 8)) for c in chunks]
 
         def store(off: Reg, held: list[Reg] = held, chunks: range = chunks) -> None:
             for v, c in zip(held, chunks, strict=True):
-                b.vst(v, off, tile.row + 8 * c, tile.mem(P, rows * P, write=True))
-        chunk_loop(b, rows - 1, store, "copy_row", b.const(P), step=P)
+                b.vst(v, off, tile.row + 8 * c, tile.mem(first * P, rows * P, write=True))
+        chunk_loop(b, rows - first, store, "copy_row", b.const(first * P), step=P)
 
 
 def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
@@ -903,18 +905,29 @@ def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
             counts[key] = _valid_count(ctx, m.valid, m.rows)
         return counts[key], m.rows
 
+    # what the kernel before left in vmem (decode's scores, from q @ K^T; a row moved once, which it loaded
+    # for this chain: `preload_row`): read there, not loaded
+    left = {id(s): region for s, m in _chain_loads(chain)
+            if (region := _resident_tile(ctx, s, m)) is not None}
+    left_rows = {id(s): region for s, m in _chain_loads(chain) if _moved_once(s, m) and (
+        region := ctx.take_resident(s.view.buffer, s.view.dtype, s.base, 1, m.C, s.row_stride)) is not None}
     written: dict[str, ChainMember] = {}
     loads: list[tuple[Stream, ChainMember]] = []
+    computed_from: list[tuple[Stream, ChainMember]] = []  # the chain's inputs: loaded, or left in vmem
     for m in chain.members:
         for s in m.reads():
             w = written.get(s.view.buffer)
             if w is not None:
                 assert w.out_tile is not None and _forwards(w, m, s)
                 s.tiles = (w.out_tile, w.out_tile)
+            elif id(s) in left:
+                s.tiles = (left[id(s)], left[id(s)])
+                computed_from.append((s, m))
             else:
                 tile = ctx.region(m.rows * m.pitch(s)[0] + 8, "in")
                 s.tiles = (tile, tile)
                 loads.append((s, m))
+                computed_from.append((s, m))
         for s in m.streams[:-1]:
             s.expanded = ctx.region(m.rows * m.P + 8, "bcast") if s.kind == "col" else None
         m.out_tile = ctx.region(m.rows * m.pitch(m.streams[-1])[0] + 8, "out")
@@ -923,10 +936,12 @@ def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
     rest = [(s, m) for s, m in loads if not _moved_once(s, m)]
     for s, m in once:  # first: they are copied as the rest land
         assert s.tiles is not None
-        ctx.dma(True, s.view.dtype, ctx.hbm_addr(s.view, s.base), s.tiles[0], 0, 1, m.pitch(s)[1], s.row_stride,
-                Flag.LOAD, parity=1)
+        if id(s) not in left_rows:
+            ctx.dma(True, s.view.dtype, ctx.hbm_addr(s.view, s.base), s.tiles[0], 0, 1, m.pitch(s)[1],
+                    s.row_stride, Flag.LOAD, parity=1)
     # the rows of each part: None, every member's own rows (one part)
-    halves = _row_halves(ctx, chain, rest) if moved is None else None
+    halves = _row_halves(ctx, chain, [(s, m) for s, m in computed_from if not _moved_once(s, m)]) \
+        if moved is None else None
     parts: list[tuple[int, int] | None] = list(halves) if halves else [None]
     for part, flag in zip(parts, ROW_HALF_FLAGS, strict=False):
         for s, m in rest:
@@ -934,11 +949,11 @@ def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
             r0, count = part or (0, m.rows)
             ctx.dma(True, s.view.dtype, ctx.hbm_addr(s.view, s.base + r0 * s.row_stride), s.tiles[0],
                     r0 * m.pitch(s)[0], count, m.pitch(s)[1], s.row_stride, flag, rows_reg=moved)
-    if once:
+    if any(id(s) not in left_rows for s, _ in once):
         b.emit("wait", flag=ctx.flag(Flag.LOAD, 1))
-        for s, m in once:
-            assert s.tiles is not None
-            _copy_first_row(b, s.tiles[0], m.rows, m.P)
+    for s, m in once:
+        assert s.tiles is not None
+        _copy_row(b, left_rows.get(id(s), s.tiles[0]), s.tiles[0], m.rows, m.P)
     for part, flag in zip(parts, ROW_HALF_FLAGS, strict=False):
         if rest:
             b.emit("wait", flag=ctx.flag(flag))
@@ -962,6 +977,31 @@ def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
             if j not in chain.private:
                 ctx.dma(False, out.view.dtype, ctx.hbm_addr(out.view, out.base + r0 * out.row_stride), out_tile, 0,
                         count, m.pitch(out)[1], out.row_stride, Flag.STORE, rows_reg=moved)
+
+
+def _chain_loads(chain: KernelChain) -> list[tuple[Stream, ChainMember]]:
+    """The streams a chain reads from HBM: those no earlier member's output tile holds."""
+    written: set[str] = set()
+    out = []
+    for m in chain.members:
+        out += [(s, m) for s in m.reads() if s.view.buffer not in written]
+        written.add(m.streams[-1].view.buffer)
+    return out
+
+
+def rows_moved_once(chain: KernelChain) -> list[tuple[View, int, int, int]]:
+    """The rows the chain moves once (`_moved_once`) as (view, first element, elements, row stride): what the
+    kernel before may load for it (`KernelContext.preload_row`), so that it does not wait a DMA latency for
+    them (decode's key mask, ahead of its first member)."""
+    return [(s.view, s.base, m.C, s.row_stride) for s, m in _chain_loads(chain) if _moved_once(s, m)]
+
+
+def _resident_tile(ctx: KernelContext, s: Stream, m: ChainMember) -> Region | None:
+    """Where the kernel before left stream s's rows in vmem as s's tile would hold them (whole vmem rows a
+    row, whole chunks of 8 rows), else None."""
+    if s.kind != "row" or m.rows * m.P % 8 or m.valid is not None:
+        return None
+    return ctx.take_resident(s.view.buffer, s.view.dtype, s.base, m.rows, m.C, s.row_stride)
 
 
 # a chain's loads in two halves of its rows: the first on LOAD, the second on a flag of its own

@@ -84,9 +84,9 @@ def run_with_poisoned_vmem(exe: Executable, inputs: list[np.ndarray]) -> list[np
     """Run `exe` on a fresh simulator that overwrites all of vmem but the argument table (with a layer
     loop's address window and cursor) with NaN each time a kernel starts. A kernel owns vmem (isel_common:
     nothing lives from one kernel into the next but the rows a summary entry names `vmem_carried`, a decode
-    stream's prefetched weights), so a correct program gives the same bits as on a zeroed vmem; a kernel
-    that reads a row it never wrote (in the plain run: zeros, or whatever the kernels before it left there)
-    now computes with NaN."""
+    stream's prefetched weights, and `vmem_resident`, what the kernel before left there for it), so a correct
+    program gives the same bits as on a zeroed vmem; a kernel that reads a row it never wrote (in the plain
+    run: zeros, or whatever the kernels before it left there) now computes with NaN."""
     hbm, addrs, arena, regs = stage(exe, inputs)
     sim = Simulator(exe.hardware)
     sim.m.hbm = hbm
@@ -94,13 +94,14 @@ def run_with_poisoned_vmem(exe: Executable, inputs: list[np.ndarray]) -> list[np
     compiled = [k for k in exe.summary["kernels"] if "start" in k]
     starts = [k["start"] for k in compiled]
     runs = {k["start"]: k.get("runs", 1) for k in compiled}
-    carried = {k["start"]: k.get("vmem_carried") for k in compiled}
+    carried = {k["start"]: ([k["vmem_carried"]] if "vmem_carried" in k else []) + k.get("vmem_resident", [])
+               for k in compiled}
     args = exe.summary["vmem_table_rows"]
     poisoned: dict[int, int] = {}
 
     def poison(m, op, t, pc: int) -> None:
         poisoned[pc] = poisoned.get(pc, 0) + 1
-        kept = [args] + ([carried[pc]] if carried[pc] else [])
+        kept = [args, *carried[pc]]
         saved = [m.vmem[lo:hi].copy() for lo, hi in kept]
         m.vmem[:] = POISON_BITS
         for (lo, hi), rows in zip(kept, saved, strict=True):

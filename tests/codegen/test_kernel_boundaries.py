@@ -742,6 +742,48 @@ def test_decode_attention_rounds_move_each_heads_keys_and_values_in_halves(
     assert cycles < whole_cycles - 300, (cycles, whole_cycles)
 
 
+@pytest.mark.parametrize(("heads", "dim", "keys"), [(32, 64, 4096), (16, 128, 2048)])
+def test_decode_softmax_reads_the_scores_where_q_k_left_them_in_vmem(
+        monkeypatch: pytest.MonkeyPatch, heads: int, dim: int, keys: int) -> None:
+    """A decode step's attention on `large` (the 1B's 32 heads of dim 64 at 4096 keys, Qwen3's 16 of 128 at
+    2048): q @ K^T leaves its f32 scores in vmem (a region a KV head, one after the other: the [heads, keys]
+    rows as a load would bring them) and the softmax chain after it reads them there instead of waiting for
+    their store and a load of 512 KiB (`KernelContext.take_resident`); q @ K^T also loads the key mask's row
+    for it (`preload_row`), so the chain waits for nothing and starts at once. Under poisoned vmem (all of
+    vmem NaN at each kernel's start but what it is meant to find there) the same bits as with the scores
+    loaded: inf keys, a NaN in a masked value, -0 and a subnormal in q, masked keys; 400+ cycles fewer (1B
+    layer: the chain 4,553 -> 3,796 cycles)."""
+    rep = heads // 8
+    q, k, v, mask = _decode_attention_inputs(heads, dim, keys, 8)
+    k[0, 4, keys // 5, 9] = float("inf")
+    q[0, 4 * rep:5 * rep, 0, 9] = q[0, 4 * rep:5 * rep, 0, 9].abs() + 0.5  # +inf scores: kv head 4's heads
+    v[0, 1, keys - 2, 3] = float("nan")  # masked: 0 x NaN is NaN, as eager
+    args = [q, k, v, mask]
+    inputs = [t.float().numpy() for t in args]
+
+    def build() -> tuple[np.ndarray, int, list]:
+        gm, _ = fx_passes.run_passes(trace(_decode_attention, *args), args)
+        cg = compile_graph(gm, args, "large")
+        (out,) = run_with_poisoned_vmem(cg, inputs)
+        _, stats = run_fresh(cg, inputs, SimulatorRunner("large"))
+        return out, stats.cycles, [k.get("vmem_resident") for k in cg.summary["kernels"] if "start" in k]
+
+    out, cycles, resident = build()
+    # the chain, after q @ K^T: the scores, and the key mask's row that q @ K^T loaded for it (`preload_row`)
+    (scores, mask_row) = resident[1]
+    assert scores[1] - scores[0] == heads * keys // 128 and mask_row[1] - mask_row[0] == keys // 128
+    assert [r for j, r in enumerate(resident) if j != 1] == [None] * (len(resident) - 1)
+    ref = _decode_attention(*(t.float() for t in args)).numpy()
+    nan = np.isnan(ref).any(axis=-1).ravel()
+    assert list(np.flatnonzero(nan)) == [*range(rep, 2 * rep), *range(4 * rep, 5 * rep)]
+    assert np.isnan(out).any(axis=-1).ravel().tolist() == nan.tolist()
+    np.testing.assert_allclose(out[~np.isnan(ref)], ref[~np.isnan(ref)], rtol=2e-2, atol=2e-2)
+    monkeypatch.setattr(isel_matmul, "LEAVE_C", False)
+    loaded, loaded_cycles, _ = build()
+    np.testing.assert_array_equal(out.view(np.uint32), loaded.view(np.uint32))
+    assert cycles < loaded_cycles - 400, (cycles, loaded_cycles)  # 16,472 and 17,148; 13,654 and 14,268
+
+
 @pytest.mark.parametrize("heads", [32, 16])
 def test_a_long_softmax_chain_computes_its_first_half_of_rows_while_the_second_lands(
         monkeypatch: pytest.MonkeyPatch, heads: int) -> None:

@@ -13,6 +13,7 @@ from codegen_helpers import capture, run_with_poisoned_vmem
 
 import fx_passes
 from codegen import compile_graph
+from codegen.compiler import _same_buffer
 from codegen.kernel_graph import (
     Access,
     Buffer,
@@ -23,7 +24,7 @@ from codegen.kernel_graph import (
     ScalarProgram,
     View,
 )
-from codegen.layer_loop import find_loops, hoist_invariant_kernels, sink_fills
+from codegen.layer_loop import Loop, find_loops, hoist_invariant_kernels, sink_fills
 from device_sim.executable import Executable, run_fresh
 from device_sim.runners import SimulatorRunner
 
@@ -280,6 +281,15 @@ def test_find_loops_splits_a_slot_a_repetition_reuses() -> None:
     (loop,) = find_loops(_graph(kernels), min_saved=1)
     assert loop.repeats == 3
     assert loop.slots[2][1] == loop.slots[2][-1] == "w2" and loop.slots[0][1] != loop.slots[0][-1]
+
+
+def test_two_slots_are_one_buffer_where_a_run_names_it_twice() -> None:
+    """A kernel loads a row for the chain after it only where it does not write that row's buffer
+    (`compiler._preloads`); in a loop's body a written slot and a read slot are one buffer if any
+    repetition's row names the same buffer for both (bufferization reused it)."""
+    loop = Loop(0, 2, 3, (("a", "b", "c"), ("d", "e", "f"), ("g", "h", "h")))
+    assert _same_buffer("@slot1", "@slot2", loop) and not _same_buffer("@slot0", "@slot1", loop)
+    assert _same_buffer("x", "x", None) and not _same_buffer("x", "y", None)
 
 
 def test_sink_fills_moves_a_fill_to_its_first_user() -> None:
