@@ -242,11 +242,16 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
             or (n_commands > MAX_RESIDENT_COMMANDS and n_commands * mt > ctx.config.dma_latency) \
             or R < min(B, 2):
         return False
-    # C a region a batch, each M rows of NT vmem rows: C's elements as a DMA of its rows would load them, left
-    # in vmem for the next kernel (`leave_c`: decode's scores, which the softmax chain reads there). First, so
-    # that they do not split the kernel's other regions from the next kernel's
-    c_tiles = [[ctx.region(M * NT, "c")] if by_row else [ctx.region(mt, "c") for _ in range(NT)]
-               for _ in range(B if by_batch else R)]
+    # by row with a C region a batch: C's elements as a load of its rows would bring them, which it leaves in
+    # vmem for the next kernel (`_leave_c`: decode's scores, which the softmax chain reads there), its regions
+    # first, so that they do not split the kernel's other regions from the next kernel's
+    leave = by_row and (by_batch or R == B) and _can_leave_c(ctx, k, B, batched)
+
+    def c_regions() -> list[list[Region]]:
+        return [[ctx.region(M * NT, "c")] if by_row else [ctx.region(mt, "c") for _ in range(NT)]
+                for _ in range(B if by_batch else R)]
+
+    c_tiles = c_regions() if leave else []
     a_parts = [[ctx.region(KT * mt, f"a{q}_") for q in range(parts)] for _ in range(B if by_batch else R)]
 
     def a_slot(i: int, s: int) -> list[Region]:
@@ -255,6 +260,7 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
     raw_b = [ctx.region(NT * L, "b0_") for _ in range(R)] if whole_b else []
     panels = [[[raw_b[s].view(nt * L, L) if whole_b and q == 0 else ctx.region(KT * L, f"b{q}_")
                 for q in range(parts)] for nt in range(NT)] for s in range(R)]
+    c_tiles = c_tiles or c_regions()
 
     def c_slot(i: int, s: int) -> list[Region]:
         return c_tiles[i if by_batch else s]
@@ -332,8 +338,8 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
                 ctx.dma(False, c.dtype, ctx.hbm_addr(c, at(c, i) + nt * L), c_slot(i, s)[nt], 0, M, cols(nt),
                         c.strides[-2], *flag)
 
-    if by_row and len(c_tiles) == B:
-        _leave_c(ctx, k, [c[0] for c in c_tiles], B, batched)
+    if leave:
+        _leave_c(ctx, k, [c[0] for c in c_tiles], B)
     if R < B:  # rounds: the next rounds load while this one computes
         _resident_rounds(ctx, B, R, load, compute, store, by_batch)
         return True
@@ -360,16 +366,24 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
 LEAVE_C = True  # resident batches leave C in vmem for the next kernel (a knob for the tests' comparison)
 
 
-def _leave_c(ctx: KernelContext, k: MatmulKernel, regions: list[Region], B: int, batched: bool) -> None:
-    """C (f32, every batch's rows one after the other in HBM and in `regions`) left in vmem for the next
-    kernel as the [B * M, N] rows it is (`KernelContext.leave`)."""
+def _can_leave_c(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool) -> bool:
+    """Whether resident batches by row can leave C in vmem as the [B * M, N] rows it is: f32 (what the MXU
+    wrote is what a load brings), whole vmem rows (a load zeroes the lanes past a row's last element, the MXU
+    writes them), every batch's rows one after the other in HBM and in whole chunks of 8 vmem rows."""
+    c = k.c
+    M, N = c.shape[-2:]
+    dense = B == 1 or (batched and c.strides[0] == M * c.strides[-2])
+    return LEAVE_C and c.dtype == "f32" and c.strides[-1] == 1 and N % ctx.lanes == 0 and dense \
+        and M * N // ctx.lanes % 8 == 0
+
+
+def _leave_c(ctx: KernelContext, k: MatmulKernel, regions: list[Region], B: int) -> None:
+    """C left in vmem for the next kernel (`KernelContext.leave`), where its batches' regions are one after
+    the other (`_can_leave_c`)."""
     c = k.c
     M, N = c.shape[-2:]
     rows = M * N // ctx.lanes
-    dense = B == 1 or (batched and c.strides[0] == M * c.strides[-2])
-    # whole vmem rows: a load zeroes the lanes past a row's last element, the MXU writes them
-    if not LEAVE_C or c.dtype != "f32" or c.strides[-1] != 1 or N % ctx.lanes or not dense or rows % 8 \
-            or any(r.row != regions[0].row + i * rows for i, r in enumerate(regions)):
+    if any(r.row != regions[0].row + i * rows for i, r in enumerate(regions)):
         return
     region = Region(regions[0].name, regions[0].row, B * rows)
     ctx.leave(Resident(c.buffer, c.dtype, c.offset, B * M, N, c.strides[-2], region))

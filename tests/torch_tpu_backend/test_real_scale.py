@@ -70,3 +70,12 @@ def test_llama_1b_geometry_generate_2_layers(fresh_compile: None) -> None:
 @pytest.mark.parametrize("layers", [2, 4])
 def test_qwen3_0_6b_geometry_generate(layers: int, fresh_compile: None) -> None:
     check_generate("qwen0.6b", layers=layers, vocab=2048, prompt=17, new_tokens=3)
+
+
+@pytest.mark.slow  # ~10 minutes: a 2048-token prefill of two 1B layers
+def test_llama_1b_geometry_prefill_of_2048_tokens(fresh_compile: None) -> None:
+    """The longest prefill the issue asks for, two layers (a loop of 2: at 2048 tokens the unrolled program
+    does not fit imem): 8 key tiles of 256 keys a head, whose causal masks differ only by an integer offset.
+    Those masks once ran as a loop of one tile's mask (integer constants compared as one NaN), a wrong token
+    at 2048 tokens and not at 1024 (`layer_loop.constant_key`)."""
+    check_generate("llama1b", layers=2, vocab=2048, prompt=2048, new_tokens=1)
