@@ -882,9 +882,10 @@ def _copy_row(b: Builder, source: Region, tile: Region, rows: int, P: int) -> No
 
 
 def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
-    """Every member's loads (but what an earlier member's output tile holds) at once (a row operand the same
-    for every row moved once and copied in vmem: `_moved_once`), one wait, then each member computes into
-    its output tile and stores it (but a private one). Where every member has the same rows and valid rows
+    """Every member's loads (but what an earlier member's output tile holds, or the kernel before left in vmem:
+    `KernelContext.take_resident`) at once (a row operand the same for every row moved once and copied in
+    vmem: `_moved_once`), one wait, then each member computes into its output tile and stores it (but a
+    private one). Where every member has the same rows and valid rows
     (a dynamic-shape bucket's norm and its neighbours), the chain moves and computes only those; else the
     members with valid rows compute only theirs (their padding rows, which nothing reads, move as they are:
     rope's cos and sin, whose head dim is the bucket's size, beside a norm)."""
