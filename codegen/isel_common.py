@@ -100,6 +100,19 @@ class Resident:
     region: Region
 
 
+def emit_apart(b: Builder, emit: Callable[[], None]) -> list[MInstr]:
+    """The instructions `emit` emits, in a block of their own, for the caller to splice elsewhere in the
+    function (a kernel's start, another block): constants cached for the current block are not defined
+    there, so they are made anew on both sides."""
+    current, scratch = b.block, Block("apart")
+    b.new_scope()
+    b.block = scratch
+    emit()
+    b.block = current
+    b.new_scope()
+    return scratch.instrs
+
+
 def wait_for_stores() -> list[MInstr]:
     return [MInstr("wait", flag=f) for f in STORE_FLAGS]
 
@@ -272,15 +285,10 @@ class KernelContext:
         self._regions += 1
         region = Region(f"preload{self._regions}", self._ceiling, rows)
         self._named[region.name] = region  # its DMA waits only for stores in flight on these rows
-        b, current = self.b, self.b.block
-        scratch = Block("preload")
-        b.new_scope()  # constants cached for the current block are not defined at the kernel's start
-        b.block = scratch
-        self.dma(True, view.dtype, self.hbm_addr(view, base), region, 0, 1, cols, stride, Flag.COPY)
-        b.block = current
-        b.new_scope()
+        instrs = emit_apart(self.b, lambda: self.dma(True, view.dtype, self.hbm_addr(view, base), region, 0, 1,
+                                                     cols, stride, Flag.COPY))
         at = 2 * len(self._args)  # after the argument loads (`argument`), which the DMA's address may have added
-        b.func.blocks[0].instrs[at:at] = scratch.instrs
+        self.b.func.blocks[0].instrs[at:at] = instrs
         self.leave(Resident(view.buffer, view.dtype, base, 1, cols, stride, region))
 
     def take_resident(self, buffer: str, dtype: str, base: int, rows: int, cols: int, stride: int) -> Region | None:

@@ -26,7 +26,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from codegen.isel_common import Flag, KernelContext, Region
+from codegen.isel_common import Flag, KernelContext, Region, emit_apart
 from codegen.isel_vector import KernelChain
 from codegen.kernel_graph import (
     FillKernel,
@@ -331,21 +331,18 @@ def issue_prefetch(ctx: KernelContext) -> None:
     spread = len(members) >= 2 and not any(ins.op == "wait" for blk in blocks[:blocks.index(members[0])]
                                            for ins in blk.instrs)
     dmas = _issue_dmas(ctx, ctx.prefetch.issue)
-    share = -(-len(dmas) // len(members)) if spread else len(dmas)
-    current = b.block
-    scratches = []
-    for n in range(0, len(dmas), share):  # in order: a share uses the address registers of those before
-        scratches.append(Block("prefetch"))
-        b.new_scope()  # constants cached for the current block are not defined where the DMAs go
-        b.block = scratches[-1]
+    share = max(1, -(-len(dmas) // len(members)) if spread else len(dmas))  # an issuer may have no tiles
+
+    def issue(n: int) -> None:
         for dma in dmas[n:n + share]:
             dma()
-    b.block = current
-    b.new_scope()
+
+    # in order: a share uses the address registers of those before
+    shares = [emit_apart(b, lambda n=n: issue(n)) for n in range(0, len(dmas), share)]
     # where they go, found after they were emitted: their argument loads went into the entry block
     points = [(blk, 0) for blk in members] if spread else [_first_wait(blocks)]
-    for (block, at), scratch in zip(points, scratches, strict=False):
-        block.instrs[at:at] = scratch.instrs
+    for (block, at), instrs in zip(points, shares, strict=False):
+        block.instrs[at:at] = instrs
 
 
 def _first_wait(blocks: list[Block]) -> tuple[Block, int]:

@@ -908,9 +908,9 @@ def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
 
     # what the kernel before left in vmem (decode's scores, from q @ K^T; a row moved once, which it loaded
     # for this chain: `preload_row`): read there, not loaded
-    left = {id(s): region for s, m in _chain_loads(chain)
-            if (region := _resident_tile(ctx, s, m)) is not None}
-    left_rows = {id(s): region for s, m in _chain_loads(chain) if _moved_once(s, m) and (
+    chain_loads = _chain_loads(chain)
+    left = {id(s): region for s, m in chain_loads if (region := _resident_tile(ctx, s, m)) is not None}
+    left_rows = {id(s): region for s, m in chain_loads if _moved_once(s, m) and (
         region := ctx.take_resident(s.view.buffer, s.view.dtype, s.base, 1, m.C, s.row_stride)) is not None}
     written: dict[str, ChainMember] = {}
     loads: list[tuple[Stream, ChainMember]] = []

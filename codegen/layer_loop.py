@@ -22,8 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
+from codegen.builder import f32_bits
 from codegen.isel_common import Flag, KernelContext, Region
 from codegen.kernel_graph import (
     Access,
@@ -78,8 +77,8 @@ def constant_key(x: float) -> Any:
     """A constant as a hashable key: -0.0 differs from 0.0, and NaNs by their 32-bit lane pattern, which is
     how an integer constant travels (`kernel_graph.constant_value`: -16 is the NaN 0xfffffff0; keyed on its
     float value alone, the causal masks of a prefill's key tiles, which differ only by that offset, looked
-    identical and ran as a loop of the first one: issue 12's silent wrong answer at 2048 tokens)."""
-    return x.hex() if x == x else ("nan", int(np.array(x, dtype=np.float32).view(np.uint32)))
+    identical and ran as a loop of one tile's mask: issue 12's silent wrong answer at 2048 tokens)."""
+    return x.hex() if x == x else ("nan", f32_bits(x))
 
 
 def _canon_body(p: ScalarProgram) -> tuple[Any, ...]:
