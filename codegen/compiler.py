@@ -33,7 +33,13 @@ from codegen.builder import Builder
 from codegen.errors import CapacityError, ProgramTooLargeError
 from codegen.fx_ops import emit_module
 from codegen.isel_common import SPILL_ROWS, Flag, KernelContext, Region, table_rows, wait_for_stores
-from codegen.isel_decode import issue_prefetch, plan_prefetches, split_ragged_streams
+from codegen.isel_decode import (
+    issue_prefetch,
+    loop_edge_cost,
+    plan_prefetches,
+    split_ragged_streams,
+    streams_back_to_back,
+)
 from codegen.isel_gather import lower_gather, lower_iota, lower_scatter
 from codegen.isel_matmul import lower_matmul
 from codegen.isel_vector import KernelChain, form_chains, lower_chain, lower_fill, lower_generic, rows_moved_once
@@ -233,8 +239,9 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
         graph = read_function(mlir.module)
     mutated = _mutated_inputs(graph, len(user_results))
     kernels = hoist_invariant_kernels(_fold_fills(sink_fills(graph.kernels)), graph)
-    graph.kernels = split_ragged_streams(cfg, bound_padded_rows(_fold_output_casts(graph, kernels), gm))
-    loops = find_loops(graph) if layer_loops else []
+    kernels = split_ragged_streams(cfg, bound_padded_rows(_fold_output_casts(graph, kernels), gm))
+    graph.kernels = streams_back_to_back(cfg, kernels)
+    loops = find_loops(graph, edge_cost=loop_edge_cost(cfg, graph.kernels)) if layer_loops else []
     if any(lp.repeats == 2 for lp in loops) and _unrolled_fits(graph, cfg, precision):
         # two repetitions save one body's code but cost a header (a DMA latency) each and the prefetch across
         # the loop's edges (1b-2l decode: 274,564 cycles looped, 270,481 unrolled): kept only where imem needs it
@@ -243,7 +250,8 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
         f"loop: kernels {lp.first}..{lp.first + lp.period - 1} run {lp.repeats} times over {len(lp.slots[0])} "
         f"address slots\n" for lp in loops)
     value_inputs = _value_inputs(graph)
-    placements, arena_bytes = plan_memory(graph, len(value_inputs) + sum(lp.repeats * len(lp.slots[0]) for lp in loops))
+    placements, arena_bytes = plan_memory(graph, len(value_inputs) + sum((lp.repeats + 1) * len(lp.slots[0])
+                                                                         for lp in loops))
     address_table = _address_table(graph, placements, loops)
     clock.lap("kernels_and_memory_plan")
     chains_undone: list[str] = []
@@ -420,11 +428,12 @@ def _unrolled_fits(graph: KernelGraph, cfg: HardwareConfig, precision: str) -> b
 def _address_table(graph: KernelGraph, placements: dict[str, BufferPlacement],
                    loops: list[Loop]) -> list[tuple[int, int]]:
     """The loops' per-repetition address tables, one after the other, as (argument-table entry, byte
-    offset) per word: repetition i's slot j is the address of the buffer it uses there."""
+    offset) per word: repetition i's slot j is the address of the buffer it uses there. Each table ends
+    with its last row again, which the last repetition loads as its next row (`layer_loop.emit_header`)."""
     n_in = len(graph.arguments)
     words = []
     for lp in loops:
-        for row in lp.slots:
+        for row in (*lp.slots, lp.slots[-1]):
             for name in row:
                 p = placements[name]
                 words.append((graph.arguments.index(name), 0) if p.kind == "input" else (n_in, p.offset))
@@ -522,12 +531,13 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
             loop = starts[i]
             assert layout is not None
             ctx.buffers = {slot_name(j): (layout.window + j, 0) for j in range(len(loop.slots[0]))}
-            function(f"loop at kernel {i}: init", "loop_init", lambda: emit_init(ctx, layout, table))
+            function(f"loop at kernel {i}: init", "loop_init", lambda lp=loop, at=4 * table_word: emit_init(
+                ctx, layout, table, arena, at, len(lp.slots[0])))
             ctx.forget_stores()  # the header also runs after the footer
             header = function(f"loop at kernel {i}: header", "loop", lambda lp=loop, at=4 * table_word: emit_header(
                 ctx, layout, table, arena, at, len(lp.slots[0])))
             ctx.forget_stores()
-            table_word += loop.repeats * len(loop.slots[0])
+            table_word += (loop.repeats + 1) * len(loop.slots[0])
         if loop is not None and i >= loop.first + loop.period * loop.repeats:
             loop, ctx.buffers = None, buffers
         lowered = emitted[i][0]

@@ -54,7 +54,7 @@ class Flag(IntEnum):
     ROWS = 11  # gathered rows in / scatter update rows in
     OUT = 12  # gather / scatter / iota results out
     WEIGHTS = 13  # width 2: matmul weight loads (`mxu.lw*`) done: their B panel may be overwritten
-    HALF = 15  # the second half of a chain's rows in (`isel_vector.lower_chain`)
+    HALF = 15  # the second half of a chain's rows in (`isel_vector.lower_chain`); a layer loop's next address row
 
 
 STORE_FLAGS = (Flag.STORE, Flag.STORE + 1, Flag.OUT)  # a kernel leaves these DMA stores in flight
@@ -368,11 +368,13 @@ class KernelContext:
         return self.b.offset_reg(base, off + element_offset * ESIZE[view.dtype])
 
     def dma(self, load: bool, dtype: str, hbm: Reg, region: Region, row: int, rows: int, cols: int,
-            stride: int, flag: Flag, parity: int = 0, base: Reg = ZERO, rows_reg: Reg | None = None) -> None:
+            stride: int, flag: Flag, parity: int = 0, base: Reg = ZERO, rows_reg: Reg | None = None,
+            in_flight: bool = False) -> None:
         """One 2-D DMA: `rows` x `cols` elements, HBM row stride `stride` elements, at vmem region row `row`
         (+ `base`, a loop register of vmem rows). Rows wider than the shape register's 16-bit column field
         (`large`: a 128256-entry logits row) move one row and one piece of whole vmem rows at a time.
-        `rows_reg`: the row count at run time (at most `rows`)."""
+        `rows_reg`: the row count at run time (at most `rows`). `in_flight`: the kernel does not end waiting
+        for it (a later function waits on `flag`)."""
         b = self.b
         p = -(-cols // self.lanes)
         if rows > DMA_SHAPE_COLS_MASK:
@@ -384,12 +386,13 @@ class KernelContext:
                 for c0 in range(0, cols, piece):
                     at = b.offset_reg(hbm, (r * stride + c0) * ESIZE[dtype])
                     self.dma(load, dtype, at, region, row + r * p + c0 // self.lanes, 1, min(piece, cols - c0),
-                             stride, flag, parity, base)
+                             stride, flag, parity, base, in_flight=in_flight)
             return
         op = ("dma.ld" if load else "dma.st") + (".bf16" if dtype == "bf16" else "")
         shape = b.const(rows << DMA_SHAPE_ROWS_SHIFT | cols) if rows_reg is None else self.dma_shape(rows_reg, cols)
         vrow = b.const(region.row + row) if base == ZERO else b.offset_reg(base, region.row + row)
-        b.emit(op, None, (hbm, vrow, shape, b.const(stride)), flag=self.flag(flag, parity),
+        f = flag + parity if in_flight else self.flag(flag, parity)
+        b.emit(op, None, (hbm, vrow, shape, b.const(stride)), flag=f,
                mem=(row_mem(region, base, row, rows * p, write=load),))
 
     def dma_shape(self, rows: Reg, cols: int) -> Reg:

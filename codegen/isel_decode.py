@@ -36,6 +36,8 @@ from codegen.kernel_graph import (
     Kernel,
     MatmulKernel,
     ScatterKernel,
+    views_of,
+    written_buffer,
 )
 from codegen.mir import Block, Reg
 from device_sim.config import HardwareConfig
@@ -115,6 +117,30 @@ def split_ragged_streams(config: HardwareConfig, kernels: list[Kernel]) -> list[
         out.append(dataclasses.replace(
             k, b=dataclasses.replace(bm, offset=bm.offset + n * bm.strides[1], shape=(bm.shape[0], bm.shape[1] - n)),
             c=dataclasses.replace(c, offset=c.offset + n * c.strides[1], shape=(c.shape[0], c.shape[1] - n))))
+    return out
+
+
+def streams_back_to_back(config: HardwareConfig, kernels: list[Kernel]) -> list[Kernel]:
+    """Each generic just before a one-row weight stream that shares no written buffer with it moves after the
+    stream, until none does: Qwen3's q_norm and k_norm ran between q_proj, k_proj and v_proj, three kernels
+    each waiting a DMA latency with the channel all but idle. Back to back, each stream loads the next one's
+    first weights along its last iteration, and the norms join the run of small kernels after them (a
+    chain). Buffers keep the order of their writes and reads, so the results are the same."""
+    def stream(k: Kernel) -> bool:
+        return isinstance(k, MatmulKernel) and _stream_tiles(config, k) is not None
+
+    def independent(a: Kernel, b: Kernel) -> bool:
+        return written_buffer(a) not in {v.buffer for v in views_of(b)} and \
+            written_buffer(b) not in {v.buffer for v in views_of(a)}
+
+    out = list(kernels)
+    moved = True
+    while moved:
+        moved = False
+        for i in range(len(out) - 1):
+            if isinstance(out[i], GenericKernel) and stream(out[i + 1]) and independent(out[i], out[i + 1]):
+                out[i], out[i + 1] = out[i + 1], out[i]
+                moved = True
     return out
 
 
@@ -316,6 +342,22 @@ def plan_prefetches(config: HardwareConfig, kernels: list[tuple[Kernel | None, i
                 out[m] = Prefetch(ceiling, span if len(slots) > 1 and m >= later[0] else slots[0], issue)
         out[j] = Prefetch(ceiling, span, prefetched=sum(len(g) for g in issued.values()), stream=p, slots=rows)
     return out
+
+
+def loop_edge_cost(config: HardwareConfig, kernels: list[Kernel]) -> Callable[[int, int], int]:
+    """What a layer loop's edge costs the prefetch (`layer_loop.find_loops`): no prefetch crosses it, so the
+    small kernels at the end of a body, which would load the first stream of the next repetition, leave the
+    channel idle (decode's body began at the KV-cache scatters: the rope chains before them, at the body's
+    end, loaded nothing, and o_proj's long run lost half its kernels), and a body that starts with a stream
+    gets none of its weights early. The cheapest edge follows a stream and precedes a run of small kernels."""
+    stream = [isinstance(k, MatmulKernel) and _stream_tiles(config, k) is not None for k in kernels]
+
+    def cost(first: int, period: int) -> int:
+        last = first + period - 1
+        idle = next((t for t in range(period) if stream[last - t]), period)
+        return idle + (period if stream[first] else 0)
+
+    return cost
 
 
 def issue_prefetch(ctx: KernelContext) -> None:

@@ -290,29 +290,40 @@ def _fold_transposed_weights(g: KernelGraph) -> None:
     """`x @ W.T` (nn.Linear's weight [out, in]; per batch, `q @ k.transpose(-1, -2)`) reaches the reader as
     a copy of W transposed into a dense temporary, read only as a matmul's B: the matmul reads W itself
     instead, as a B view contiguous along K (isel_matmul loads its rows with `mxu.lwt`), and the copy goes.
-    Only when nothing writes W between the copy and the matmul and the temporary has no other reader."""
+    Only when nothing writes W between the copy and the matmul, nothing else touches the temporary between
+    them, and what touches it next writes all of it (bufferization reuses one temporary for the copies of
+    weights of one shape: k_proj's and v_proj's, both 1024 x 1024, were copied on every call)."""
     for mm in [k for k in g.kernels if isinstance(k, MatmulKernel)]:
         tmp = mm.b
-        buf = g.buffers[tmp.buffer]
-        users = [k for k in g.kernels if any(v.buffer == tmp.buffer for v in views_of(k))]
-        if buf.kind != "temp" or not _whole(g, tmp) or not _dense_rows(tmp, 0) or len(users) != 2 \
-                or users[1] is not mm or any(v.buffer == tmp.buffer for v in g.results):
+        buf = g.buffers.get(tmp.buffer)
+        if buf is None or buf.kind != "temp" or not _whole(g, tmp) or not _dense_rows(tmp, 0) \
+                or any(v.buffer == tmp.buffer for v in g.results) or mm.a.buffer == tmp.buffer \
+                or mm.c.buffer == tmp.buffer:
             continue
-        copy = users[0]
+        touching = [i for i, k in enumerate(g.kernels) if any(v.buffer == tmp.buffer for v in views_of(k))]
+        at = touching.index(next(i for i in touching if g.kernels[i] is mm))
+        if at == 0:
+            continue
+        copy = g.kernels[touching[at - 1]]
         if not isinstance(copy, GenericKernel) or copy.body.ops or copy.body.yields != copy.body.args[:1] \
                 or len(copy.inputs) != 1 or copy.reduction or copy.sizes != tmp.shape \
                 or copy.output.view != tmp or copy.output.iter_strides != tmp.strides:
             continue
+        if at + 1 < len(touching):  # the copy's value must die at the matmul: the next user overwrites it all
+            after = g.kernels[touching[at + 1]]
+            views = [v for v in views_of(after) if v.buffer == tmp.buffer]
+            if not isinstance(after, GenericKernel) or views != [after.output.view] or not _whole(g, views[0]):
+                continue
         src = copy.inputs[0]
         K = tmp.shape[-2]
         if src.view.dtype != tmp.dtype or (src.iter_strides[-2] != 1 and K > 1):
             continue
-        first, last = g.kernels.index(copy), g.kernels.index(mm)
-        if any(written_buffer(k) == src.view.buffer for k in g.kernels[first + 1:last]):
+        if any(written_buffer(k) == src.view.buffer for k in g.kernels[touching[at - 1] + 1:touching[at]]):
             continue
         mm.b = View(src.view.buffer, src.view.offset, tmp.shape, src.iter_strides, tmp.dtype)
-        g.kernels.remove(copy)
-        del g.buffers[tmp.buffer]
+        g.kernels.pop(touching[at - 1])
+        if len(touching) == 2:
+            del g.buffers[tmp.buffer]
 
 
 def _text(op: ir.Operation, state: ir.AsmState) -> str:

@@ -41,7 +41,8 @@ from codegen.kernel_graph import (
 )
 from codegen.mir import ZERO, Mem, Reg
 
-MIN_SAVED = 4  # kernels a loop must save to pay for its header and footer (a DMA + wait per repetition)
+NEXT_ROW = Flag.HALF  # the next repetition's address row: no kernel leaves a DMA in flight on it
+MIN_SAVED = 4  # kernels a loop must save to pay for its header and footer (run once per repetition)
 
 
 @dataclass(frozen=True)
@@ -95,25 +96,35 @@ def _canon_body(p: ScalarProgram) -> tuple[Any, ...]:
     return ("body", args, ops, tuple(ref(y) for y in p.yields))
 
 
-def find_loops(graph: KernelGraph, min_saved: int = MIN_SAVED) -> list[Loop]:
-    """Non-overlapping runs of repeated kernel sequences, in kernel order (see the module docstring)."""
+EdgeCost = Callable[[int, int], int]  # (first, period) -> what a body with that edge costs, in any unit
+
+
+def find_loops(graph: KernelGraph, min_saved: int = MIN_SAVED, edge_cost: EdgeCost | None = None) -> list[Loop]:
+    """Non-overlapping runs of repeated kernel sequences, in kernel order (see the module docstring). A run
+    can often start at any of several kernels (a body of layer i's second half and layer i + 1's first half
+    saves as much as a whole layer): `edge_cost` picks the cheapest of those rotations (else the earliest)."""
     local = [signature(k, graph) for k in graph.kernels]
     ids: dict[Any, int] = {}
     sig = [ids.setdefault(s, len(ids)) for s in local]
-    return sorted(_search(graph, sig, 0, len(sig), min_saved), key=lambda lp: lp.first)
+    return sorted(_search(graph, sig, 0, len(sig), min_saved, edge_cost), key=lambda lp: lp.first)
 
 
-def _search(graph: KernelGraph, sig: list[int], lo: int, hi: int, min_saved: int) -> list[Loop]:
-    best = _best_run(graph, sig, lo, hi, min_saved)
+def _search(graph: KernelGraph, sig: list[int], lo: int, hi: int, min_saved: int,
+            edge_cost: EdgeCost | None) -> list[Loop]:
+    best = _best_run(graph, sig, lo, hi, min_saved, edge_cost)
     if best is None:
         return []
     end = best.first + best.period * best.repeats
-    return [*_search(graph, sig, lo, best.first, min_saved), best, *_search(graph, sig, end, hi, min_saved)]
+    return [*_search(graph, sig, lo, best.first, min_saved, edge_cost), best,
+            *_search(graph, sig, end, hi, min_saved, edge_cost)]
 
 
-def _best_run(graph: KernelGraph, sig: list[int], lo: int, hi: int, min_saved: int) -> Loop | None:
-    """The run in kernels [lo, hi) saving most kernels (the shortest period, then the earliest on ties)."""
+def _best_run(graph: KernelGraph, sig: list[int], lo: int, hi: int, min_saved: int,
+              edge_cost: EdgeCost | None = None) -> Loop | None:
+    """The run in kernels [lo, hi) saving most kernels (the shortest period, then the cheapest edge, then the
+    earliest on ties)."""
     best: tuple[int, int, int, int] | None = None  # (-saved, period, first, repeats)
+    rotations: list[int] = []  # the starts of runs as good as `best`
     for period in range(1, (hi - lo) // 2 + 1):
         # `run` counts the x >= here with sig[x] == sig[x + period]: a run of L such x starting at x gives
         # 1 + L // period repetitions of the period starting at x
@@ -122,11 +133,16 @@ def _best_run(graph: KernelGraph, sig: list[int], lo: int, hi: int, min_saved: i
             run = run + 1 if sig[x] == sig[x + period] else 0
             repeats = 1 + run // period
             candidate = (-(repeats - 1) * period, period, x, repeats)
-            if repeats >= 2 and (repeats - 1) * period >= min_saved and (best is None or candidate < best):
-                best = candidate
+            if repeats < 2 or (repeats - 1) * period < min_saved:
+                continue
+            if best is None or candidate[:2] < best[:2]:
+                best, rotations = candidate, [x]
+            elif candidate[:2] == best[:2]:
+                rotations.append(x)
     if best is None:
         return None
-    return _slots(graph, best[2], best[1], best[3])
+    first = min(rotations, key=lambda x: (edge_cost(x, best[1]) if edge_cost else 0, x))
+    return _slots(graph, first, best[1], best[3])  # equal saving and period: equal repeats
 
 
 def _slots(graph: KernelGraph, first: int, period: int, repeats: int) -> Loop:
@@ -185,11 +201,14 @@ def hoist_invariant_kernels(kernels: list[Kernel], graph: KernelGraph) -> list[K
 
 # ---- the loop's code ------------------------------------------------------------------------------------
 # vmem: the argument table (entries 0..), then the *layer window* (the current repetition's slot addresses,
-# from entry `window`), then one row group holding the *cursor* (byte offset of the current repetition's row
-# in its HBM address table). No register lives from one function into the next, so the cursor lives in vmem.
+# from entry `window`), then the *next window* (the next repetition's, loaded while the body runs), then one
+# row group holding the *cursor* (byte offset of the current repetition's row in its HBM address table). No
+# register lives from one function into the next, so the cursor lives in vmem. The table has one row more
+# than the loop has repetitions (the last one again): the last repetition loads it as its next row, unused.
 @dataclass(frozen=True)
 class LoopLayout:
     window: int  # argument-table entry of slot 0
+    next_window: int  # argument-table entry of slot 0 of the next repetition
     cursor: int  # argument-table entry of the cursor (first entry of its own row group)
     lanes: int
 
@@ -202,8 +221,8 @@ class LoopLayout:
 def loop_layout(table_entries: int, loops: list[Loop], lanes: int) -> LoopLayout:
     group = 8 * lanes
     window = -(-table_entries // group) * group
-    slots = max(len(lp.slots[0]) for lp in loops)
-    return LoopLayout(window, window + -(-slots // group) * group, lanes)
+    span = -(-max(len(lp.slots[0]) for lp in loops) // group) * group
+    return LoopLayout(window, window + span, window + 2 * span, lanes)
 
 
 def replace_views(k: Kernel, new: Callable[[View], View]) -> Kernel:
@@ -241,29 +260,39 @@ def occurrence_slots(loop: Loop, graph: KernelGraph) -> list[int]:
     return [index[occ] for occ in zip(*reps, strict=True)]
 
 
-def emit_init(ctx: KernelContext, layout: LoopLayout, args: Region) -> None:
-    """cursor := 0."""
+def emit_init(ctx: KernelContext, layout: LoopLayout, args: Region, arena_entry: int, table_offset: int,
+              slots: int) -> None:
+    """cursor := 0; the window := the table's first row (waited for: the body's first kernels read it)."""
     b = ctx.b
     row = layout.cursor // layout.lanes
     b.vst(b.vop("vbcast", ZERO), ZERO, args.row + row, Mem(args.name, row, row + 8, write=True))
+    at = b.offset_reg(ctx.argument(arena_entry), table_offset)
+    ctx.dma(True, "i32", at, args, layout.window // layout.lanes, 1, slots, slots, Flag.LOAD)
 
 
 def emit_header(ctx: KernelContext, layout: LoopLayout, args: Region, arena_entry: int, table_offset: int,
                 slots: int) -> None:
-    """The window := row `cursor` of the loop's HBM address table (at arena + `table_offset`)."""
+    """The next window := row `cursor` + 1 of the loop's HBM address table (at arena + `table_offset`), left
+    in flight on NEXT_ROW: the body runs along its latency, and the footer waits for it."""
     b = ctx.b
     at = b.emit("add", b.sreg(), (ctx.argument(arena_entry), ctx.argument(layout.cursor)))
     assert isinstance(at, Reg)
-    ctx.dma(True, "i32", b.offset_reg(at, table_offset), args, layout.window // layout.lanes, 1, slots, slots,
-            Flag.LOAD)
+    ctx.dma(True, "i32", b.offset_reg(at, table_offset + 4 * slots), args, layout.next_window // layout.lanes, 1,
+            slots, slots, NEXT_ROW, in_flight=True)
 
 
 def emit_footer(ctx: KernelContext, layout: LoopLayout, args: Region, loop: Loop, header: str) -> None:
-    """cursor += one row; back to the header while rows are left."""
+    """The window := the next window; cursor += one row; back to the header while rows are left."""
     b = ctx.b
+    b.emit("wait", flag=NEXT_ROW)
+    lanes = layout.lanes
+    for entry in range(0, len(loop.slots[0]), 8 * lanes):
+        src, dst = (layout.next_window + entry) // lanes, (layout.window + entry) // lanes
+        v = b.vld(ZERO, args.row + src, Mem(args.name, src, src + 8))
+        b.vst(v, ZERO, args.row + dst, Mem(args.name, dst, dst + 8, write=True))
     row_bytes = 4 * len(loop.slots[0])
     nxt = b.addi(ctx.argument(layout.cursor), row_bytes)
-    row = layout.cursor // layout.lanes
+    row = layout.cursor // lanes
     b.vst(b.vop("vbcast", nxt), ZERO, args.row + row, Mem(args.name, row, row + 8, write=True))
     left = b.emit("sub", b.sreg(), (b.const(loop.repeats * row_bytes), nxt))
     b.emit("bnz", None, (left,), target=header)

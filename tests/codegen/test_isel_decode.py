@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from codegen_helpers import run_with_poisoned_vmem, trace
+from codegen_helpers import capture, run_with_poisoned_vmem, trace
 
+import fx_passes
 from codegen import compile_graph, isel_decode
 from codegen.kernel_graph import MatmulKernel, View
 from device_sim.config import get_config
@@ -113,3 +114,56 @@ def test_stream_on_large_within_its_bound() -> None:
     latency, the drain and the store) weigh more than on the 32 MiB projection."""
     ratio = _stream_over_roofline(4096, 1024)
     assert ratio <= 1.40, ratio
+
+
+class _QKNormProjections(torch.nn.Module):
+    """Qwen3's attention inputs at one token: q and k RMS-normed per head of 128 (QK-norm), v as it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(1024, n, bias=False) for n in (2048, 1024, 1024))
+        self.q_norm, self.k_norm = torch.nn.RMSNorm(128, eps=1e-6), torch.nn.RMSNorm(128, eps=1e-6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        def norm(t: torch.Tensor, n: torch.nn.RMSNorm) -> torch.Tensor:
+            t = t.view(-1, 128).float()
+            return n.weight * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+
+        k = self.k_proj(x)  # also returned, as the model keeps it for the cache: no buffer of v's can reuse it
+        return norm(self.q_proj(x), self.q_norm), norm(k, self.k_norm), self.v_proj(x), k
+
+
+def test_projections_stream_back_to_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3-0.6B's q_proj, k_proj and v_proj at one token (hidden 1024, 16 query heads and 8 KV heads of
+    128, bf16, `large`) with QK-norm between them: the norms move after the three streams
+    (`isel_decode.streams_back_to_back`), which then load each other's first weights. The same bits as in
+    the traced order. (What it saves shows in a whole decode step: `test_llama_bench.py`.) Square weights of
+    one shape (k_proj's and v_proj's) are read in place: bufferization gave their transposed copies one
+    temporary, and both copies stayed, a weight copy a call."""
+    torch.manual_seed(0)
+    model = _QKNormProjections().bfloat16().eval()
+    for n in (model.q_norm, model.k_norm):
+        torch.nn.init.normal_(n.weight, 1.0, 0.25)
+    x = torch.randn(1, 1024).bfloat16()
+    with torch.no_grad():
+        expected = model(x)
+        gm, args = capture(model, x)
+    gm, _ = fx_passes.run_passes(gm, args)
+    gm = fx_passes.inline_fused_kernels(gm)
+    arrays = [t.detach().float().numpy() for t in args]
+
+    def run() -> tuple[list[str], list[np.ndarray]]:
+        exe = compile_graph(gm, args, "large")
+        outs, _ = run_fresh(exe, arrays, SimulatorRunner("large"))
+        return [k["kind"] for k in exe.summary["kernels"] if k.get("chained_into") is None], outs
+
+    kinds, outs = run()
+    with monkeypatch.context() as m:
+        m.setattr("codegen.compiler.streams_back_to_back", lambda config, kernels: kernels)
+        kinds_traced, outs_traced = run()
+    assert "matmul, matmul, matmul" in ", ".join(kinds) and "matmul, matmul, matmul" not in ", ".join(kinds_traced)
+    for out, ref in zip(outs, outs_traced, strict=True):
+        np.testing.assert_array_equal(out.view(np.uint32), ref.view(np.uint32))
+    for out, ref in zip(outs, expected, strict=True):
+        np.testing.assert_allclose(out.reshape(ref.shape), ref.float().numpy(), rtol=2e-2, atol=2e-2)
+    assert kinds.count("matmul") == 3 and "elementwise" not in kinds  # no weight copies

@@ -324,3 +324,31 @@ def test_kernels_that_read_nothing_computed_run_before_the_layers() -> None:
     g = _graph(filled)
     g.buffers["lengths"] = Buffer("lengths", (8, 8), "f32", "input")
     assert hoist_invariant_kernels(g.kernels, g) == filled
+
+
+def test_find_loops_picks_the_cheapest_rotation() -> None:
+    """13 kernels of a 3-kernel layer: 4 repetitions start at kernel 0 or 1. The earliest, unless the edge
+    cost says otherwise."""
+    kernels = _layers(5)[1:14]
+    assert find_loops(_graph(kernels), min_saved=1)[0].first == 0
+    (loop,) = find_loops(_graph(kernels), min_saved=1, edge_cost=lambda first, period: first != 1)
+    assert (loop.first, loop.period, loop.repeats) == (1, 3, 4)
+    assert loop.slots[0][:3] == ("u0", "t0", "x1") and loop.slots[3][:3] == ("u3", "t3", "x4")
+
+
+def test_a_one_token_forwards_loop_loads_its_addresses_ahead() -> None:
+    """A one-token forward of 4 bf16 layers of hidden 1024 on `large` (every projection a weight stream): the
+    same bits as unrolled. Each repetition loads the next one's addresses while it runs; the header waited
+    a DMA latency for them. Measured 7,355 cycles more than unrolled over the 4 runs (120,175 vs 112,820),
+    8,718 before; what is left is the prefetch no edge crosses (here no body can start after a stream: the
+    layers repeat from the first norm to the last residual add)."""
+    model = _llama(4, torch.bfloat16, hidden=1024, heads=16, kv_heads=8, vocab=256)
+    ids = torch.tensor([[7]])
+    looped, args = _compile(lambda ids: model(ids).logits, ids, config="large")
+    unrolled, _ = _compile(lambda ids: model(ids).logits, ids, config="large", layer_loops=False)
+    (out,), stats = run_fresh(looped, args, SimulatorRunner(looped.config))
+    (out_unrolled,), stats_unrolled = run_fresh(unrolled, args, SimulatorRunner(unrolled.config))
+    np.testing.assert_array_equal(out, out_unrolled)
+    (loop,) = looped.summary["loops"]
+    assert loop["runs"] == 4
+    assert stats.cycles - stats_unrolled.cycles <= 2000 * loop["runs"], (stats.cycles, stats_unrolled.cycles)

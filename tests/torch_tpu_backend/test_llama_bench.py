@@ -3,6 +3,8 @@ in simulator counts (exact and repeatable, not timed)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from transformers import LlamaConfig
 
@@ -79,6 +81,94 @@ def test_1b_two_layers_decode_ratio_at_long_contexts(context: int, bound: float)
     # chained; 1.163 and 2.429 before larger softmax chains and resident batches in groups and rounds):
     # attention's kernels, not its bytes, are the gap
     assert r["decode_roofline_ratio"] <= bound, r
+
+
+def _decode_summaries(monkeypatch: pytest.MonkeyPatch, geometry: str, context: int,
+                      variants: dict[str, Callable[[pytest.MonkeyPatch], None]]) -> dict[str, dict]:
+    """`run_context` of `geometry` once per variant (a patch applied to the compiler for that run), each result
+    with the executable's summary (compiled here: no cache)."""
+    import codegen
+
+    compile_graph = codegen.compile_graph
+    monkeypatch.setenv("CTPU_CACHE", "0")
+    results = {}
+    for name, patch in variants.items():
+        summaries = []
+
+        def recording(*args, summaries=summaries, **kwargs):  # type: ignore[no-untyped-def]
+            exe = compile_graph(*args, **kwargs)
+            summaries.append(exe.summary)
+            return exe
+
+        with monkeypatch.context() as m:
+            m.setattr(codegen, "compile_graph", recording)
+            patch(m)
+            results[name] = llama_bench.run_context(geometry, context) | {"summary": summaries[-1]}
+    return results
+
+
+def _decode_looped_and_unrolled(monkeypatch: pytest.MonkeyPatch, geometry: str, context: int) -> list[dict]:
+    def unrolled(m: pytest.MonkeyPatch) -> None:
+        m.setattr("codegen.compiler.find_loops", lambda *args, **kwargs: [])
+
+    r = _decode_summaries(monkeypatch, geometry, context, {"looped": lambda m: None, "unrolled": unrolled})
+    return [r["looped"], r["unrolled"]]
+
+
+def _check_decode_loop(looped: dict, unrolled: dict, per_run: int) -> None:
+    assert looped["token_equal_eager"] and unrolled["token_equal_eager"] and looped["cpu_ops"] == 0
+    loop = max(looped["summary"]["loops"], key=lambda lp: lp["kernels"][1] - lp["kernels"][0])  # the layers'
+    assert not unrolled["summary"]["loops"]
+    kernels = looped["summary"]["kernels"]
+    before, first = kernels[loop["kernels"][0] - 1], kernels[loop["kernels"][0]]
+    assert before["kind"] == "matmul" and first["kind"] != "matmul", (before, first)  # the edge follows a stream
+    extra = looped["decode_cycles_per_token"] - unrolled["decode_cycles_per_token"]
+    assert extra <= per_run * loop["runs"], (looped["decode_cycles_per_token"], unrolled["decode_cycles_per_token"])
+
+
+def test_a_decode_loop_costs_little_more_than_its_layers_unrolled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 layers of `mini` at 64 cached positions, in a loop and unrolled: the same token. No prefetch crosses a
+    loop's edge, so the body starts right after a stream, where that costs least (`isel_decode.loop_edge_cost`;
+    it started at the KV-cache scatters, after the rope chains, whose prefetch the edge cut), and each
+    repetition loads the next one's addresses while it runs (the header waited a DMA latency for them).
+    Measured 1,003 cycles more a repetition than unrolled (63,490 vs 60,482); 1,834 before both."""
+    monkeypatch.setitem(llama_bench.GEOMETRIES, "mini-4l", llama_bench.GEOMETRIES["mini"] | {"num_hidden_layers": 4})
+    looped, unrolled = _decode_looped_and_unrolled(monkeypatch, "mini-4l", 64)
+    _check_decode_loop(looped, unrolled, per_run=1300)
+
+
+@pytest.mark.slow  # a minute: 4 layers of hidden 1024, twice
+def test_a_decode_loop_of_qwen3_layers_costs_little_more_than_unrolled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same with 4 of Qwen3-0.6B's layers (hidden 1024, 16 heads of dim 128 over 8, QK-norm) at 256
+    positions. Measured 1,637 cycles more a repetition (179,886 vs 174,975)."""
+    monkeypatch.setitem(llama_bench.QWEN3_GEOMETRIES, "qwen3-0.6b-4l",
+                        llama_bench.QWEN3_GEOMETRIES["qwen3-0.6b-2l"] | {"num_hidden_layers": 4})
+    looped, unrolled = _decode_looped_and_unrolled(monkeypatch, "qwen3-0.6b-4l", 256)
+    _check_decode_loop(looped, unrolled, per_run=2000)
+
+
+def test_qwen3_projections_stream_back_to_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step of one of Qwen3-0.6B's layers (hidden 1024, 16 heads of dim 128 over 8, QK-norm) at 64
+    positions: q_proj, k_proj and v_proj run back to back, their norms after them
+    (`isel_decode.streams_back_to_back`), the same token, fewer cycles. Measured 49,028 vs 49,258 in the
+    traced order (2 layers at 17 positions: 89,829 -> 89,138)."""
+    monkeypatch.setitem(llama_bench.QWEN3_GEOMETRIES, "qwen3-0.6b-1l",
+                        llama_bench.QWEN3_GEOMETRIES["qwen3-0.6b-2l"] | {"num_hidden_layers": 1})
+
+    def traced_order(m: pytest.MonkeyPatch) -> None:
+        m.setattr("codegen.compiler.streams_back_to_back", lambda config, kernels: kernels)
+
+    r = _decode_summaries(monkeypatch, "qwen3-0.6b-1l", 64, {"moved": lambda m: None, "traced": traced_order})
+    moved, traced = r["moved"], r["traced"]
+    assert moved["token_equal_eager"] and traced["token_equal_eager"] and moved["cpu_ops"] == 0
+
+    def order(summary: dict) -> list[str]:
+        return list(dict.fromkeys(k["module"].rsplit(".", 1)[-1] for k in summary["kernels"]
+                                  if k["module"].endswith(("_proj", "_norm")) and "self_attn" in k["module"]))
+
+    assert order(moved["summary"])[:5] == ["q_proj", "k_proj", "v_proj", "q_norm", "k_norm"], order(moved["summary"])
+    assert order(traced["summary"])[:5] == ["q_proj", "q_norm", "k_proj", "k_norm", "v_proj"]
+    assert moved["decode_cycles_per_token"] < traced["decode_cycles_per_token"]
 
 
 def test_a_decode_step_at_a_long_context_without_a_prefill() -> None:
