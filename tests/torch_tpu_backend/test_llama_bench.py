@@ -64,7 +64,8 @@ def test_qwen3_two_layers_decode_ratio() -> None:
     of the 1B's, so each kernel boundary weighs four times as much."""
     r = llama_bench.run("qwen3-0.6b-2l")
     assert r["tokens_equal_eager"]
-    assert r["decode_roofline_ratio"] <= 1.38, r  # measured 1.363 (1.385 before o_proj was all prefetched)
+    assert r["decode_roofline_ratio"] <= 1.37, r  # measured 1.352 (1.363 before q_proj, k_proj and v_proj streamed
+    # back to back; 1.385 before o_proj was all prefetched)
 
 
 @pytest.mark.slow  # minutes: one decode step of the 1B's layers over 1024 and 4096 cached positions
