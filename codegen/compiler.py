@@ -243,8 +243,8 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
     graph.kernels = streams_back_to_back(cfg, kernels)
     loops = find_loops(graph, edge_cost=loop_edge_cost(cfg, graph.kernels)) if layer_loops else []
     if any(lp.repeats == 2 for lp in loops) and _unrolled_fits(graph, cfg, precision):
-        # two repetitions save one body's code but cost a header (a DMA latency) each and the prefetch across
-        # the loop's edges (1b-2l decode: 274,564 cycles looped, 270,481 unrolled): kept only where imem needs it
+        # two repetitions save one body's code but cost the prefetch across the loop's edges (1b-2l decode:
+        # 274,564 cycles looped, 270,481 unrolled, with a header that waited): kept only where imem needs it
         loops = [lp for lp in loops if lp.repeats > 2]
     stages["kernels.txt"] = describe(graph) + "".join(
         f"loop: kernels {lp.first}..{lp.first + lp.period - 1} run {lp.repeats} times over {len(lp.slots[0])} "
