@@ -352,3 +352,35 @@ def test_a_one_token_forwards_loop_loads_its_addresses_ahead() -> None:
     (loop,) = looped.summary["loops"]
     assert loop["runs"] == 4
     assert stats.cycles - stats_unrolled.cycles <= 2000 * loop["runs"], (stats.cycles, stats_unrolled.cycles)
+
+
+class _WideBlock(torch.nn.Module):
+    """18 Linear + ReLU of 18 different widths in a row: a block whose loop body names more buffers than a
+    vmem row group holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        widths = [16 + 8 * i for i in range(18)] + [16]
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in itertools.pairwise(widths))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def test_a_body_with_more_slots_than_a_row_group() -> None:
+    """On `small` (8 lanes) a row group of the window holds 64 slot addresses; these blocks name more, so the
+    footer moves the next window into the window in several groups. Eager's numbers, also on vmem poisoned
+    at every kernel start (the window, the next window and the cursor survive)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(_WideBlock() for _ in range(3))).eval()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
+    exe, args = _compile(model, x, matmul_precision="highest")
+    (loop,) = exe.summary["loops"]
+    assert loop["runs"] == 3 and loop["slots"] > 64, loop
+    (out,), _ = run_fresh(exe, args, SimulatorRunner(exe.config))
+    with torch.no_grad():
+        np.testing.assert_allclose(out, model(x).numpy(), rtol=1e-4, atol=1e-4)
+    (poisoned,) = run_with_poisoned_vmem(exe, args)
+    np.testing.assert_array_equal(poisoned, out)
