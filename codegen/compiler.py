@@ -531,12 +531,15 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
             loop = starts[i]
             assert layout is not None
             ctx.buffers = {slot_name(j): (layout.window + j, 0) for j in range(len(loop.slots[0]))}
+            # the header also runs after the footer, with the body's last stores in flight: assumed to read no
+            # more rows than those of the kernel before the loop (in a rotated loop, the same kernel), which
+            # the footer makes true (it waits for them where they read more)
+            back_edge_stores = ctx.stores_in_flight
             function(f"loop at kernel {i}: init", "loop_init", lambda lp=loop, at=4 * table_word: emit_init(
                 ctx, layout, table, arena, at, len(lp.slots[0])))
-            ctx.forget_stores()  # the header also runs after the footer
+            ctx.assume_stores(back_edge_stores)
             header = function(f"loop at kernel {i}: header", "loop", lambda lp=loop, at=4 * table_word: emit_header(
                 ctx, layout, table, arena, at, len(lp.slots[0])))
-            ctx.forget_stores()
             table_word += (loop.repeats + 1) * len(loop.slots[0])
         if loop is not None and i >= loop.first + loop.period * loop.repeats:
             loop, ctx.buffers = None, buffers
@@ -564,13 +567,21 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
                 nodes = (m.kernel.origin[0] for m in lowered.members if m.kernel.origin[0])
                 info["node"] = " + ".join(dict.fromkeys(nodes))
         if loop is not None and i == loop.first + loop.period - 1:  # also after a chain's last member
+            drain = not _within(ctx.stores_in_flight, back_edge_stores)
             function(f"loop at kernel {loop.first}: footer", "loop_next",
-                     lambda lp=loop, h=header.blocks[0].label: emit_footer(ctx, layout, table, lp, h))
+                     lambda lp=loop, h=header.blocks[0].label, d=drain: emit_footer(ctx, layout, table, lp, h, d))
     funcs.append(Function(name="exit"))
     b.start_function(funcs[-1], "exit")
     funcs[-1].blocks[0].instrs.extend(wait_for_stores())  # the outputs are in HBM when the program halts
     b.emit("halt")
     return funcs, per_kernel, ctx.scratch_peak, entries
+
+
+def _within(rows: list[tuple[int, int]] | None, bound: list[tuple[int, int]] | None) -> bool:
+    """Whether every row of `rows` lies in a range of `bound` (None: any row)."""
+    if bound is None:
+        return True
+    return rows is not None and all(any(lo <= a and b <= hi for lo, hi in bound) for a, b in rows)
 
 
 def private_chain_outputs(graph: KernelGraph, loops: list[Loop], chain: KernelChain,

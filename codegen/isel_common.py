@@ -225,6 +225,16 @@ class KernelContext:
         its footer): its guard assumes stores in flight on any row."""
         self._in_flight = None
 
+    @property
+    def stores_in_flight(self) -> Rows:
+        """The vmem rows that stores the functions emitted so far may leave in flight may still read."""
+        return None if self._in_flight is None else list(self._in_flight)
+
+    def assume_stores(self, rows: Rows) -> None:
+        """The next function may also run after code whose stores in flight read at most `rows` (a loop's
+        header after its footer, which waits for them where they read more: `layer_loop.emit_footer`)."""
+        self._in_flight = None if rows is None or self._in_flight is None else self._in_flight + rows
+
     def end(self) -> None:
         func, before = self.b.func, self._in_flight
         waits = guard_stores_in_flight(func, self._clashes)
@@ -247,6 +257,8 @@ class KernelContext:
         self._in_flight = mine
 
     def _rows(self, m: Mem | None) -> tuple[int, int] | None:
+        if m is not None and m.region == "args" and m.hi is not None:  # the argument table (a loop's windows)
+            return self.args_row + m.lo, self.args_row + m.hi
         region = self._named.get(m.region) if m is not None else None
         if region is None:
             return None

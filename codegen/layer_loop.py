@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from codegen.builder import f32_bits
-from codegen.isel_common import Flag, KernelContext, Region
+from codegen.isel_common import Flag, KernelContext, Region, wait_for_stores
 from codegen.kernel_graph import (
     Access,
     FillKernel,
@@ -281,9 +281,13 @@ def emit_header(ctx: KernelContext, layout: LoopLayout, args: Region, arena_entr
             slots, slots, NEXT_ROW, in_flight=True)
 
 
-def emit_footer(ctx: KernelContext, layout: LoopLayout, args: Region, loop: Loop, header: str) -> None:
-    """The window := the next window; cursor += one row; back to the header while rows are left."""
+def emit_footer(ctx: KernelContext, layout: LoopLayout, args: Region, loop: Loop, header: str,
+                drain: bool = True) -> None:
+    """The window := the next window; cursor += one row; back to the header while rows are left. `drain`:
+    first wait for the stores in flight (the body's first kernels do not expect them all)."""
     b = ctx.b
+    if drain:
+        b.block.instrs.extend(wait_for_stores())
     b.emit("wait", flag=NEXT_ROW)
     lanes = layout.lanes
     for entry in range(0, len(loop.slots[0]), 8 * lanes):

@@ -339,9 +339,9 @@ def test_find_loops_picks_the_cheapest_rotation() -> None:
 def test_a_one_token_forwards_loop_loads_its_addresses_ahead() -> None:
     """A one-token forward of 4 bf16 layers of hidden 1024 on `large` (every projection a weight stream): the
     same bits as unrolled. Each repetition loads the next one's addresses while it runs; the header waited
-    a DMA latency for them. Measured 7,355 cycles more than unrolled over the 4 runs (120,175 vs 112,820),
-    8,718 before; what is left is the prefetch no edge crosses (here no body can start after a stream: the
-    layers repeat from the first norm to the last residual add)."""
+    a DMA latency for them, and the footer waited for the stores in flight. Measured 6,722 cycles more than
+    unrolled over the 4 runs (119,542 vs 112,820), 8,718 before; what is left is the prefetch no edge crosses
+    (here no body can start after a stream: the layers repeat from the first norm to the last residual add)."""
     model = _llama(4, torch.bfloat16, hidden=1024, heads=16, kv_heads=8, vocab=256)
     ids = torch.tensor([[7]])
     looped, args = _compile(lambda ids: model(ids).logits, ids, config="large")
@@ -351,7 +351,7 @@ def test_a_one_token_forwards_loop_loads_its_addresses_ahead() -> None:
     np.testing.assert_array_equal(out, out_unrolled)
     (loop,) = looped.summary["loops"]
     assert loop["runs"] == 4
-    assert stats.cycles - stats_unrolled.cycles <= 2000 * loop["runs"], (stats.cycles, stats_unrolled.cycles)
+    assert stats.cycles - stats_unrolled.cycles <= 1800 * loop["runs"], (stats.cycles, stats_unrolled.cycles)
 
 
 class _WideBlock(torch.nn.Module):
