@@ -32,7 +32,15 @@ from codegen.attention import QUERY_DIM
 from codegen.builder import Builder
 from codegen.errors import CapacityError, ProgramTooLargeError
 from codegen.fx_ops import emit_module
-from codegen.isel_common import SPILL_ROWS, Flag, KernelContext, Region, table_rows, wait_for_stores
+from codegen.isel_common import (
+    SPILL_ROWS,
+    Flag,
+    KernelContext,
+    Region,
+    rows_within,
+    table_rows,
+    wait_for_stores,
+)
 from codegen.isel_decode import (
     issue_prefetch,
     loop_edge_cost,
@@ -567,7 +575,7 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
                 nodes = (m.kernel.origin[0] for m in lowered.members if m.kernel.origin[0])
                 info["node"] = " + ".join(dict.fromkeys(nodes))
         if loop is not None and i == loop.first + loop.period - 1:  # also after a chain's last member
-            drain = not _within(ctx.stores_in_flight, back_edge_stores)
+            drain = not rows_within(ctx.stores_in_flight, back_edge_stores)
             function(f"loop at kernel {loop.first}: footer", "loop_next",
                      lambda lp=loop, h=header.blocks[0].label, d=drain: emit_footer(ctx, layout, table, lp, h, d))
     funcs.append(Function(name="exit"))
@@ -575,13 +583,6 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
     funcs[-1].blocks[0].instrs.extend(wait_for_stores())  # the outputs are in HBM when the program halts
     b.emit("halt")
     return funcs, per_kernel, ctx.scratch_peak, entries
-
-
-def _within(rows: list[tuple[int, int]] | None, bound: list[tuple[int, int]] | None) -> bool:
-    """Whether every row of `rows` lies in a range of `bound` (None: any row)."""
-    if bound is None:
-        return True
-    return rows is not None and all(any(lo <= a and b <= hi for lo, hi in bound) for a, b in rows)
 
 
 def private_chain_outputs(graph: KernelGraph, loops: list[Loop], chain: KernelChain,

@@ -158,6 +158,13 @@ def _overlaps(rows: Rows, lo: int, hi: int) -> bool:
     return rows is None or any(a < hi and lo < b for a, b in rows)
 
 
+def rows_within(rows: Rows, bound: Rows) -> bool:
+    """Whether every row of `rows` lies in a range of `bound`."""
+    if bound is None:
+        return True
+    return rows is not None and all(any(lo <= a and b <= hi for lo, hi in bound) for a, b in rows)
+
+
 def table_rows(entries: int, lanes: int) -> int:
     """vmem rows the argument table takes: whole groups of 8, so a `vld` of its rows reads nothing else."""
     return -(-entries // (8 * lanes)) * 8
@@ -219,11 +226,6 @@ class KernelContext:
         self.kernel = kernel
         # only the function just before: a loop's init, header or footer in between leaves nothing
         self.resident, self._leaving, self.taken = tuple(self._leaving), [], []
-
-    def forget_stores(self) -> None:
-        """The next function may run after code other than the one emitted before it (a loop's header, after
-        its footer): its guard assumes stores in flight on any row."""
-        self._in_flight = None
 
     @property
     def stores_in_flight(self) -> Rows:

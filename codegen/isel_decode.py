@@ -89,6 +89,11 @@ def _stream_tiles(config: HardwareConfig, k: MatmulKernel) -> tuple[int, int] | 
     return K // L, Nn // L
 
 
+def _is_stream(config: HardwareConfig, k: Kernel) -> bool:
+    """Whether `k` is a one-row weight stream's matmul (`_stream_tiles`)."""
+    return isinstance(k, MatmulKernel) and _stream_tiles(config, k) is not None
+
+
 def split_ragged_streams(config: HardwareConfig, kernels: list[Kernel]) -> list[Kernel]:
     """A stream's iterations are whole n-tiles, U of them dividing its n-tiles. When no such U makes a group
     (U * KT / 2 tiles) long enough to cover a DMA latency, every group of the stream waits out a bubble
@@ -126,9 +131,6 @@ def streams_back_to_back(config: HardwareConfig, kernels: list[Kernel]) -> list[
     each waiting a DMA latency with the channel all but idle. Back to back, each stream loads the next one's
     first weights along its last iteration, and the norms join the run of small kernels after them (a
     chain). Buffers keep the order of their writes and reads, so the results are the same."""
-    def stream(k: Kernel) -> bool:
-        return isinstance(k, MatmulKernel) and _stream_tiles(config, k) is not None
-
     def independent(a: Kernel, b: Kernel) -> bool:
         return written_buffer(a) not in {v.buffer for v in views_of(b)} and \
             written_buffer(b) not in {v.buffer for v in views_of(a)}
@@ -138,7 +140,8 @@ def streams_back_to_back(config: HardwareConfig, kernels: list[Kernel]) -> list[
     while moved:
         moved = False
         for i in range(len(out) - 1):
-            if isinstance(out[i], GenericKernel) and stream(out[i + 1]) and independent(out[i], out[i + 1]):
+            if isinstance(out[i], GenericKernel) and _is_stream(config, out[i + 1]) \
+                    and independent(out[i], out[i + 1]):
                 out[i], out[i + 1] = out[i + 1], out[i]
                 moved = True
     return out
@@ -350,7 +353,7 @@ def loop_edge_cost(config: HardwareConfig, kernels: list[Kernel]) -> Callable[[i
     channel idle (decode's body began at the KV-cache scatters: the rope chains before them, at the body's
     end, loaded nothing, and o_proj's long run lost half its kernels), and a body that starts with a stream
     gets none of its weights early. The cheapest edge follows a stream and precedes a run of small kernels."""
-    stream = [isinstance(k, MatmulKernel) and _stream_tiles(config, k) is not None for k in kernels]
+    stream = [_is_stream(config, k) for k in kernels]
 
     def cost(first: int, period: int) -> int:
         last = first + period - 1
