@@ -208,7 +208,10 @@ def _first_dmas(ctx: KernelContext, k: MatmulKernel, p: DecodePlan, regions: lis
 # kernel from the first issuer to the stream leaves both slots alone (`KernelContext` ceiling). After a
 # long run (attention's, before o_proj) the run's later kernels load the stream's second iteration into the
 # other slot as well; the stream then loads the next one's first groups into whichever slot its last
-# iteration does not read (`next_slot_first`).
+# iteration does not read (`next_slot_first`). The slots are sized for that stream's larger groups, so each
+# holds two iterations of the others: their first two are loaded, both into one slot, the stream before
+# them issuing all but a group for each small kernel between (it fills its last group's latency and its
+# MXU drain, where the channel idled).
 # they fit their tiles to the vmem they get; so do the matmuls no stream lowers (attention's at one token:
 # matmuls of at most SMALL_ROWS rows, so that a prefill's matmuls keep the whole vmem)
 SMALL_ROWS = 8
@@ -264,7 +267,8 @@ def plan_prefetches(config: HardwareConfig, kernels: list[tuple[Kernel | None, i
     stream just before its run of small kernels, if any, then the run's first kernels: a group each (both
     when a stream is the only issuer), or after a long run (LONG_RUN kernels or more) a quarter each of
     the stream's first half, planned with groups as large as the slot allows; the long run's later kernels
-    (two or more) then load its second iteration into the other slot, free until the stream after it."""
+    (two or more) then load its second iteration into the other slot, free until the stream after it. A
+    stream of more than two iterations whose slot holds two has both loaded, into the slot's halves."""
     L, V = config.lanes, config.vmem_rows
 
     def streams(rows: int, both: set[int]) -> dict[int, DecodePlan]:
@@ -304,23 +308,33 @@ def plan_prefetches(config: HardwareConfig, kernels: list[tuple[Kernel | None, i
     out: dict[int, Prefetch] = {}
     parity = 0
 
-    def take_slot(p: DecodePlan, take: bool = True) -> tuple[int, int]:  # in turn: consecutive streams differ
-        nonlocal parity
+    def take_slot(p: DecodePlan, take: bool = True, iterations: int = 1) -> tuple[int, int]:
+        nonlocal parity  # in turn: consecutive streams differ
         top = V - parity * slot
         parity ^= take
-        return top - 2 * p.G * L, top
+        return top - iterations * 2 * p.G * L, top
 
     for j, p in sorted(plans.items()):
         units = run(j, plans)
-        first_units = units[:LONG_RUN if j in both else 2]  # the first ones issue
+        # a slot that holds two of the stream's iterations gets both (`two_ahead`; not all: then the stream
+        # would load nothing while it computes): the stream before fills its last group's latency and drain
+        double = j not in both and two_ahead(p) and p.iterations > 2 and 4 * p.G * L <= slot
+        first_units = units[:LONG_RUN if j in both or double else 2]  # the first ones issue
         if not first_units:
             continue
         if first_units[0] in plans and first_units[0] not in out:  # a stream that issues has a slot too
             own = take_slot(plans[first_units[0]])
             out[first_units[0]] = Prefetch(ceiling, own, stream=plans[first_units[0]], slots=(own[0],))
-        slots = [take_slot(p)]
         first = 2 * p.G  # tiles of an iteration
-        if len(first_units) == 1 and first_units[0] in plans:  # a stream alone before: along its last iteration
+        slots = [take_slot(p, iterations=2 if double else 1)]
+        if double:  # the two halves of the slot; each small kernel a group, the stream before the rest
+            lo, hi = slots[0]
+            slots = [(lo, lo + first * L), (lo + first * L, hi)]
+            small = len(first_units) - (first_units[0] in plans)
+            cut = [0] + [2 * first - p.G * (small - q) for q in range(small + 1)] if first_units[0] in plans \
+                else [2 * first * q // small for q in range(small + 1)]
+            shares = [range(a, z) for a, z in itertools.pairwise(cut)]
+        elif len(first_units) == 1 and first_units[0] in plans:  # a stream alone before: along its last iteration
             shares = [range(0, first)]
         else:  # a group each, or (larger groups, after a long run) a quarter each
             share = first // (LONG_RUN if j in both else 2)
@@ -342,7 +356,7 @@ def plan_prefetches(config: HardwareConfig, kernels: list[tuple[Kernel | None, i
             if m in out:  # the stream before: its own first half stays where it is
                 out[m] = dataclasses.replace(out[m], issue=issue)
             else:  # from the first kernel that loads the second slot, both slots are kept
-                out[m] = Prefetch(ceiling, span if len(slots) > 1 and m >= later[0] else slots[0], issue)
+                out[m] = Prefetch(ceiling, span if len(slots) > 1 and (double or m >= later[0]) else slots[0], issue)
         out[j] = Prefetch(ceiling, span, prefetched=sum(len(g) for g in issued.values()), stream=p, slots=rows)
     return out
 
@@ -533,7 +547,7 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
                    (b.const(a_reg.row + kt), b.offset_reg(c_row, u), rows), flag=ctx.flag(Flag.MXU), mem=(a_mem, c_mem))
             if loads and j >= issued:
                 _tile_dma(ctx, p, ws, h_next, nxt, j, ctx.flag(Flag.LOAD, q), ring_mem)
-            elif last and next_groups:
+            elif last and next_groups and (not in_slot or j % 2):  # in vmem: the channel takes two commands a tile
                 next_groups.pop(0)()
             for it, t in spread.get((i, j), []) if in_slot else []:
                 spread_dma(it, t)
