@@ -366,13 +366,23 @@ def loop_edge_cost(config: HardwareConfig, kernels: list[Kernel]) -> Callable[[i
     small kernels at the end of a body, which would load the first stream of the next repetition, leave the
     channel idle (decode's body began at the KV-cache scatters: the rope chains before them, at the body's
     end, loaded nothing, and o_proj's long run lost half its kernels), and a body that starts with a stream
-    gets none of its weights early. The cheapest edge follows a stream and precedes a run of small kernels."""
+    gets none of its weights early. The cheapest edge follows a stream and precedes a run of small kernels,
+    and not a stream the long run before it loads whole (Qwen3's o_proj, two iterations): the channel idles
+    through it unless it loads the next stream's weights."""
     stream = [_is_stream(config, k) for k in kernels]
+
+    def loaded_whole(k: Kernel) -> bool:
+        p = plan(config, k, config.vmem_rows, prefetched=True) if isinstance(k, MatmulKernel) else None
+        return p is not None and p.iterations <= 2
 
     def cost(first: int, period: int) -> int:
         last = first + period - 1
         idle = next((t for t in range(period) if stream[last - t]), period)
-        return idle + (period if stream[first] else 0)
+        before = idle + 1  # the small kernels before the body's last stream
+        while before < period and not stream[last - before]:
+            before += 1
+        whole = before - idle - 1 >= LONG_RUN and loaded_whole(kernels[last - idle])
+        return idle + (period if stream[first] else 0) + (LONG_RUN if whole else 0)
 
     return cost
 

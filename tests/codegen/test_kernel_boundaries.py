@@ -569,6 +569,21 @@ def test_a_stream_with_two_iterations_loaded_by_the_kernels_before_gives_the_sam
     assert cycles < one_cycles, (cycles, one_cycles)
 
 
+@pytest.mark.parametrize(("o_rows", "whole"), [(1024, True), (2048, False)])
+def test_a_loop_edge_after_a_stream_the_run_loads_whole_costs_more(o_rows: int, whole: bool) -> None:
+    # a layer's kernels: v_proj, attention's long run, o_proj, a norm, gate and up projections. After the long
+    # run o_proj has its first two iterations loaded; Qwen3's (1024 x 2048: two iterations) is then computed
+    # in vmem with the channel idle unless it loads the next stream's weights, which no edge lets it do: a
+    # body that ends there costs more than one that ends at v_proj. Llama-1B's (four iterations) loads the
+    # rest itself: both edges cost nothing
+    cfg = get_config("large")
+    fill = FillKernel(View("t", 0, (8, 128), (128, 1), "f32"), 0.0)
+    layer = [_stream("v", 512), fill, fill, fill, fill, _stream("o", o_rows), fill, _stream("g"), _stream("u")]
+    cost = isel_decode.loop_edge_cost(cfg, layer * 3)
+    after_o, after_v = cost(6, len(layer)), cost(1, len(layer))
+    assert after_v == 0 and (after_o > after_v) == whole
+
+
 def _project_then_run_then_two(x: torch.Tensor, wv: torch.Tensor, wo: torch.Tensor, wg: torch.Tensor
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     # v_proj, a long run of small kernels (reductions between elementwise steps: attention's place), o_proj
