@@ -42,6 +42,9 @@ from codegen.isel_common import (
     wait_for_stores,
 )
 from codegen.isel_decode import (
+    PREFETCH_KERNELS,
+    Issue,
+    Prefetch,
     issue_prefetch,
     loop_edge_cost,
     plan_prefetches,
@@ -68,6 +71,7 @@ from codegen.kernel_graph import (
     written_buffer,
 )
 from codegen.layer_loop import (
+    NEXT_ROW,
     Loop,
     emit_footer,
     emit_header,
@@ -75,13 +79,14 @@ from codegen.layer_loop import (
     find_loops,
     hoist_invariant_kernels,
     loop_layout,
+    next_slot_name,
     occurrence_slots,
     rename_to_slots,
     sink_fills,
     slot_name,
 )
 from codegen.machine_code import MachineCode, compile_functions
-from codegen.mir import Function, Reg
+from codegen.mir import Function, MInstr, Reg
 from codegen.mlir_pipeline import run_pipeline
 from device_sim.config import HardwareConfig, get_config
 from device_sim.executable import ALIGN, ARENA_REGISTER, ArgSpec, Executable, OutputView
@@ -260,13 +265,12 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
     value_inputs = _value_inputs(graph)
     placements, arena_bytes = plan_memory(graph, len(value_inputs) + sum((lp.repeats + 1) * len(lp.slots[0])
                                                                          for lp in loops))
-    address_table = _address_table(graph, placements, loops)
     clock.lap("kernels_and_memory_plan")
     chains_undone: list[str] = []
     chains, compact = True, False
     while True:
-        funcs, per_kernel, scratch, table_entries = _select(graph, placements, arena_bytes, cfg, precision, loops,
-                                                            chains)
+        funcs, per_kernel, scratch, table_entries, last_rows = _select(graph, placements, arena_bytes, cfg,
+                                                                       precision, loops, chains)
         machine_ir = "".join(f"# {f.name}\n{f.dump()}" for f in funcs)
         clock.lap("instruction_selection")
         instructions = sum(len(b.instrs) for f in funcs for b in f.blocks)
@@ -297,6 +301,7 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
             chains = False
             chains_undone.append(str(e))
     arena_bytes += scratch
+    address_table = _address_table(graph, placements, loops, last_rows)
     clock.lap("schedule_regalloc_assemble")
     starts = [sum(mc.function_bundles[:i]) for i in range(len(funcs))]
     for info in per_kernel:
@@ -433,15 +438,16 @@ def _unrolled_fits(graph: KernelGraph, cfg: HardwareConfig, precision: str) -> b
     return sum(len(b.instrs) for f in funcs for b in f.blocks) * BUNDLES_PER_INSTRUCTION < 0.8 * cfg.imem_bundles
 
 
-def _address_table(graph: KernelGraph, placements: dict[str, BufferPlacement],
-                   loops: list[Loop]) -> list[tuple[int, int]]:
+def _address_table(graph: KernelGraph, placements: dict[str, BufferPlacement], loops: list[Loop],
+                   last_rows: dict[int, tuple[str, ...]]) -> list[tuple[int, int]]:
     """The loops' per-repetition address tables, one after the other, as (argument-table entry, byte
     offset) per word: repetition i's slot j is the address of the buffer it uses there. Each table ends
-    with its last row again, which the last repetition loads as its next row (`layer_loop.emit_header`)."""
+    with one more row, which the last repetition loads as its next row (`layer_loop.emit_header`): its own
+    again, or `last_rows[n]` for loop n (what the kernels after it read: `_prefetches`)."""
     n_in = len(graph.arguments)
     words = []
-    for lp in loops:
-        for row in (*lp.slots, lp.slots[-1]):
+    for n, lp in enumerate(loops):
+        for row in (*lp.slots, last_rows.get(n, lp.slots[-1])):
             for name in row:
                 p = placements[name]
                 words.append((graph.arguments.index(name), 0) if p.kind == "input" else (n_in, p.offset))
@@ -481,12 +487,13 @@ class _Clock:
 
 def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_bytes: int, cfg: HardwareConfig,
             precision: str, loops: list[Loop], chains: bool = True
-            ) -> tuple[list[Function], list[dict[str, Any]], int, int]:
+            ) -> tuple[list[Function], list[dict[str, Any]], int, int, dict[int, tuple[str, ...]]]:
     """Instruction selection into one machine-IR function per kernel, in order: the entry copies the
     argument table to vmem, then the kernels, then the exit halts. A loop's body kernels are selected once,
     between the loop's init + header and its footer; its other repetitions emit nothing. Returns the
     functions, per-kernel information (`function`: the index of its function, None for a repetition),
-    the HBM scratch bytes the kernels need beyond the arena and the argument-table entries reserved in vmem.
+    the HBM scratch bytes the kernels need beyond the arena, the argument-table entries reserved in vmem and
+    the last rows of loops' address tables that differ from their last repetition's (`_prefetches`).
     chains: lower runs of small generics as one kernel each (`isel_vector.form_chains`)."""
     n_in = len(graph.arguments)
     arena = n_in  # the arena's entry in the argument table
@@ -527,7 +534,8 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
                 touched.setdefault(v.buffer, set()).add(i)
         for chain in {id(k): k for k, _ in emitted if isinstance(k, KernelChain)}.values():
             chain.private = private_chain_outputs(graph, loops, chain, touched)
-    prefetches = plan_prefetches(cfg, emitted, free_rows)
+    planned = _prefetches(cfg, graph, emitted, free_rows, loops)
+    prefetches, last_rows = planned.plan, planned.last_rows
     preloads = _preloads(emitted, loops)
     table_word = fixed  # the next loop's address table, in words from the arena's start
     loop: Loop | None = None
@@ -538,7 +546,8 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
         if i in starts:
             loop = starts[i]
             assert layout is not None
-            ctx.buffers = {slot_name(j): (layout.window + j, 0) for j in range(len(loop.slots[0]))}
+            ctx.buffers = {slot_name(j): (layout.window + j, 0) for j in range(len(loop.slots[0]))} | {
+                next_slot_name(j): (layout.next_window + j, 0) for j in range(len(loop.slots[0]))}
             # the header also runs after the footer, with the body's last stores in flight: assumed to read no
             # more rows than those of the kernel before the loop (in a rotated loop, the same kernel), which
             # the footer makes true (it waits for them where they read more)
@@ -564,6 +573,12 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
             ctx.prefetch = prefetches.get(i)
             func = function(f"kernel {i} ({type(lowered).__name__})", f"k{i}",
                             lambda k=lowered, i=i: _lower(ctx, k, preloads.get(i, [])))
+            if ctx.prefetch is not None and ctx.prefetch.issue is not None and _reads_next_window(ctx.prefetch.issue):
+                # before the argument loads of the next repetition's addresses: the header's DMA of them
+                func.blocks[0].instrs.insert(0, MInstr("wait", flag=int(NEXT_ROW)))
+                info["prefetches_for"] = "the next repetition"
+            if i == planned.wait_before:  # what the loop's last repetition loaded for no kernel lands first
+                func.blocks[0].instrs.insert(0, MInstr("wait", flag=int(Flag.PREFETCH)))
             if ctx.prefetch is not None and ctx.prefetch.carried:
                 info["vmem_carried"] = list(ctx.prefetch.carried)
             if ctx.taken:  # rows it reads where the kernel before left them (`KernelContext.take_resident`)
@@ -582,7 +597,7 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
     b.start_function(funcs[-1], "exit")
     funcs[-1].blocks[0].instrs.extend(wait_for_stores())  # the outputs are in HBM when the program halts
     b.emit("halt")
-    return funcs, per_kernel, ctx.scratch_peak, entries
+    return funcs, per_kernel, ctx.scratch_peak, entries, last_rows
 
 
 def private_chain_outputs(graph: KernelGraph, loops: list[Loop], chain: KernelChain,
@@ -637,6 +652,142 @@ def _emitted_kernels(graph: KernelGraph, loops: list[Loop]) -> list[tuple[Kernel
             if i == loop.first + loop.period - 1:
                 segment += 1  # the footer
     return out
+
+
+@dataclass
+class _Prefetches:
+    """The decode prefetch plan (`isel_decode.Prefetch` per kernel index), the last rows of loops' address
+    tables that differ from their last repetition's, and the kernel after a loop whose last repetition
+    loaded weights no kernel after it reads: it waits for them first (None: none)."""
+
+    plan: dict[int, Prefetch]
+    last_rows: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    wait_before: int | None = None
+
+
+def _prefetches(cfg: HardwareConfig, graph: KernelGraph, emitted: list[tuple[Kernel | None, int]], free_rows: int,
+                loops: list[Loop]) -> _Prefetches:
+    """The decode prefetch plan (`plan_prefetches`) of the kernels as emitted, across the edge of the layers'
+    loop where its body plans the same in every repetition: planned over the body three times between the
+    kernels before the loop and after it, as one run of code. The body's last kernels then load the next
+    repetition's first stream, at the next window's addresses, and the last kernel before the loop loads the
+    same tiles of the first repetition's. The last repetition's next window is the address table's last row:
+    the same stream after the loop (a rotated body: the last layer's rest follows), else its own again, whose
+    loads the kernel after the loop waits for. Where the copies of the body plan differently (the slots'
+    parity flips from one to the next) the edge stays a boundary."""
+    base = plan_prefetches(cfg, emitted, free_rows)
+    streams = [sum(isinstance(k, MatmulKernel) and base.get(i) is not None and base[i].stream is not None
+                   for i, (k, _) in enumerate(emitted[lp.first:lp.first + lp.period], lp.first)) for lp in loops]
+    if not loops or max(streams) == 0:
+        return _Prefetches(base)
+    n = streams.index(max(streams))  # the layers' loop
+    lp = loops[n]
+    f, p, end = lp.first, lp.period, lp.first + lp.period * lp.repeats
+    if end >= len(emitted):
+        return _Prefetches(base)
+    body = emitted[f][1]
+    merged = {body - 1, body, body + 2}  # before the loop, its body, after it (its footer's repetitions between)
+    pre = [(k, body if s in merged else s) for k, s in emitted[:f]]
+    copy = [(k, body) for k, _ in emitted[f:f + p]]
+    post = [(k, body if s in merged else s) for k, s in emitted[end:]]
+    for follows in (True, False):  # the stream after the loop, or none of the body's
+        vplan = plan_prefetches(cfg, pre + copy * 3 + (post if follows else []), free_rows)
+        out = _across_edge(graph, lp, vplan, follows)
+        if out is None:
+            continue
+        plan, last_row, first_stream, tiles = out
+        # the first repetition runs the body's code too: the last kernel before the loop loads what the
+        # body's last kernels load for the next repetition (tiles `tiles` of its first stream)
+        u = f - 1
+        if u < 0 or emitted[u][0] is None:
+            continue
+        if isinstance(emitted[u][0], KernelChain):
+            u = emitted[u][0].first
+        steady = plan[f + first_stream]
+        lo, hi = min(steady.slots), max(steady.slots) + 2 * steady.stream.G * cfg.lanes
+        last = base.get(u)
+        if last is not None and last.carried and last.carried[0] < hi and lo < last.carried[1]:
+            continue  # it reads that slot itself
+        if not isinstance(emitted[u][0], PREFETCH_KERNELS) and not (last and last.stream):
+            continue  # it issues no prefetch
+        ceiling = min(last.ceiling if last else cfg.vmem_rows, plan[f].ceiling, lo)
+        issue = Issue(graph.kernels[f + first_stream], steady.stream, tiles, steady.slots)
+        plan = {i: pf for i, pf in base.items() if i < f} | plan
+        plan[u] = dataclasses.replace(last, issue=issue, ceiling=ceiling) if last else Prefetch(ceiling, issue=issue)
+        if not follows:  # after the loop as without the edge
+            plan |= {i: pf for i, pf in base.items() if i >= end}
+        return _Prefetches(plan, {n: last_row}, None if follows else end)
+    return _Prefetches(base)
+
+
+def _across_edge(graph: KernelGraph, lp: Loop, vplan: dict[int, Prefetch], follows: bool
+                 ) -> tuple[dict[int, Prefetch], tuple[str, ...], int, range] | None:
+    """From the plan of the kernels before the loop, its body three times and (`follows`) the kernels after
+    it: the plan of the body (its second copy's, once the third plans the same: every repetition runs its
+    code) and of the kernels after the loop (`follows`), the address table's last row, the body's first
+    stream and the tiles of it the body's last kernels load for the next repetition. None where the copies
+    plan differently, no prefetch crosses the edge, or the stream after the loop is not the body's first."""
+    f, p, end = lp.first, lp.period, lp.first + lp.period * lp.repeats
+    stream_at = sorted(v for v, pf in vplan.items() if pf.stream is not None and pf.prefetched)
+
+    def target(v: int) -> int:  # the stream issuer v loads for
+        return next((u for u in stream_at if u > v), len(graph.kernels) * 4)
+
+    def same(a: Prefetch | None, b: Prefetch | None, issues: bool = True) -> bool:
+        if a is None or b is None:
+            return a is b
+        if issues and (a.issue is None) != (b.issue is None):
+            return False
+        ia, ib = a.issue, b.issue
+        return dataclasses.replace(a, issue=None) == dataclasses.replace(b, issue=None) and (
+            not issues or ia is None or (ia.plan, ia.tiles, ia.rows, _signature(ia.kernel)) == (
+                ib.plan, ib.tiles, ib.rows, _signature(ib.kernel)))
+
+    two, three = f + p, f + 2 * p  # the second and third copies
+    crossing = [v for v in range(two, three) if v in vplan and vplan[v].issue is not None and target(v) >= three]
+    if not crossing or not all(same(vplan.get(two + t), vplan.get(three + t)) for t in range(p)):
+        return None
+    first_stream = target(crossing[0]) - three
+    tiles = sorted(t for v in crossing for t in vplan[v].issue.tiles)
+    if tiles != list(range(tiles[0], tiles[-1] + 1)):
+        return None
+    stream = graph.kernels[f + first_stream]
+    last = list(lp.slots[-1])
+    occurrence = occurrence_slots(lp, graph)
+    at = sum(len(views_of(k)) for k in graph.kernels[f:f + first_stream])
+    slots = occurrence[at:at + len(views_of(stream))]
+    if follows:  # the last repetition loads the stream after the loop, where the table's last row points
+        post = three + p + first_stream
+        after = {target(v) for v in range(three, three + p) if v in vplan and vplan[v].issue is not None
+                 and target(v) >= three + p}
+        if after != {post} or end + first_stream >= len(graph.kernels) or \
+                not same(vplan[post], vplan[three + first_stream], issues=False):
+            return None
+        post_kernel = graph.kernels[end + first_stream]
+        if _signature(stream) != _signature(post_kernel):
+            return None
+        for slot, v in zip(slots, views_of(post_kernel), strict=True):
+            if last[slot] != lp.slots[-1][slot] and last[slot] != v.buffer:
+                return None  # a slot two of its views name differently
+            last[slot] = v.buffer
+    plan: dict[int, Prefetch] = {}
+    for v, pf in vplan.items():
+        if v < two or three <= v < three + p:
+            continue  # before the loop as without the edge (`_prefetches`), the body: its second copy's plan
+        if pf.issue is not None and two <= v < three <= target(v):  # the next repetition's, in the next window
+            kernel = rename_to_slots(pf.issue.kernel, slots, next_slot_name)
+            pf = dataclasses.replace(pf, issue=dataclasses.replace(pf.issue, kernel=kernel))
+        plan[v - p if v < three else end + v - (three + p)] = pf
+    return plan, tuple(last), first_stream, range(tiles[0], tiles[-1] + 1)
+
+
+def _signature(k: Kernel) -> list[tuple[Any, ...]]:
+    """`k`'s type and views but their buffers: kernels of one signature lower to the same code."""
+    return [type(k), *((v.shape, v.strides, v.offset, v.dtype) for v in views_of(k))]
+
+
+def _reads_next_window(issue: Issue) -> bool:
+    return any(v.buffer.startswith(next_slot_name(0)[:-1]) for v in views_of(issue.kernel))
 
 
 def _preloads(emitted: list[tuple[Kernel | None, int]], loops: list[Loop]

@@ -246,9 +246,16 @@ def slot_name(j: int) -> str:
     return f"@slot{j}"
 
 
-def rename_to_slots(k: Kernel, slots: list[int]) -> Kernel:
-    """`k` with its views' buffers renamed to the given slots (`views_of` order)."""
-    names = iter(slot_name(j) for j in slots)
+def next_slot_name(j: int) -> str:
+    """Slot j of the next repetition (its address in the next window): what a body's last kernels prefetch for
+    the next repetition's first stream reads."""
+    return f"@next{j}"
+
+
+def rename_to_slots(k: Kernel, slots: list[int], name: Callable[[int], str] = slot_name) -> Kernel:
+    """`k` with its views' buffers renamed to the given slots (`views_of` order; `next_slot_name`: the next
+    repetition's)."""
+    names = iter(name(j) for j in slots)
     return replace_views(k, lambda v: dataclasses.replace(v, buffer=next(names)))
 
 
