@@ -579,6 +579,7 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
                 info["prefetches_for"] = "the next repetition"
             if i == planned.wait_before:  # what the loop's last repetition loaded for no kernel lands first
                 func.blocks[0].instrs.insert(0, MInstr("wait", flag=int(Flag.PREFETCH)))
+                info["waits_first_for"] = "the loop's last prefetch"
             if ctx.prefetch is not None and ctx.prefetch.carried:
                 info["vmem_carried"] = list(ctx.prefetch.carried)
             if ctx.taken:  # rows it reads where the kernel before left them (`KernelContext.take_resident`)
@@ -691,7 +692,7 @@ def _prefetches(cfg: HardwareConfig, graph: KernelGraph, emitted: list[tuple[Ker
     copy = [(k, body) for k, _ in emitted[f:f + p]]
     post = [(k, body if s in merged else s) for k, s in emitted[end:]]
     for follows in (True, False):  # the stream after the loop, or none of the body's
-        vplan = plan_prefetches(cfg, pre + copy * 3 + (post if follows else []), free_rows)
+        vplan = plan_prefetches(cfg, pre + copy * 3 + (post if follows else copy), free_rows)
         out = _across_edge(graph, lp, vplan, follows)
         if out is None:
             continue
@@ -722,11 +723,12 @@ def _prefetches(cfg: HardwareConfig, graph: KernelGraph, emitted: list[tuple[Ker
 
 def _across_edge(graph: KernelGraph, lp: Loop, vplan: dict[int, Prefetch], follows: bool
                  ) -> tuple[dict[int, Prefetch], tuple[str, ...], int, range] | None:
-    """From the plan of the kernels before the loop, its body three times and (`follows`) the kernels after
-    it: the plan of the body (its second copy's, once the third plans the same: every repetition runs its
-    code) and of the kernels after the loop (`follows`), the address table's last row, the body's first
-    stream and the tiles of it the body's last kernels load for the next repetition. None where the copies
-    plan differently, no prefetch crosses the edge, or the stream after the loop is not the body's first."""
+    """From the plan of the kernels before the loop, its body three times and the kernels after it (`follows`;
+    else the body a fourth time): the plan of the body (its second copy's, once the third plans the same:
+    every repetition runs its code) and of the kernels after the loop (`follows`), the address table's last
+    row, the body's first stream and the tiles of it the body's last kernels load for the next repetition.
+    None where the copies plan differently, no prefetch crosses the edge, or the stream after the loop is not
+    the body's first."""
     f, p, end = lp.first, lp.period, lp.first + lp.period * lp.repeats
     stream_at = sorted(v for v, pf in vplan.items() if pf.stream is not None and pf.prefetched)
 
@@ -772,7 +774,7 @@ def _across_edge(graph: KernelGraph, lp: Loop, vplan: dict[int, Prefetch], follo
             last[slot] = v.buffer
     plan: dict[int, Prefetch] = {}
     for v, pf in vplan.items():
-        if v < two or three <= v < three + p:
+        if v < two or three <= v < three + p or (not follows and v >= three + p):
             continue  # before the loop as without the edge (`_prefetches`), the body: its second copy's plan
         if pf.issue is not None and two <= v < three <= target(v):  # the next repetition's, in the next window
             kernel = rename_to_slots(pf.issue.kernel, slots, next_slot_name)
