@@ -8,6 +8,8 @@ step is a chain of ~100 kernels, most of them moving a few KiB."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -518,6 +520,31 @@ def test_a_slot_that_holds_two_iterations_is_loaded_by_the_stream_before_and_a_g
     assert g_hi <= lo or lo + 2 * half <= g_lo  # not gate's, which it still reads
 
 
+def _record_plans(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """The prefetch plans the compiler makes from now on, in order."""
+    planned: list[dict] = []
+    real_plan = compiler.plan_prefetches
+
+    def recorded(*a: object) -> dict:
+        planned.append(real_plan(*a))  # type: ignore[arg-type]
+        return planned[-1]
+
+    monkeypatch.setattr(compiler, "plan_prefetches", recorded)
+    return planned
+
+
+def _run_checked(fn: Callable[..., object], args: list[torch.Tensor]) -> tuple[np.ndarray, int]:
+    """fn compiled for `large` and run: its outputs, one after the other, and its cycles; the same bits with
+    every vmem row no kernel holds poisoned at each kernel's start."""
+    inputs = [t.float().numpy() for t in args]
+    cg = compile_graph(trace(fn, *args), args, "large")
+    poisoned = run_with_poisoned_vmem(cg, inputs)
+    outs, stats = run_fresh(cg, inputs, SimulatorRunner("large"))
+    out, kept = (np.concatenate([o.ravel() for o in r]) for r in (outs, poisoned))
+    np.testing.assert_array_equal(out.view(np.uint32), kept.view(np.uint32))
+    return out, stats.cycles
+
+
 def test_a_stream_with_two_iterations_loaded_by_the_kernels_before_gives_the_same_bits(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # after o_proj (larger groups after the long run: slots of two ordinary iterations), gate_proj's first
@@ -532,24 +559,8 @@ def test_a_stream_with_two_iterations_loaded_by_the_kernels_before_gives_the_sam
     for row in (3, 700):  # in down_proj's iterations 0 and 1 (512 output rows each: 2 groups of 16 tiles)
         wd[row, row % 64] = float("inf") if row % 2 else float("nan")
     args = [x, wv, wo, wg, wd]
-    inputs = [t.float().numpy() for t in args]
-    planned: list[dict] = []
-    real_plan = compiler.plan_prefetches
-
-    def recorded(*a: object) -> dict:
-        planned.append(real_plan(*a))  # type: ignore[arg-type]
-        return planned[-1]
-
-    monkeypatch.setattr(compiler, "plan_prefetches", recorded)
-
-    def build() -> tuple[np.ndarray, int]:
-        cg = compile_graph(trace(_project_then_run_then_three, *args), args, "large")
-        poisoned = run_with_poisoned_vmem(cg, inputs)
-        outs, stats = run_fresh(cg, inputs, SimulatorRunner("large"))
-        np.testing.assert_array_equal(outs[0].view(np.uint32), poisoned[0].view(np.uint32))
-        return outs[0].ravel(), stats.cycles
-
-    out, cycles = build()
+    planned = _record_plans(monkeypatch)
+    out, cycles = _run_checked(_project_then_run_then_three, args)
     streams = sorted((j, pf) for j, pf in planned[-1].items() if pf.stream is not None)
     *_, (g, gate), (d, down) = streams
     G = down.stream.G
@@ -558,7 +569,7 @@ def test_a_stream_with_two_iterations_loaded_by_the_kernels_before_gives_the_sam
     assert [t.start for t in issued[1:]] == [t.stop for t in issued[:-1]] and issued[-1].stop == 4 * G
     assert issued[0].start == 0 and len(issued) > 2 and all(len(t) == G for t in issued[1:])  # a group each
     monkeypatch.setattr(isel_decode, "two_ahead", lambda _: False)
-    one, one_cycles = build()
+    one, one_cycles = _run_checked(_project_then_run_then_three, args)
     assert not any(len(pf.slots) == 2 for pf in planned[-1].values())
     np.testing.assert_array_equal(out.view(np.uint32), one.view(np.uint32))
     ref = _project_then_run_then_three(*args).float().numpy().ravel()
@@ -625,25 +636,8 @@ def test_a_stream_after_a_long_run_has_two_iterations_loaded_and_gives_the_same_
         wo[row, row % 64] = float("inf") if row % 2 else float("nan")
     wg[3, 9] = float("-inf")
     args = [x, wv, wo, wg]
-    inputs = [t.float().numpy() for t in args]
-    planned: list[dict] = []
-    real_plan = compiler.plan_prefetches
-
-    def recorded(*a: object) -> dict:
-        planned.append(real_plan(*a))  # type: ignore[arg-type]
-        return planned[-1]
-
-    monkeypatch.setattr(compiler, "plan_prefetches", recorded)
-
-    def build() -> tuple[np.ndarray, int]:
-        cg = compile_graph(trace(_project_then_run_then_two, *args), args, "large")
-        poisoned = run_with_poisoned_vmem(cg, inputs)
-        outs, stats = run_fresh(cg, inputs, SimulatorRunner("large"))
-        out, kept = (np.concatenate([o.ravel() for o in r]) for r in (outs, poisoned))
-        np.testing.assert_array_equal(out.view(np.uint32), kept.view(np.uint32))
-        return out, stats.cycles
-
-    out, cycles = build()
+    planned = _record_plans(monkeypatch)
+    out, cycles = _run_checked(_project_then_run_then_two, args)
     two = [(j, pf) for j, pf in planned[-1].items() if len(pf.slots) == 2 and pf.issue is not None]
     assert len(two) == 1
     j, pf = two[0]
@@ -656,7 +650,7 @@ def test_a_stream_after_a_long_run_has_two_iterations_loaded_and_gives_the_same_
     assert after.prefetched == 4 * after.stream.G and after.slots == (slot_top - 2 * half, slot_top - half)
     assert pf.issue is not None and pf.issue.rows == after.slots and pf.issue.tiles == range(4 * after.stream.G)
     monkeypatch.setattr(isel_decode, "two_ahead", lambda _: False)
-    one, one_cycles = build()
+    one, one_cycles = _run_checked(_project_then_run_then_two, args)
     assert not any(len(pf.slots) == 2 for pf in planned[-1].values())
     np.testing.assert_array_equal(out.view(np.uint32), one.view(np.uint32))
     ref = np.concatenate([r.float().numpy().ravel() for r in _project_then_run_then_two(*args)])
