@@ -711,7 +711,7 @@ def _prefetches(cfg: HardwareConfig, graph: KernelGraph, emitted: list[tuple[Ker
             continue  # it reads that slot itself
         if not isinstance(emitted[u][0], PREFETCH_KERNELS) and not (last and last.stream):
             continue  # it issues no prefetch
-        ceiling = min(last.ceiling if last else cfg.vmem_rows, plan[f].ceiling, lo)
+        ceiling = min(last.ceiling if last else cfg.vmem_rows, plan.get(f, steady).ceiling, lo)
         issue = Issue(graph.kernels[f + first_stream], steady.stream, tiles, steady.slots)
         plan = {i: pf for i, pf in base.items() if i < f} | plan
         plan[u] = dataclasses.replace(last, issue=issue, ceiling=ceiling) if last else Prefetch(ceiling, issue=issue)
