@@ -81,6 +81,7 @@ from codegen.layer_loop import (
     loop_layout,
     next_slot_name,
     occurrence_slots,
+    reads_next_window,
     rename_to_slots,
     sink_fills,
     slot_name,
@@ -573,7 +574,8 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
             ctx.prefetch = prefetches.get(i)
             func = function(f"kernel {i} ({type(lowered).__name__})", f"k{i}",
                             lambda k=lowered, i=i: _lower(ctx, k, preloads.get(i, [])))
-            if ctx.prefetch is not None and ctx.prefetch.issue is not None and _reads_next_window(ctx.prefetch.issue):
+            issue = ctx.prefetch.issue if ctx.prefetch is not None else None
+            if issue is not None and reads_next_window(issue.kernel):
                 # before the argument loads of the next repetition's addresses: the header's DMA of them
                 func.blocks[0].instrs.insert(0, MInstr("wait", flag=int(NEXT_ROW)))
                 info["prefetches_for"] = "the next repetition"
@@ -786,10 +788,6 @@ def _across_edge(graph: KernelGraph, lp: Loop, vplan: dict[int, Prefetch], follo
 def _signature(k: Kernel) -> list[tuple[Any, ...]]:
     """`k`'s type and views but their buffers: kernels of one signature lower to the same code."""
     return [type(k), *((v.shape, v.strides, v.offset, v.dtype) for v in views_of(k))]
-
-
-def _reads_next_window(issue: Issue) -> bool:
-    return any(v.buffer.startswith(next_slot_name(0)[:-1]) for v in views_of(issue.kernel))
 
 
 def _preloads(emitted: list[tuple[Kernel | None, int]], loops: list[Loop]

@@ -204,7 +204,8 @@ def hoist_invariant_kernels(kernels: list[Kernel], graph: KernelGraph) -> list[K
 # from entry `window`), then the *next window* (the next repetition's, loaded while the body runs), then one
 # row group holding the *cursor* (byte offset of the current repetition's row in its HBM address table). No
 # register lives from one function into the next, so the cursor lives in vmem. The table has one row more
-# than the loop has repetitions (the last one again): the last repetition loads it as its next row, unused.
+# than the loop has repetitions: the last repetition loads it as its next row (the last row again, or the
+# addresses of the stream after the loop that the body's last kernels prefetch: `compiler._prefetches`).
 @dataclass(frozen=True)
 class LoopLayout:
     window: int  # argument-table entry of slot 0
@@ -246,10 +247,18 @@ def slot_name(j: int) -> str:
     return f"@slot{j}"
 
 
+NEXT_SLOT = "@next"
+
+
 def next_slot_name(j: int) -> str:
     """Slot j of the next repetition (its address in the next window): what a body's last kernels prefetch for
     the next repetition's first stream reads."""
-    return f"@next{j}"
+    return f"{NEXT_SLOT}{j}"
+
+
+def reads_next_window(k: Kernel) -> bool:
+    """Whether a view of `k` names a slot of the next repetition (`next_slot_name`)."""
+    return any(v.buffer.startswith(NEXT_SLOT) for v in views_of(k))
 
 
 def rename_to_slots(k: Kernel, slots: list[int], name: Callable[[int], str] = slot_name) -> Kernel:
