@@ -117,12 +117,18 @@ class Mxu:
         self.macs = 0
         self.rec: Recording | None = None  # the profiler's, while one records
 
-    def load_weights(self, m: Machine, row: int, flag: int, transpose: bool, t: int) -> None:
+    def load_weights(self, m: Machine, row: int, flag: int, transpose: bool, t: int,
+                     packed_half: int | None = None) -> None:
+        """`packed_half` (mxu.lwt.lo / .hi): each row's words hold bf16 pairs, the low half first; the
+        weights are the N bf16 of words [half * N/2, half * N/2 + N/2)."""
         n = self.n
         rows = m.vmem_span(row, n, "mxu.lw")
         start = max(t, self.fifo.last_start, self.weight_port_free, self.shadow_free)
         done = start + self.weight_cycles
         m.owners.claim(m, row, row + n, False, done, "mxu.w", "mxu weight load")
+        if packed_half is not None:
+            words = rows[:, packed_half * n // 2 : (packed_half + 1) * n // 2]
+            rows = np.stack([words & 0xFFFF, words >> 16], axis=-1).reshape(n, n) << 16
         w = numerics.round_to_bf16(rows.view(np.float32))
         self.shadow = np.ascontiguousarray(w.T if transpose else w)
         self.weight_port_free = self.weights_ready = done

@@ -283,6 +283,11 @@ _def("mxu.lw", 0x90, Unit.MXU, FMT_ASYNC, _ops("a:s", "flag:f"), 0,
      "shadow weights[k, :] = bf16(vmem row sa+k), k < N; N cycles on the weight port")
 _def("mxu.lwt", 0x91, Unit.MXU, FMT_ASYNC, _ops("a:s", "flag:f"), 0,
      "shadow weights[:, n] = bf16(vmem row sa+n), n < N (transposed load)")
+for i, half in enumerate(("lo", "hi")):  # a bf16 weight tile packed two to a word: half the vmem (architecture.md)
+    lanes = "lanes 0 .. N/2" if half == "lo" else "lanes N/2 .. N"
+    _def(f"mxu.lwt.{half}", 0x92 + i, Unit.MXU, FMT_ASYNC, _ops("a:s", "flag:f"), 0,
+         f"shadow weights[k, n] = bf16 bits (k odd ? 31:16 : 15:0) of word k // 2 of {lanes} of vmem row sa+n,"
+         " n < N (a transposed load of bf16 pairs, as dma.ld moves a bf16 row's words)")
 for i, (suffix, acc, swap) in enumerate([("", 0, 0), ("a", 1, 0), ("s", 0, 1), ("as", 1, 1)]):
     pre = "swap shadow/active weights; " if swap else ""
     post = "vmem[sb+r] = vmem[sb+r] + p" if acc else "vmem[sb+r] = p"

@@ -199,9 +199,10 @@ def _vst(m: Machine, op: Operands, t: int) -> None:
 
 
 # ---- asynchronous units --------------------------------------------------------------------------
-@semantics("mxu.lw", "mxu.lwt")
+@semantics("mxu.lw", "mxu.lwt", "mxu.lwt.lo", "mxu.lwt.hi")
 def _mxu_lw(m: Machine, op: Operands, t: int) -> None:
-    m.mxu.load_weights(m, m.s[op.a], op.flag, transpose=op.mnemonic == "mxu.lwt", t=t)
+    half = {"mxu.lwt.lo": 0, "mxu.lwt.hi": 1}.get(op.mnemonic)
+    m.mxu.load_weights(m, m.s[op.a], op.flag, transpose=op.mnemonic != "mxu.lw", t=t, packed_half=half)
 
 
 @semantics("mxu.mm", "mxu.mma", "mxu.mms", "mxu.mmas")

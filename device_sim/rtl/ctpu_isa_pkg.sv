@@ -142,6 +142,8 @@ package ctpu_isa_pkg;
   localparam logic [7:0] OP_VST         = 8'h88;  // vmem rows [sa+imm, sa+imm+S) = vd
   localparam logic [7:0] OP_MXU_LW      = 8'h90;  // shadow weights[k, :] = bf16(vmem row sa+k), k < N; N cycles on the weight port
   localparam logic [7:0] OP_MXU_LWT     = 8'h91;  // shadow weights[:, n] = bf16(vmem row sa+n), n < N (transposed load)
+  localparam logic [7:0] OP_MXU_LWT_LO  = 8'h92;  // shadow weights[k, n] = bf16 bits (k odd ? 31:16 : 15:0) of word k // 2 of lanes 0 .. N/2 of vmem row sa+n, n < N (a transposed load of bf16 pairs, as dma.ld moves a bf16 row's words)
+  localparam logic [7:0] OP_MXU_LWT_HI  = 8'h93;  // shadow weights[k, n] = bf16 bits (k odd ? 31:16 : 15:0) of word k // 2 of lanes N/2 .. N of vmem row sa+n, n < N (a transposed load of bf16 pairs, as dma.ld moves a bf16 row's words)
   localparam logic [7:0] OP_MXU_MM      = 8'h94;  // for r < sc: p = sum_k bf16(vmem[sa+r][k]) * W[k, :] (fp32, k ascending); vmem[sb+r] = p
   localparam logic [7:0] OP_MXU_MMA     = 8'h95;  // for r < sc: p = sum_k bf16(vmem[sa+r][k]) * W[k, :] (fp32, k ascending); vmem[sb+r] = vmem[sb+r] + p
   localparam logic [7:0] OP_MXU_MMS     = 8'h96;  // swap shadow/active weights; for r < sc: p = sum_k bf16(vmem[sa+r][k]) * W[k, :] (fp32, k ascending); vmem[sb+r] = p
@@ -220,6 +222,8 @@ package ctpu_isa_pkg;
       OP_VST,
       OP_MXU_LW,
       OP_MXU_LWT,
+      OP_MXU_LWT_LO,
+      OP_MXU_LWT_HI,
       OP_MXU_MM,
       OP_MXU_MMA,
       OP_MXU_MMS,
@@ -299,6 +303,8 @@ package ctpu_isa_pkg;
       OP_VST: return UNIT_VSTORE;
       OP_MXU_LW,
       OP_MXU_LWT,
+      OP_MXU_LWT_LO,
+      OP_MXU_LWT_HI,
       OP_MXU_MM,
       OP_MXU_MMA,
       OP_MXU_MMS,
@@ -385,7 +391,9 @@ package ctpu_isa_pkg;
       OP_VRED_MAX_S: return 32'hffffc000;
       OP_VSEL: return 32'hfffffff0;
       OP_MXU_LW,
-      OP_MXU_LWT: return 32'hff07c00f;
+      OP_MXU_LWT,
+      OP_MXU_LWT_LO,
+      OP_MXU_LWT_HI: return 32'hff07c00f;
       OP_MXU_MM,
       OP_MXU_MMA,
       OP_MXU_MMS,

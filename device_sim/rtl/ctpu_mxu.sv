@@ -1,7 +1,7 @@
 // The matrix unit: command scheduler, weight port, data port, output stage, and the systolic array.
 //
 // Timing (docs/architecture.md, "MXU"), computed at issue with `prev` the previous command's start:
-//   mxu.lw/lwt: start = max(t, prev, weight_port_free, shadow_free); done = start + N;
+//   mxu.lw/lwt/lwt.lo/lwt.hi: start = max(t, prev, weight_port_free, shadow_free); done = start + N;
 //               weight_port_free = weights_ready = done
 //   mxu.mm*:    start = max(t, prev, data_port_free, weights_ready if it swaps);
 //               data_port_free = start + rows; done = start + rows + 2N; a swap sets shadow_free = start
@@ -54,7 +54,7 @@ module ctpu_mxu
   localparam int MW = 2 * N;  // output-stage delay: array fill + drain
 
   // ---- issue-time checks and schedule ----
-  logic is_lw, is_lwt, is_load, is_acc, is_swap;
+  logic is_lw, is_lwt, is_packed, is_load, is_acc, is_swap;
   logic [63:0] start, rows;
   logic [63:0] last_start_q, wport_free_q, shadow_free_q, wready_q, dport_free_q;
 
@@ -64,7 +64,8 @@ module ctpu_mxu
 
   always_comb begin
     is_lw = op_i == OP_MXU_LW;
-    is_lwt = op_i == OP_MXU_LWT;
+    is_packed = op_i == OP_MXU_LWT_LO || op_i == OP_MXU_LWT_HI;
+    is_lwt = op_i == OP_MXU_LWT || is_packed;
     is_load = is_lw || is_lwt;
     is_acc = op_i == OP_MXU_MMA || op_i == OP_MXU_MMAS;
     is_swap = op_i == OP_MXU_MMS || op_i == OP_MXU_MMAS;
@@ -106,6 +107,8 @@ module ctpu_mxu
     logic [63:0] start;
     logic [AW-1:0] addr;
     logic        t;
+    logic        p;  // packed bf16 pairs (mxu.lwt.lo / .hi)
+    logic        h;  // ... the high half of the row's words (.hi)
   } wcmd_t;
   typedef struct packed {
     logic [63:0] start;
@@ -125,7 +128,7 @@ module ctpu_mxu
   dcmd_t dhead, din_cmd;
   logic  wbypass, dbypass;  // a command that starts in its own issue cycle skips its queue
 
-  assign win_cmd = '{start: start, addr: AW'(sa_i), t: is_lwt};
+  assign win_cmd = '{start: start, addr: AW'(sa_i), t: is_lwt, p: is_packed, h: op_i == OP_MXU_LWT_HI};
   assign din_cmd = '{start: start, x: AW'(sa_i), o: AW'(sb_i), rows: sc_i, acc: is_acc, swap: is_swap};
   assign wbypass = issue_i && is_load && wcount_q == '0 && start == cycle_i;
   assign dbypass = issue_i && !is_load && dcount_q == '0 && start == cycle_i;
@@ -137,14 +140,14 @@ module ctpu_mxu
   // ---- engines ----
   logic act_bank_q;                 // the bank mm rows use (flipped by swaps as they start)
   logic bank_now;                   // ... including a swap starting this cycle
-  logic          wact_q, wt_q, wbank_q;
+  logic          wact_q, wt_q, wp_q, wh_q, wbank_q;
   logic [AW-1:0] waddr_q;
   logic [IW-1:0] wi_q;
   logic          dact_q, dacc_q, dbank_q;
   logic [AW-1:0] dx_q, do_q;
   logic [31:0]   dr_q, drows_q;
 
-  logic          w_go, w_t, w_bank;
+  logic          w_go, w_t, w_p, w_h, w_bank;
   logic [AW-1:0] w_row;
   logic [IW-1:0] w_i;
   logic          d_go, d_acc, d_bank;
@@ -160,6 +163,8 @@ module ctpu_mxu
     bank_now = act_bank_q ^ (dpop && dhead.swap);
     w_go = wpop || wact_q;
     w_t = wpop ? whead.t : wt_q;
+    w_p = wpop ? whead.p : wp_q;
+    w_h = wpop ? whead.h : wh_q;
     w_bank = wpop ? ~bank_now : wbank_q;  // a load fills the buffer that is not active
     w_i = wpop ? '0 : wi_q;
     w_row = AW'((wpop ? whead.addr : waddr_q) + AW'(w_i));
@@ -173,7 +178,9 @@ module ctpu_mxu
     w_addr_o = w_row;
     x_addr_o = d_x;
     for (int l = 0; l < N; l++) begin
-      win[l] = w_go ? fp32_round_bf(w_data_i[l*32 +: 32]) : 32'd0;
+      // packed: weight l is bf16 half l % 2 (low first) of word l / 2 of the row's low or high N/2 words
+      win[l] = !w_go ? 32'd0 : fp32_round_bf(!w_p ? w_data_i[l*32 +: 32]
+                                             : {w_data_i[((w_h ? N / 2 : 0) + l / 2) * 32 + (l % 2) * 16 +: 16], 16'd0});
       xin[l] = d_go ? fp32_round_bf(x_data_i[l*32 +: 32]) : 32'd0;
     end
   end
@@ -224,6 +231,8 @@ module ctpu_mxu
       act_bank_q <= 1'b0;
       wact_q <= 1'b0;
       wt_q <= 1'b0;
+      wp_q <= 1'b0;
+      wh_q <= 1'b0;
       wbank_q <= 1'b0;
       waddr_q <= '0;
       wi_q <= '0;
@@ -270,6 +279,8 @@ module ctpu_mxu
       if (w_go) begin
         wact_q <= 32'(w_i) != N - 1;
         wt_q <= w_t;
+        wp_q <= w_p;
+        wh_q <= w_h;
         wbank_q <= w_bank;
         waddr_q <= wpop ? whead.addr : waddr_q;
         wi_q <= w_i + 1'b1;

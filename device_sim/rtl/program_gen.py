@@ -5,7 +5,7 @@
 
 Every slot is exercised: both scalar slots (every scalar op, li/lih), both vector slots (every vector op of
 the table: fp/int ALU, compares, conversions, vsel, vbcast, viota, vext, the four reductions), vld, vld.row,
-vst, every MXU command (lw, lwt, mm, mma, mms, mmas), every DMA command (f32 and bf16, strided, partial
+vst, every MXU command (lw, lwt, lwt.lo, lwt.hi, mm, mma, mms, mmas), every DMA command (f32 and bf16, strided, partial
 rows, overlapping load rows), wait, counted loops (nested), data-dependent forward branches (bz) and jumps
 over dead code. Data: random fp32 with inf/NaN/subnormals/-0, random bits, bf16 patterns.
 
@@ -47,7 +47,7 @@ VMEM_SPAN = 600  # rows the generator uses: small, so DMA, MXU, vld and vst meet
 
 SCALAR_OPS = [i for i in isa.INSTRUCTIONS if i.unit is isa.Unit.SCALAR]
 VECTOR_OPS = [i for i in isa.INSTRUCTIONS if i.unit is isa.Unit.VECTOR]
-MXU_OPS = ["mxu.lw", "mxu.lwt", "mxu.mm", "mxu.mma", "mxu.mms", "mxu.mmas"]
+MXU_OPS = ["mxu.lw", "mxu.lwt", "mxu.lwt.lo", "mxu.lwt.hi", "mxu.mm", "mxu.mma", "mxu.mms", "mxu.mmas"]
 DMA_OPS = ["dma.ld", "dma.ld.bf16", "dma.st", "dma.st.bf16"]
 SPECIAL_F32 = np.array([0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x00000001,
                         0x807FFFFF, 0x00800000, 0x7F7FFFFF, 0x3F808000, 0x3F818000, 0x4F000000, 0xCF000001],
@@ -256,7 +256,7 @@ class ProgramGenerator:
     def _mxu(self, bundle: Bundle, claims: list[Owned]) -> list[int] | None:
         mn = MXU_OPS[self._int(0, len(MXU_OPS) - 1)]
         flag = self._int(0, 5)
-        if mn in ("mxu.lw", "mxu.lwt"):
+        if mn.startswith("mxu.lw"):
             row = self._int(0, VMEM_SPAN - self.n)
             if not self._claim(bundle, claims, row, row + self.n, False, "mxu.w"):
                 return None

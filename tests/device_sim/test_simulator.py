@@ -227,3 +227,52 @@ def test_run_stats_name_the_hbm_bytes_the_stores_wrote() -> None:
     assert stats.hbm_written == [(1024, 1056), (2048, 2052)]
     assert stats.written_within(1040, 4096) == [(1040, 1056), (2048, 2052)]
     assert "hbm_written" not in stats.as_dict()
+
+
+@pytest.mark.parametrize("half", ["lo", "hi"])
+def test_a_packed_weight_load_gives_the_bits_and_cycles_of_a_widened_one(half: str) -> None:
+    """W [8, 16] bf16 row-major, edge values included: `dma.ld` of its raw words (two bf16 a word, a row of W
+    in 8 words) then `mxu.lwt.<half>` loads W[:, 0:8] (lo) or W[:, 8:16] (hi) as `dma.ld.bf16` of those
+    columns then `mxu.lwt` does, in half the vmem: the same products, bit for bit, in the same cycles."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((8, 16)).astype(F32)
+    w[0, :8] = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -3e38, 1.0]  # bf16: subnormal, near the largest
+    w[5, 8:] = [np.nan, -1e-39, 3.3e38, -0.0, np.inf, 0.0, -np.inf, 2.0]
+    bits = (w.view(np.uint32) >> 16).astype(np.uint16)  # truncated to bf16: exact in both paths
+    x = rng.standard_normal((4, 8)).astype(F32)
+    col = 0 if half == "lo" else 8
+    common = """
+        li s1, 0x1000 ; li s2, 100
+        li s3, 8 ; li s4, 8
+        lih s3, 4 ; li s5, 0
+        li s6, 300 ; li s7, 4
+        dma.ld s1, s5, s3, s4, f0                # x: 4 rows of 8 f32
+    """
+    packed, packed_st = run_asm(common + f"""
+        li s8, 8 ; li s9, 8
+        lih s8, 8
+        dma.ld s0, s2, s8, s9, f0                # W's 8 rows, 8 raw words each
+        wait f0 ; mxu.lwt.{half} s2, f1
+        mxu.mms s5, s6, s7, f1
+        wait f1
+        halt
+    """, {0: bits, 0x1000: x})
+    widened, widened_st = run_asm(common + f"""
+        li s8, 8 ; li s9, 16
+        lih s8, 8 ; li s10, {2 * col}
+        dma.ld.bf16 s10, s2, s8, s9, f0          # W[:, col:col+8] widened, a row each
+        wait f0 ; mxu.lwt s2, f1
+        mxu.mms s5, s6, s7, f1
+        wait f1
+        halt
+    """, {0: bits, 0x1000: x})
+    out = packed.vmem[300:304].copy()
+    np.testing.assert_array_equal(out, widened.vmem[300:304])
+    assert packed_st.cycles == widened_st.cycles and packed_st.mxu_weight_loads == 1
+    wb = (bits[:, col:col + 8].astype(np.uint32) << 16).view(F32).astype(np.float64)
+    with np.errstate(all="ignore"):
+        xb = (x.view(np.uint32) + 0x7FFF + (x.view(np.uint32) >> 16 & 1) & 0xFFFF0000).view(F32)  # the MXU's RNE
+        expect = (xb.astype(np.float64)[:, :, None] * wb.T[None]).sum(1)  # NaN/inf where they reach
+    np.testing.assert_array_equal(np.isnan(out.view(F32)), np.isnan(expect))
+    finite = np.isfinite(expect) & (np.abs(expect) < 1e30)
+    np.testing.assert_allclose(out.view(F32)[finite], expect[finite], rtol=1e-5, atol=1e-30)

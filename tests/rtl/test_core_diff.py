@@ -56,6 +56,21 @@ MXU_PROGRAM = """
     halt
 """
 
+MXU_PACKED_PROGRAM = """
+    li s1, 0x2000 ; li s3, 8
+    lih s3, 8 ; li s4, 8
+    li s5, 16 ; li s7, 0x3000
+    dma.ld s0, s0, s3, s4, f0
+    dma.ld s1, s4, s3, s4, f0
+    wait f0 ; mxu.lwt.lo s4, f1
+    mxu.mms s0, s5, s4, f1
+    mxu.lwt.hi s4, f1
+    wait f1 ; mxu.mmas s0, s5, s4, f1
+    wait f1 ; dma.st s7, s5, s3, s4, f2
+    wait f2
+    halt
+"""
+
 DMA_BF16_PROGRAM = """
     li s1, 0x100 ; li s3, 5
     lih s3, 3 ; li s4, 7
@@ -141,7 +156,7 @@ def compare(sim: Simulator, rtl: RtlResult) -> list[str]:
 
 def test_programs_match_simulator() -> None:
     rng = np.random.default_rng(7)
-    texts = [*_vector_programs(), MXU_PROGRAM, DMA_BF16_PROGRAM, SCALAR_PROGRAM]
+    texts = [*_vector_programs(), MXU_PROGRAM, MXU_PACKED_PROGRAM, DMA_BF16_PROGRAM, SCALAR_PROGRAM]
     jobs = [RtlJob(assemble(t, f"prog{i}.s"), _hbm(rng)) for i, t in enumerate(texts)]
     results = run_batch_on_rtl(jobs)
     failures = []
