@@ -44,18 +44,29 @@ from device_sim.config import HardwareConfig
 from device_sim.isa import DMA_SHAPE_ROWS_SHIFT
 
 MAX_RING_ROWS = 16384  # at most half of `large`'s vmem for the ring
+# W's bf16 loaded raw, two to a vmem word, and unpacked by the MXU (`mxu.lwt.lo` / `.hi`): a weight takes
+# half the vmem, so a slot holds twice the weights (docs/architecture.md, "Why the weight port reads packed")
+PACKED = True
 
 
 @dataclass(frozen=True)
 class DecodePlan:
-    KT: int  # k-tiles
+    """A stream's shape in *units*: a k-tile of an n-tile, or when `packed` two k-tiles (2k, 2k + 1) of it,
+    one DMA into L vmem rows and two weight loads. "Tiles" below are units."""
+
+    KT: int  # k-units of an n-tile
     NT: int  # n-tiles
     U: int  # n-tiles per iteration (two groups)
-    G: int  # tiles per group
+    G: int  # units per group
+    packed: bool = False
 
     @property
     def iterations(self) -> int:
         return self.NT // self.U
+
+    @property
+    def k_tiles(self) -> int:  # the A row's vmem rows
+        return self.KT * (2 if self.packed else 1)
 
 
 def plan(config: HardwareConfig, k: MatmulKernel, free_rows: int, prefetched: bool = False) -> DecodePlan | None:
@@ -65,20 +76,22 @@ def plan(config: HardwareConfig, k: MatmulKernel, free_rows: int, prefetched: bo
     tiles = _stream_tiles(config, k)
     if tiles is None:
         return None
-    KT, NT = tiles
-    tile = _tile_cycles(config)
-    budget = min(MAX_RING_ROWS, free_rows - KT - NT - 16)
+    KT, NT, packed = tiles
+    tile = _tile_cycles(config, packed)
+    budget = min(MAX_RING_ROWS, free_rows - KT * (2 if packed else 1) - NT - 16)
     # an iteration is U whole n-tiles in two groups of G = U * KT / 2 tiles; the fastest that fits
     shapes = [(U, U * KT // 2) for U in range(1, NT + 1) if NT % U == 0 and U * KT % 2 == 0]
     shapes = [(U, G) for U, G in shapes if 4 * G * L <= budget]
     if not shapes:
         return None
-    U, G = min(shapes, key=lambda s: _estimate(config, KT * NT, s[1], tile, prefetched))
-    return DecodePlan(KT, NT, U, G)
+    weight = _tile_cycles(config, packed, weights_only=True)
+    U, G = min(shapes, key=lambda s: _estimate(config, KT * NT, s[1], tile, prefetched, weight))
+    return DecodePlan(KT, NT, U, G, packed)
 
 
-def _stream_tiles(config: HardwareConfig, k: MatmulKernel) -> tuple[int, int] | None:
-    """(k-tiles, n-tiles) of a one-row bf16 x W.T matmul with W row-major and whole tiles, else None."""
+def _stream_tiles(config: HardwareConfig, k: MatmulKernel) -> tuple[int, int, bool] | None:
+    """(k-units, n-tiles, packed) of a one-row bf16 x W.T matmul with W row-major and whole tiles, else None;
+    packed when W's k-tiles pair up and its rows start at even elements (whole 32-bit words)."""
     a, bm, c = k.a, k.b, k.c
     L = config.lanes
     if len(c.shape) != 2 or a.shape[0] != 1 or a.dtype != "bf16" or bm.dtype != "bf16":
@@ -86,7 +99,8 @@ def _stream_tiles(config: HardwareConfig, k: MatmulKernel) -> tuple[int, int] | 
     K, Nn = bm.shape
     if bm.strides[0] != 1 or bm.strides[1] < K or K % L or Nn % L or a.strides[-1] != 1:
         return None
-    return K // L, Nn // L
+    packed = PACKED and K // L % 2 == 0 and bm.strides[1] % 2 == 0 and bm.offset % 2 == 0
+    return K // L // (2 if packed else 1), Nn // L, packed
 
 
 def _is_stream(config: HardwareConfig, k: Kernel) -> bool:
@@ -101,14 +115,15 @@ def split_ragged_streams(config: HardwareConfig, kernels: list[Kernel]) -> list[
     Such a stream becomes two: the largest multiple of the smallest U that covers it, then the rest (fewer
     than U n-tiles, a stream of its own that the first one prefetches). C's columns are computed as before,
     each n-tile on its own, so the bits are the same."""
-    L, tile = config.lanes, _tile_cycles(config)
+    L = config.lanes
     out: list[Kernel] = []
     for k in kernels:
         tiles = _stream_tiles(config, k) if isinstance(k, MatmulKernel) else None
         if tiles is None:
             out.append(k)
             continue
-        KT, NT = tiles
+        KT, NT, packed = tiles
+        tile = _tile_cycles(config, packed)
         cover = -(-(config.dma_latency + tile) // tile)  # tiles a group needs to hide the next one's latency
         U = next((u for u in range(1, NT + 1) if u * KT % 2 == 0 and u * KT // 2 >= cover), NT)
         fits = [u for u in range(U, NT + 1) if NT % u == 0 and u * KT % 2 == 0 and 2 * u * KT * L <= MAX_RING_ROWS]
@@ -147,13 +162,18 @@ def streams_back_to_back(config: HardwareConfig, kernels: list[Kernel]) -> list[
     return out
 
 
-def _tile_cycles(config: HardwareConfig) -> int:
-    """Cycles of one bf16 N x N tile through the slowest of the weight port, HBM and the DMA's vmem port."""
-    L = config.lanes
-    return max(config.mxu_weight_cycles, -(-L * L * 2 // config.hbm_bytes_per_cycle), -(-L // config.vmem_port_rows))
+def _tile_cycles(config: HardwareConfig, packed: bool = False, weights_only: bool = False) -> int:
+    """Cycles of one unit (an N x N bf16 tile, or two packed) through the slowest of the weight port, HBM and
+    the DMA's vmem port (`weights_only`: the weight port's)."""
+    L, tiles = config.lanes, 2 if packed else 1
+    weights = tiles * config.mxu_weight_cycles
+    if weights_only:
+        return weights
+    return max(weights, -(-tiles * L * L * 2 // config.hbm_bytes_per_cycle), -(-L // config.vmem_port_rows))
 
 
-def _estimate(config: HardwareConfig, tiles: int, G: int, tile: int, prefetched: bool = False) -> int:
+def _estimate(config: HardwareConfig, tiles: int, G: int, tile: int, prefetched: bool = False,
+              weight: int | None = None) -> int:
     """Cycles of a stream of `tiles` tiles in groups of G. The MXU starts when group 0 has landed and the
     code has issued the first iteration's two groups (issue stalls while the DMA queue is full: a large G
     blocks the MXU behind it); then a tile every `tile` cycles, plus a bubble at each later group whose
@@ -163,18 +183,22 @@ def _estimate(config: HardwareConfig, tiles: int, G: int, tile: int, prefetched:
     lat = config.dma_latency
     bubble = max(0, lat + tile - G * tile)
     if prefetched:
-        return lat + (tiles - 2 * G) * tile + bubble * max(0, tiles // G - 2) + G * config.mxu_weight_cycles
+        weight = config.mxu_weight_cycles if weight is None else weight
+        return lat + (tiles - 2 * G) * tile + bubble * max(0, tiles // G - 2) + G * weight
     start = max(G * tile + lat, (2 * G - config.dma_queue) * tile)
     return start + tiles * tile + bubble * max(0, tiles // G - 2)
 
 
 def _tile_dma(ctx: KernelContext, p: DecodePlan, ws: int, h: Reg, row: Reg, j: int, flag: int, mem: tuple) -> None:
-    """Tile j (n-tile j // KT, k-tile j % KT) of the iteration whose W starts at h, to ring row `row`."""
+    """Unit j (n-tile j // KT, k-unit j % KT) of the iteration whose W starts at h, to ring row `row`: L rows
+    of W's bf16 widened, or packed of its raw words (2L bf16 a row)."""
     b, L = ctx.b, ctx.lanes
     u, kt = divmod(j, p.KT)
-    at = b.offset_reg(h, (u * L * ws + kt * L) * 2)
+    k0 = kt * L * (2 if p.packed else 1)
+    at = b.offset_reg(h, (u * L * ws + k0) * 2)
     shape = b.const(L << DMA_SHAPE_ROWS_SHIFT | L)
-    b.emit("dma.ld.bf16", None, (at, b.offset_reg(row, j * L), shape, b.const(ws)), flag=flag, mem=mem)
+    op, stride = ("dma.ld", ws // 2) if p.packed else ("dma.ld.bf16", ws)
+    b.emit(op, None, (at, b.offset_reg(row, j * L), shape, b.const(stride)), flag=flag, mem=mem)
 
 
 def _first_dmas(ctx: KernelContext, k: MatmulKernel, p: DecodePlan, regions: list[Region], tiles: range,
@@ -268,7 +292,9 @@ def plan_prefetches(config: HardwareConfig, kernels: list[tuple[Kernel | None, i
     when a stream is the only issuer), or after a long run (LONG_RUN kernels or more) a quarter each of
     the stream's first half, planned with groups as large as the slot allows; the long run's later kernels
     (two or more) then load its second iteration into the other slot, free until the stream after it. A
-    stream of more than two iterations whose slot holds two has both loaded, into the slot's halves."""
+    stream of more than two iterations whose slot holds two has both loaded, into the slot's halves. A run
+    that cannot load two iterations in its time loads one, all its kernels a share (`spread`); one that
+    loads its stream whole (one iteration) hands its later kernels to the next stream (`whole`, `spare`)."""
     L, V = config.lanes, config.vmem_rows
 
     def streams(rows: int, both: set[int]) -> dict[int, DecodePlan]:
@@ -303,8 +329,26 @@ def plan_prefetches(config: HardwareConfig, kernels: list[tuple[Kernel | None, i
     # planned with one slot taken: a prefetched stream's first half is its slot, the other half and its
     # operands must fit under both
     plans = {j: p for j, p in streams(free_rows - slot, both).items()
-             if 2 * p.G * L + p.KT + p.NT + 16 <= free_rows - 2 * slot}
+             if 2 * p.G * L + p.k_tiles + p.NT + 16 <= free_rows - 2 * slot}
     ceiling = V - 2 * slot
+    order = sorted(plans)
+    # a stream its long run loads whole (one iteration: packed, Qwen3's o_proj) leaves the run's later
+    # kernels and its own MXU time to the next stream, which is planned to fill its slot with two iterations
+    whole = {j for j in both if j in plans and plans[j].iterations == 1 and j != order[-1]}
+    for j in whole:
+        nxt = order[order.index(j) + 1]
+        q = plan(config, kernels[nxt][0], slot + 2 * plans[nxt].k_tiles + plans[nxt].NT + 16, prefetched=True)
+        if q is not None and q.iterations > 2:
+            plans[nxt] = q
+
+    def capacity(m: int, p: DecodePlan) -> int:
+        """Tiles of p that kernel m issues in about the time it takes anyway: a small kernel a DMA latency's
+        worth, a stream loaded whole its MXU time's."""
+        if m in whole:
+            return 2 * plans[m].G * _tile_cycles(config, plans[m].packed, weights_only=True) // _tile_cycles(
+                config, p.packed)
+        return _small_capacity(config, p)
+
     out: dict[int, Prefetch] = {}
     parity = 0
 
@@ -314,12 +358,23 @@ def plan_prefetches(config: HardwareConfig, kernels: list[tuple[Kernel | None, i
         parity ^= take
         return top - iterations * 2 * p.G * L, top
 
+    spare: dict[int, list[int]] = {}  # a stream its run loads whole: the kernels of that run left to issue
     for j, p in sorted(plans.items()):
         units = run(j, plans)
         # a slot that holds two of the stream's iterations gets both (`two_ahead`; not all: then the stream
         # would load nothing while it computes): the stream before fills its last group's latency and drain
         double = j not in both and two_ahead(p) and p.iterations > 2 and 4 * p.G * L <= slot
-        first_units = units[:LONG_RUN if j in both or double else 2]  # the first ones issue
+        # after a stream loaded whole, the later kernels of its run issue too (into the other slot)
+        extra = spare.pop(units[0], []) if units else []
+        first_units = extra + units[:LONG_RUN if j in both or double else 2]  # the first ones issue
+        if j in whole and units:  # the run's first kernels load it, as many as that takes; the rest are spare
+            caps = list(itertools.accumulate(capacity(m, p) for m in units))
+            mine = next((n + 1 for n, c in enumerate(caps) if c >= 2 * p.G), len(units))
+            first_units, spare[j] = extra + units[:mine], units[mine:]
+        # a long run that cannot load two iterations in its time loads one, all its kernels a share
+        spread = j in both and j not in whole and not _run_loads_two(config, p, len(units))
+        if spread:
+            first_units = extra + units
         if not first_units:
             continue
         if first_units[0] in plans and first_units[0] not in out:  # a stream that issues has a slot too
@@ -327,7 +382,14 @@ def plan_prefetches(config: HardwareConfig, kernels: list[tuple[Kernel | None, i
             out[first_units[0]] = Prefetch(ceiling, own, stream=plans[first_units[0]], slots=(own[0],))
         first = 2 * p.G  # tiles of an iteration
         slots = [take_slot(p, iterations=2 if double else 1)]
-        if double:  # the two halves of the slot; each small kernel a group, the stream before the rest
+        if extra or j in whole or spread:  # by each issuer's capacity
+            if double:
+                lo, hi = slots[0]
+                slots = [(lo, lo + first * L), (lo + first * L, hi)]
+            caps = list(itertools.accumulate(capacity(m, p) for m in first_units))
+            cut = [0] + [round(first * len(slots) * c / caps[-1]) for c in caps]
+            shares = [range(a, z) for a, z in itertools.pairwise(cut)]
+        elif double:  # the two halves of the slot; each small kernel a group, the stream before the rest
             lo, hi = slots[0]
             slots = [(lo, lo + first * L), (lo + first * L, hi)]
             small = len(first_units) - (first_units[0] in plans)
@@ -342,7 +404,7 @@ def plan_prefetches(config: HardwareConfig, kernels: list[tuple[Kernel | None, i
         issued = dict(zip(first_units, shares, strict=True))
         # not a matmul: its own loads fill the DMA queue, and a prefetch issued behind them stalls its MXU
         later = [m for m in units[LONG_RUN:] if not isinstance(kernels[m][0], MatmulKernel)][:first]
-        later = later if j in both and two_ahead(p) else []
+        later = later if j in both and two_ahead(p) and not spread else []
         if len(later) >= 2:  # the second iteration, into the other slot (the next stream's, not yet taken)
             slots.append(take_slot(p, take=False))
             if next_slot_first(p):  # the next stream gets the first iteration's slot, read before the last
@@ -353,12 +415,26 @@ def plan_prefetches(config: HardwareConfig, kernels: list[tuple[Kernel | None, i
         span = (min(rows), max(hi for _, hi in slots))
         for m in range(first_units[0], j):
             issue = Issue(kernels[j][0], p, issued[m], rows) if m in issued else None
-            if m in out:  # the stream before: its own first half stays where it is
+            if m in out and extra:  # the run's spare kernels and the stream itself keep both slots
+                lo, hi = out[m].carried or span
+                out[m] = dataclasses.replace(out[m], issue=issue, carried=(min(lo, span[0]), max(hi, span[1])))
+            elif m in out:  # the stream before: its own first half stays where it is
                 out[m] = dataclasses.replace(out[m], issue=issue)
             else:  # from the first kernel that loads the second slot, both slots are kept
                 out[m] = Prefetch(ceiling, span if len(slots) > 1 and (double or m >= later[0]) else slots[0], issue)
         out[j] = Prefetch(ceiling, span, prefetched=sum(len(g) for g in issued.values()), stream=p, slots=rows)
     return out
+
+
+def _small_capacity(config: HardwareConfig, p: DecodePlan) -> int:
+    """Tiles of p a small kernel issues in the time it takes anyway: a DMA latency's worth (it waits that
+    long for its own loads)."""
+    return config.dma_latency // _tile_cycles(config, p.packed) + 1
+
+
+def _run_loads_two(config: HardwareConfig, p: DecodePlan, kernels: int) -> bool:
+    """Whether a run of `kernels` small kernels has the time to load two iterations of p."""
+    return kernels * _small_capacity(config, p) >= 4 * p.G
 
 
 def loop_edge_cost(config: HardwareConfig, kernels: list[Kernel]) -> Callable[[int, int], int]:
@@ -371,9 +447,9 @@ def loop_edge_cost(config: HardwareConfig, kernels: list[Kernel]) -> Callable[[i
     through it unless it loads the next stream's weights."""
     stream = [_is_stream(config, k) for k in kernels]
 
-    def loaded_whole(k: Kernel) -> bool:
+    def loaded_whole(k: Kernel, run: int) -> bool:
         p = plan(config, k, config.vmem_rows, prefetched=True) if isinstance(k, MatmulKernel) else None
-        return p is not None and p.iterations <= 2
+        return p is not None and (p.iterations == 1 or (p.iterations == 2 and _run_loads_two(config, p, run)))
 
     def cost(first: int, period: int) -> int:
         last = first + period - 1
@@ -381,7 +457,7 @@ def loop_edge_cost(config: HardwareConfig, kernels: list[Kernel]) -> Callable[[i
         before = idle + 1  # the small kernels before the body's last stream
         while before < period and not stream[last - before]:
             before += 1
-        whole = before - idle - 1 >= LONG_RUN and loaded_whole(kernels[last - idle])
+        whole = before - idle - 1 >= LONG_RUN and loaded_whole(kernels[last - idle], before - idle - 1)
         return idle + (period if stream[first] else 0) + (LONG_RUN if whole else 0)
 
     return cost
@@ -453,7 +529,7 @@ def early_tiles(config: HardwareConfig, p: DecodePlan, prefetched: int, first_lo
     its queue holds (issue stalls no longer than the waits would)."""
     if prefetched < 2 * p.G or p.iterations <= first_loaded:
         return 0
-    return min(2 * p.G, config.dma_latency // _tile_cycles(config) + config.dma_queue - 1)
+    return min(2 * p.G, config.dma_latency // _tile_cycles(config, p.packed) + config.dma_queue - 1)
 
 
 def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> None:
@@ -480,11 +556,11 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
     else:
         next_region = None
     assert next_region is None or next_region != (n - 1) % len(ring), "the last iteration reads the next slot"
-    a_reg, c_reg = ctx.region(p.KT, "a"), ctx.region(p.NT, "c")
+    a_reg, c_reg = ctx.region(p.k_tiles, "a"), ctx.region(p.NT, "c")
     ring_mem = tuple(r.mem(write=True) for r in ring)
     ring_read = tuple(r.mem() for r in ring)
     step_bytes = p.U * L * ws * 2  # HBM bytes of one iteration's n-tiles
-    ctx.dma(True, "bf16", ctx.hbm_addr(a, a.offset), a_reg, 0, 1, p.KT * L, p.KT * L, Flag.MATMUL_A)
+    ctx.dma(True, "bf16", ctx.hbm_addr(a, a.offset), a_reg, 0, 1, p.k_tiles * L, p.k_tiles * L, Flag.MATMUL_A)
     w0 = ctx.hbm_addr(bm, bm.offset)
 
     # the tiles of its slots the kernels before did not load: with two slots, on PREFETCH (waited for at
@@ -552,9 +628,11 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
                 if loads:  # the region's group q was read by an earlier iteration's weight loads
                     b.emit("wait", flag=ctx.flag(Flag.WEIGHTS, q))
             u, kt = divmod(j, p.KT)
-            b.emit("mxu.lwt", None, (b.offset_reg(cur, j * L),), flag=ctx.flag(Flag.WEIGHTS, q), mem=ring_read)
-            b.emit("mxu.mms" if kt == 0 else "mxu.mmas", None,
-                   (b.const(a_reg.row + kt), b.offset_reg(c_row, u), rows), flag=ctx.flag(Flag.MXU), mem=(a_mem, c_mem))
+            weights = (("mxu.lwt.lo", 2 * kt), ("mxu.lwt.hi", 2 * kt + 1)) if p.packed else (("mxu.lwt", kt),)
+            for lw, k_tile in weights:
+                b.emit(lw, None, (b.offset_reg(cur, j * L),), flag=ctx.flag(Flag.WEIGHTS, q), mem=ring_read)
+                b.emit("mxu.mms" if k_tile == 0 else "mxu.mmas", None, (b.const(a_reg.row + k_tile),
+                       b.offset_reg(c_row, u), rows), flag=ctx.flag(Flag.MXU), mem=(a_mem, c_mem))
             if loads and j >= issued:
                 _tile_dma(ctx, p, ws, h_next, nxt, j, ctx.flag(Flag.LOAD, q), ring_mem)
             elif last and next_groups and (not in_slot or j % 2):  # in vmem: the channel takes two commands a tile

@@ -41,29 +41,39 @@ def _bits(config: str, x: torch.Tensor, w: torch.Tensor, monkeypatch: pytest.Mon
     return streamed.view(np.uint32), general.view(np.uint32)
 
 
-@pytest.mark.parametrize(("k", "n", "u", "g"), [
-    (64, 64, 2, 8),  # a group is an n-tile's 8 k-tiles: 4 iterations of 2 n-tiles
-    (128, 24, 1, 8),  # a group is half an n-tile: 3 iterations of one n-tile
-    (16, 96, 6, 6),  # a group is 3 n-tiles of 2 k-tiles: 2 iterations
-    (64, 16, 1, 4),  # two iterations of half the groups: cheaper than one whose DMAs all issue before the MXU
-    (32, 16, 2, 4),  # one iteration: no prefetch loop
+@pytest.mark.parametrize(("k", "n", "u", "g", "packed"), [
+    (64, 64, 2, 8, False),  # a group is an n-tile's 8 k-tiles: 4 iterations of 2 n-tiles
+    (128, 24, 1, 8, False),  # a group is half an n-tile: 3 iterations of one n-tile
+    (16, 96, 6, 6, False),  # a group is 3 n-tiles of 2 k-tiles: 2 iterations
+    (64, 16, 1, 4, False),  # two iterations of half the groups: cheaper than one whose DMAs all issue before the MXU
+    (32, 16, 2, 4, False),  # one iteration: no prefetch loop
+    # packed (two k-tiles a unit, `mxu.lwt.lo` / `.hi`): groups count units
+    (64, 64, 2, 4, True),  # a group is an n-tile's 4 units: 4 iterations of 2 n-tiles
+    (128, 24, 1, 4, True),  # a group is half an n-tile: 3 iterations of one n-tile
+    (16, 96, 6, 3, True),  # a group is 3 n-tiles of one unit: 2 iterations
+    (32, 16, 2, 2, True),  # one iteration
 ], ids=str)
-def test_stream_gives_the_general_paths_bits(k: int, n: int, u: int, g: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stream_gives_the_general_paths_bits(k: int, n: int, u: int, g: int, packed: bool,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(isel_decode, "PACKED", packed)
     torch.manual_seed(0)
     x, w = torch.randn(1, k).bfloat16(), torch.randn(n, k).bfloat16()
     kernel = MatmulKernel(View("x", 0, (1, k), (k, 1), "bf16"), View("w", 0, (k, n), (1, k), "bf16"),
                           View("c", 0, (1, n), (n, 1), "f32"))
     p = isel_decode.plan(get_config("small"), kernel, 3800)
-    assert p is not None and (p.U, p.G) == (u, g)
+    assert p is not None and (p.U, p.G, p.packed) == (u, g, packed)
     streamed, general = _bits("small", x, w, monkeypatch)
     np.testing.assert_array_equal(streamed, general)
     ref = (x.double() @ w.double().T).numpy()
     np.testing.assert_allclose(streamed.view(np.float32), ref, rtol=1e-2, atol=1e-2)  # a bf16 result
 
 
-def test_stream_keeps_edge_values(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("packed", [True, False])
+def test_stream_keeps_edge_values(packed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Infinities, NaN, signed zeros, subnormals and the largest finite bf16 in x and in W (one per row of W,
-    so each lands in its own output column): the general path's bits."""
+    so each lands in its own output column): the general path's bits, W's bf16 packed two to a vmem word or
+    widened."""
+    monkeypatch.setattr(isel_decode, "PACKED", packed)
     torch.manual_seed(1)
     x, w = torch.randn(1, 64).clamp(-3, 3), torch.randn(64, 64)
     for i, value in enumerate(SPECIALS):

@@ -8,6 +8,7 @@ step is a chain of ~100 kernels, most of them moving a few KiB."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import numpy as np
@@ -238,7 +239,8 @@ def test_a_stream_of_a_prime_number_of_n_tiles_is_split_where_its_groups_cover_a
     assert (first.b.shape, first.c.shape, first.b.offset, first.c.offset) == ((1024, 1185 * 128), (1, 1185 * 128), 0, 0)
     assert (rest.b.shape, rest.c.shape) == ((1024, 256), (1, 256))
     assert (rest.b.offset, rest.c.offset) == (1185 * 128 * 1024, 1185 * 128)
-    assert isel_decode.plan(cfg, first, cfg.vmem_rows // 2).G * isel_decode._tile_cycles(cfg) > cfg.dma_latency
+    p = isel_decode.plan(cfg, first, cfg.vmem_rows // 2)  # packed: groups of 10 units (two k-tiles each)
+    assert p.packed and p.G * isel_decode._tile_cycles(cfg, p.packed) > cfg.dma_latency
     llama = _stream("w", 128256)  # 1002 n-tiles of 16 k-tiles: iterations of 3 n-tiles cover
     assert isel_decode.split_ragged_streams(cfg, [llama]) == [llama]
 
@@ -466,33 +468,42 @@ def test_a_prefetch_goes_after_the_loads_that_follow_a_zeroing_loop() -> None:
     assert block is f.blocks[0] and at == len(block.instrs)  # after the loop counter's li, before the loop
 
 
-def test_a_stream_after_a_long_run_gets_larger_groups_loaded_a_quarter_each() -> None:
+def test_a_stream_after_a_long_run_gets_larger_groups_loaded_a_quarter_each(monkeypatch: pytest.MonkeyPatch) -> None:
     # o_proj follows attention's rope, KV-cache and softmax kernels, which leave the channel idle for
     # thousands of cycles: it is planned with groups twice as large, the stream before the run and the
     # run's first three kernels each load a quarter of its first half (a quarter being what one of them moves
-    # while it waits a latency for its own loads), and the later ones its second iteration
+    # while it waits a latency for its own loads), and the later ones its second iteration (widened tiles:
+    # W's k-tiles do not pair up; packed, below)
+    monkeypatch.setattr(isel_decode, "PACKED", False)
     cfg = get_config("large")
 
-    fills = [FillKernel(View(f"t{n}", 0, (8, 128), (128, 1), "f32"), 0.0) for n in range(5)]
+    fills = [FillKernel(View(f"t{n}", 0, (8, 128), (128, 1), "f32"), 0.0) for n in range(7)]
     v_proj, o_proj, gate = _stream("v", 512), _stream("o"), _stream("g")
     kernels = [(v_proj, 0), *((f, 0) for f in fills), (o_proj, 0), (fills[0], 0), (gate, 0)]
     out = plan_prefetches(cfg, kernels, cfg.vmem_rows - 64)
-    o, g = out[6].stream, out[8].stream
+    o, g = out[8].stream, out[10].stream
     assert o is not None and g is not None and o.G == 2 * g.G  # larger groups after the long run only
     quarter = o.G // 2
     shares = [range(q * quarter, (q + 1) * quarter) for q in range(4)]
-    # the run's two later kernels load o_proj's second iteration into the other slot, a half each
-    second = [range(2 * o.G, 3 * o.G), range(3 * o.G, 4 * o.G)]
-    assert [out[m].issue.tiles if out[m].issue else None for m in range(6)] == [*shares, *second]
-    assert out[6].prefetched == 4 * o.G and out[6].issue is not None and out[6].issue.kernel is gate
+    # the run's four later kernels load o_proj's second iteration into the other slot, a quarter each
+    second = [range(2 * o.G + q * quarter, 2 * o.G + (q + 1) * quarter) for q in range(4)]
+    assert [out[m].issue.tiles if out[m].issue else None for m in range(8)] == [*shares, *second]
+    assert out[8].prefetched == 4 * o.G and out[8].issue is not None and out[8].issue.kernel is gate
     # gate's first two iterations fill the slot o_proj's last iteration does not read: the fill after o_proj
     # loads a group, o_proj the rest
-    assert out[8].prefetched == 4 * g.G
-    assert out[6].issue.tiles == range(3 * g.G) and out[7].issue.tiles == range(3 * g.G, 4 * g.G)
-    first, other = out[6].slots
-    assert out[1].carried == (first, first + 2 * o.G * cfg.lanes) and out[4].carried == out[6].carried
-    assert out[6].carried == (min(first, other), max(first, other) + 2 * o.G * cfg.lanes)
-    assert out[8].slots == (other, other + 2 * g.G * cfg.lanes)  # gate takes the second slot, both halves
+    assert out[10].prefetched == 4 * g.G
+    assert out[8].issue.tiles == range(3 * g.G) and out[9].issue.tiles == range(3 * g.G, 4 * g.G)
+    first, other = out[8].slots
+    assert out[1].carried == (first, first + 2 * o.G * cfg.lanes) and out[4].carried == out[8].carried
+    assert out[8].carried == (min(first, other), max(first, other) + 2 * o.G * cfg.lanes)
+    assert out[10].slots == (other, other + 2 * g.G * cfg.lanes)  # gate takes the second slot, both halves
+    # with only five small kernels the run has not the time for two iterations: it loads one, all a share
+    short = [kernels[0], *kernels[3:]]
+    out = plan_prefetches(cfg, short, cfg.vmem_rows - 64)
+    o = out[6].stream
+    assert o is not None and out[6].prefetched == 2 * o.G and len(out[6].slots) == 1
+    issued = [out[m].issue.tiles for m in range(6)]
+    assert issued[0].start == 0 and issued[-1].stop == 2 * o.G and all(len(t) in (10, 11) for t in issued)
 
 
 def test_a_slot_that_holds_two_iterations_is_loaded_by_the_stream_before_and_a_group_a_small_kernel() -> None:
@@ -580,18 +591,21 @@ def test_a_stream_with_two_iterations_loaded_by_the_kernels_before_gives_the_sam
     assert cycles < one_cycles, (cycles, one_cycles)
 
 
-@pytest.mark.parametrize(("o_rows", "whole"), [(1024, True), (2048, False)])
-def test_a_loop_edge_after_a_stream_the_run_loads_whole_costs_more(o_rows: int, whole: bool) -> None:
+@pytest.mark.parametrize(("o_rows", "whole", "packed"), [(1024, True, True), (2048, False, True),
+                                                        (1024, True, False), (2048, False, False)])
+def test_a_loop_edge_after_a_stream_the_run_loads_whole_costs_more(monkeypatch: pytest.MonkeyPatch, o_rows: int,
+                                                                   whole: bool, packed: bool) -> None:
     # a layer's kernels: v_proj, attention's long run, o_proj, a norm, gate and up projections. After the long
-    # run o_proj has its first two iterations loaded; Qwen3's (1024 x 2048: two iterations) is then computed
-    # in vmem with the channel idle unless it loads the next stream's weights, which no edge lets it do: a
-    # body that ends there costs more than one that ends at v_proj. Llama-1B's (four iterations) loads the
-    # rest itself: both edges cost nothing
+    # run Qwen3's o_proj (1024 x 2048: one packed iteration, or two widened) is loaded whole and computed in
+    # vmem with the channel idle unless it loads the next stream's weights, which no edge lets it do: a
+    # body that ends there costs more than one that ends at v_proj. Llama-1B's (two packed iterations, more
+    # than the run loads, or four) loads the rest itself: both edges cost nothing
+    monkeypatch.setattr(isel_decode, "PACKED", packed)
     cfg = get_config("large")
     fill = FillKernel(View("t", 0, (8, 128), (128, 1), "f32"), 0.0)
-    layer = [_stream("v", 512), fill, fill, fill, fill, _stream("o", o_rows), fill, _stream("g"), _stream("u")]
+    layer = [_stream("v", 512), *[fill] * 8, _stream("o", o_rows), fill, _stream("g"), _stream("u")]
     cost = isel_decode.loop_edge_cost(cfg, layer * 3)
-    after_o, after_v = cost(6, len(layer)), cost(1, len(layer))
+    after_o, after_v = cost(10, len(layer)), cost(1, len(layer))
     assert after_v == 0 and (after_o > after_v) == whole
 
 
@@ -625,7 +639,8 @@ def test_a_stream_after_a_long_run_has_two_iterations_loaded_and_gives_the_same_
     # groups into the second slot. Qwen3-0.6B's (1024 rows, two iterations) is all prefetched: it loads
     # nothing but the next projection's first groups, into the first slot (its last iteration reads the
     # second). inf and NaN in each of o_proj's iterations and in the next projection's first group; every
-    # other vmem row poisoned at each kernel's start
+    # other vmem row poisoned at each kernel's start. Widened tiles (packed, below)
+    monkeypatch.setattr(isel_decode, "PACKED", False)
     monkeypatch.setattr(compiler, "form_chains", lambda emitted, *_: emitted)  # a kernel a unit
     torch.manual_seed(2)
     x = torch.randn(1, 1, 2048).bfloat16()
@@ -659,6 +674,63 @@ def test_a_stream_after_a_long_run_has_two_iterations_loaded_and_gives_the_same_
     finite = np.isfinite(ref)
     np.testing.assert_allclose(out[finite], ref[finite], rtol=3e-2, atol=3e-2)
     assert cycles < one_cycles - saved  # 25,379 against 27,403 (2048 rows), 22,643 against 23,324 when written
+
+
+def test_a_stream_the_long_run_loads_whole_leaves_its_later_kernels_to_the_next_stream() -> None:
+    # packed, Qwen3-0.6B's o_proj (1024 x 2048) is one iteration of 64 units (two k-tiles each: 4 MiB of vmem
+    # for 4 MB of weights, half what widened tiles take): the run's first kernels load it all, a latency's
+    # worth each, and its later kernels, o_proj (along its MXU work, from vmem) and the norm after it load
+    # gate_proj's first two iterations into the other slot, gate planned to fill it
+    cfg = get_config("large")
+    fills = [FillKernel(View(f"t{n}", 0, (8, 128), (128, 1), "f32"), 0.0) for n in range(9)]
+    v_proj, o_proj, gate = _stream("v", 512), _stream("o", 1024), _stream("g")
+    kernels = [(v_proj, 0), *((f, 0) for f in fills), (o_proj, 0), (fills[0], 0), (gate, 0)]
+    out = plan_prefetches(cfg, kernels, cfg.vmem_rows - 64)
+    o, g = out[10].stream, out[12].stream
+    assert o is not None and g is not None and o.packed and g.packed
+    assert o.iterations == 1 and out[10].prefetched == 2 * o.G
+    by = {m: out[m].issue for m in range(12) if m in out and out[m].issue is not None}
+    mine = [m for m, issue in by.items() if issue.kernel is o_proj]
+    assert mine == list(range(-(-2 * o.G // isel_decode._small_capacity(cfg, o))))  # 8 units a kernel
+    ahead = [m for m, issue in by.items() if issue.kernel is gate]
+    assert ahead == list(range(len(mine), 12))  # the rest of the run, o_proj and the norm
+    tiles = [by[m].tiles for m in ahead]
+    assert tiles[0].start == 0 and all(a.stop == b.start for a, b in itertools.pairwise(tiles))
+    assert tiles[-1].stop == out[12].prefetched == 4 * g.G and 4 * g.G * cfg.lanes == 2 * o.G * cfg.lanes
+    assert len(by[10].tiles) > 3 * max(len(by[m].tiles) for m in ahead if m != 10)  # its MXU time's worth
+    # gate's two iterations sit in the slot o_proj does not read; the kernels that load them keep both
+    (o_row,) = out[10].slots
+    o_slot = range(o_row, o_row + 2 * o.G * cfg.lanes)
+    assert not any(r in o_slot for r in out[12].slots)
+    both = (min(o_row, *out[12].slots), max(o_slot.stop, max(out[12].slots) + 2 * g.G * cfg.lanes))
+    assert all(out[m].carried == both for m in ahead[:-1])
+
+
+@pytest.mark.parametrize(("rows", "saved"), [(1024, 2000), (2048, 0)])
+def test_packed_weight_streams_give_the_bits_of_widened_ones_in_fewer_cycles(
+        monkeypatch: pytest.MonkeyPatch, rows: int, saved: int) -> None:
+    # v_proj, a long run, o_proj (`rows` x 2048: Qwen3-0.6B's is loaded whole by the run, Llama-1B's in part)
+    # and the projection after it, with W's bf16 moved raw, two to a vmem word (`mxu.lwt.lo` / `.hi`), and
+    # widened (`dma.ld.bf16`, `mxu.lwt`): the same bits, inf and NaN in every o_proj iteration's columns,
+    # every vmem row no kernel holds poisoned at each kernel's start
+    monkeypatch.setattr(compiler, "form_chains", lambda emitted, *_: emitted)  # a kernel a unit
+    torch.manual_seed(4)
+    x = torch.randn(1, 1, 2048).bfloat16()
+    wv = (torch.randn(512, 2048) / 45).bfloat16()
+    wo, wg = (torch.randn(rows, 2048) / 45).bfloat16(), (torch.randn(2048, 2048) / 45).bfloat16()
+    for row in (5, 700, 1023, 2040)[: 3 if rows == 1024 else 4]:
+        wo[row, (row * 7) % 2048] = float("inf") if row % 2 else float("nan")
+    wg[3, 1999] = float("-inf")
+    args = [x, wv, wo, wg]
+    planned = _record_plans(monkeypatch)
+    packed, cycles = _run_checked(_project_then_run_then_two, args)
+    assert all(pf.stream.packed for pf in planned[-1].values() if pf.stream is not None)
+    monkeypatch.setattr(isel_decode, "PACKED", False)
+    widened, widened_cycles = _run_checked(_project_then_run_then_two, args)
+    assert not any(pf.stream.packed for pf in planned[-1].values() if pf.stream is not None)
+    np.testing.assert_array_equal(packed.view(np.uint32), widened.view(np.uint32))
+    assert (~np.isfinite(packed)).sum() == (3 if rows == 1024 else 4) + 1
+    assert cycles < widened_cycles - saved, (cycles, widened_cycles)  # measured 19,736 vs 22,230; 24,913 vs 24,940
 
 
 def test_a_decode_softmax_over_a_2048_key_chunk_is_one_chain(monkeypatch: pytest.MonkeyPatch) -> None:

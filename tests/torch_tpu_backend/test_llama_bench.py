@@ -161,7 +161,12 @@ def test_a_decode_loops_prefetch_crosses_its_edge(monkeypatch: pytest.MonkeyPatc
     prefetch the same in every repetition, so its last kernels load the next repetition's first stream at
     the next window's addresses, the kernel before the loop loads the first repetition's, and the last
     repetition the stream after the loop. The same token as unrolled; measured 150 cycles a repetition over
-    unrolled (164,407 vs 163,956), 1,000 with the edge a boundary."""
+    unrolled (164,407 vs 163,956), 1,000 with the edge a boundary. Widened weight tiles: packed, o_proj is one
+    iteration and a layer's seven streams take an odd number of slots, so its plan alternates from layer to
+    layer and no prefetch crosses a one-layer body's edge (issue 13: a two-layer body)."""
+    from codegen import isel_decode
+
+    monkeypatch.setattr(isel_decode, "PACKED", False)
     looped, unrolled = _decode_looped_and_unrolled(monkeypatch, _qwen3_4l(monkeypatch), 17)
     assert any(k.get("prefetches_for") == "the next repetition" for k in looped["summary"]["kernels"])
     _check_decode_loop(looped, unrolled, per_run=400)
@@ -173,8 +178,11 @@ def test_generate_prefetches_across_a_loop_over_every_layer(monkeypatch: pytest.
     with 2048, lm_head has q_proj's shape and the last repetition loads it). The last repetition loads tiles
     of its own first stream that no kernel reads, and the kernel after the loop waits for them before it uses
     vmem. The same tokens as eager; the decode step measured 174,350 cycles, 178,864 with the edge a
-    boundary."""
+    boundary. Widened weight tiles (above)."""
     import codegen
+    from codegen import isel_decode
+
+    monkeypatch.setattr(isel_decode, "PACKED", False)
 
     compile_graph, summaries = codegen.compile_graph, []
 
