@@ -66,7 +66,12 @@ class DecodePlan:
 
     @property
     def k_tiles(self) -> int:  # the A row's vmem rows
-        return self.KT * (2 if self.packed else 1)
+        return self.KT * _tiles_per_unit(self.packed)
+
+
+def _tiles_per_unit(packed: bool) -> int:
+    """k-tiles a stream's unit holds: two when W's bf16 are packed two to a vmem word."""
+    return 2 if packed else 1
 
 
 def plan(config: HardwareConfig, k: MatmulKernel, free_rows: int, prefetched: bool = False) -> DecodePlan | None:
@@ -78,14 +83,14 @@ def plan(config: HardwareConfig, k: MatmulKernel, free_rows: int, prefetched: bo
         return None
     KT, NT, packed = tiles
     tile = _tile_cycles(config, packed)
-    budget = min(MAX_RING_ROWS, free_rows - KT * (2 if packed else 1) - NT - 16)
+    budget = min(MAX_RING_ROWS, free_rows - KT * _tiles_per_unit(packed) - NT - 16)
     # an iteration is U whole n-tiles in two groups of G = U * KT / 2 tiles; the fastest that fits
     shapes = [(U, U * KT // 2) for U in range(1, NT + 1) if NT % U == 0 and U * KT % 2 == 0]
     shapes = [(U, G) for U, G in shapes if 4 * G * L <= budget]
     if not shapes:
         return None
     weight = _tile_cycles(config, packed, weights_only=True)
-    U, G = min(shapes, key=lambda s: _estimate(config, KT * NT, s[1], tile, prefetched, weight))
+    U, G = min(shapes, key=lambda s: _estimate(config, KT * NT, s[1], tile, weight, prefetched))
     return DecodePlan(KT, NT, U, G, packed)
 
 
@@ -100,7 +105,7 @@ def _stream_tiles(config: HardwareConfig, k: MatmulKernel) -> tuple[int, int, bo
     if bm.strides[0] != 1 or bm.strides[1] < K or K % L or Nn % L or a.strides[-1] != 1:
         return None
     packed = PACKED and K // L % 2 == 0 and bm.strides[1] % 2 == 0 and bm.offset % 2 == 0
-    return K // L // (2 if packed else 1), Nn // L, packed
+    return K // L // _tiles_per_unit(packed), Nn // L, packed
 
 
 def _is_stream(config: HardwareConfig, k: Kernel) -> bool:
@@ -165,25 +170,24 @@ def streams_back_to_back(config: HardwareConfig, kernels: list[Kernel]) -> list[
 def _tile_cycles(config: HardwareConfig, packed: bool = False, weights_only: bool = False) -> int:
     """Cycles of one unit (an N x N bf16 tile, or two packed) through the slowest of the weight port, HBM and
     the DMA's vmem port (`weights_only`: the weight port's)."""
-    L, tiles = config.lanes, 2 if packed else 1
+    L, tiles = config.lanes, _tiles_per_unit(packed)
     weights = tiles * config.mxu_weight_cycles
     if weights_only:
         return weights
     return max(weights, -(-tiles * L * L * 2 // config.hbm_bytes_per_cycle), -(-L // config.vmem_port_rows))
 
 
-def _estimate(config: HardwareConfig, tiles: int, G: int, tile: int, prefetched: bool = False,
-              weight: int | None = None) -> int:
+def _estimate(config: HardwareConfig, tiles: int, G: int, tile: int, weight: int, prefetched: bool = False) -> int:
     """Cycles of a stream of `tiles` tiles in groups of G. The MXU starts when group 0 has landed and the
     code has issued the first iteration's two groups (issue stalls while the DMA queue is full: a large G
     blocks the MXU behind it); then a tile every `tile` cycles, plus a bubble at each later group whose
     last DMA, issued a group's work ahead, has not landed (G too small to cover the latency). With both
     groups prefetched the channel moves only the other tiles, from the start, and the last group's MXU
-    work follows its last DMA's latency: larger groups pay (up to the slot's size)."""
+    work (`weight` cycles a tile on the weight port) follows its last DMA's latency: larger groups pay (up to
+    the slot's size)."""
     lat = config.dma_latency
     bubble = max(0, lat + tile - G * tile)
     if prefetched:
-        weight = config.mxu_weight_cycles if weight is None else weight
         return lat + (tiles - 2 * G) * tile + bubble * max(0, tiles // G - 2) + G * weight
     start = max(G * tile + lat, (2 * G - config.dma_queue) * tile)
     return start + tiles * tile + bubble * max(0, tiles // G - 2)
@@ -194,7 +198,7 @@ def _tile_dma(ctx: KernelContext, p: DecodePlan, ws: int, h: Reg, row: Reg, j: i
     of W's bf16 widened, or packed of its raw words (2L bf16 a row)."""
     b, L = ctx.b, ctx.lanes
     u, kt = divmod(j, p.KT)
-    k0 = kt * L * (2 if p.packed else 1)
+    k0 = kt * L * _tiles_per_unit(p.packed)
     at = b.offset_reg(h, (u * L * ws + k0) * 2)
     shape = b.const(L << DMA_SHAPE_ROWS_SHIFT | L)
     op, stride = ("dma.ld", ws // 2) if p.packed else ("dma.ld.bf16", ws)

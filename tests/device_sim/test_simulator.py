@@ -11,6 +11,7 @@ from sim_helpers import run_asm
 from device_sim import isa
 from device_sim.asm import assemble
 from device_sim.config import get_config
+from device_sim.numerics import round_to_bf16
 from device_sim.program import Program
 from device_sim.simulator import CtpuTrap, Simulator, merge_ranges
 
@@ -271,8 +272,7 @@ def test_a_packed_weight_load_gives_the_bits_and_cycles_of_a_widened_one(half: s
     assert packed_st.cycles == widened_st.cycles and packed_st.mxu_weight_loads == 1
     wb = (bits[:, col:col + 8].astype(np.uint32) << 16).view(F32).astype(np.float64)
     with np.errstate(all="ignore"):
-        xb = (x.view(np.uint32) + 0x7FFF + (x.view(np.uint32) >> 16 & 1) & 0xFFFF0000).view(F32)  # the MXU's RNE
-        expect = (xb.astype(np.float64)[:, :, None] * wb.T[None]).sum(1)  # NaN/inf where they reach
+        expect = (round_to_bf16(x).astype(np.float64)[:, :, None] * wb.T[None]).sum(1)  # NaN/inf where they reach
     np.testing.assert_array_equal(np.isnan(out.view(F32)), np.isnan(expect))
     finite = np.isfinite(expect) & (np.abs(expect) < 1e30)
     np.testing.assert_allclose(out.view(F32)[finite], expect[finite], rtol=1e-5, atol=1e-30)
