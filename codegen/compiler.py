@@ -367,8 +367,9 @@ def bound_padded_rows(kernels: list[Kernel], gm: torch.fx.GraphModule) -> list[K
                 value.dim() >= 2 and tuple(value.shape[-2:]) == tuple(k.c.shape[-2:]):
             k = dataclasses.replace(k, valid_rows=placeholders.index(padding[-2]))
         elif isinstance(k, MatmulKernel) and -2 in padding and str(node.target) in _KEYED_OPS and \
-                value.dim() == 4 and len(k.c.shape) == 3 and k.c.shape[-2] % value.shape[-2] == 0:
-            # attention's q @ K^T and P @ V: [rep * L] rows a KV head, the valid queries of each query head
+                value.dim() == 4 and len(k.c.shape) == 3 and k.c.shape[0] * k.c.shape[1] == value.shape[:3].numel():
+            # attention's q @ K^T and P @ V over all its queries (not a causal query block's): [rep * L] rows a
+            # KV head, the valid queries of each query head
             k = dataclasses.replace(k, valid_rows=placeholders.index(padding[-2]),
                                     row_segments=k.c.shape[-2] // value.shape[-2])
         elif isinstance(k, GenericKernel) and len(padding) == 1:

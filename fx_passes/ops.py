@@ -123,6 +123,11 @@ def attention_ref(
     -inf (every key masked, as in a left-padded batch) gives zeros; False: torch.softmax (Hugging Face's
     "eager" attention, a hand-written softmax): that row is NaN. NaN scores give NaN rows either way.
 
+    A value row holding inf or NaN reaches every row here through 0 * inf, the rows that mask its key too (as
+    eager's math SDPA); a compiled causal attention's query blocks never read the keys after their last
+    query (as eager's flash SDPA on the CPU skips those key blocks), so rows before such a key may be finite
+    there. The rows that see the key agree.
+
     kv_len (a 0-d integer tensor, or None): only the first kv_len keys are there; the others (a key dim padded
     to a bucket's size: fx_passes.dynamic) have -inf scores and their values are never read (whatever they
     hold, inf and NaN included). causal still aligns with S, the padded length.
