@@ -100,6 +100,14 @@ class Resident:
     region: Region
 
 
+def _laid_out(lanes: int, buffer: str, dtype: str, base: int, rows: int, cols: int, stride: int) -> tuple:
+    """Elements as a `Resident` lays them out: rows of whole vmem rows one after the other in HBM (a
+    generic's [H, D] output) are one row (the [1, H * D] row a matmul loads), laid out alike."""
+    if cols % lanes == 0 and (stride == cols or rows == 1):
+        return buffer, dtype, base, rows * cols
+    return buffer, dtype, base, rows, cols, stride
+
+
 def emit_apart(b: Builder, emit: Callable[[], None]) -> list[MInstr]:
     """The instructions `emit` emits, in a block of their own, for the caller to splice elsewhere in the
     function (a kernel's start, another block): constants cached for the current block are not defined
@@ -310,10 +318,11 @@ class KernelContext:
         kernel's own regions: below them (the allocator starts above it) or above (the ceiling comes down to
         it), whichever keeps more rows; None when it did not leave them, or when they lie where this kernel
         may not keep them (above its ceiling: a prefetch's slots; among regions it allocated already)."""
-        want = (buffer, dtype, base, rows, cols, stride)
+        want = _laid_out(self.lanes, buffer, dtype, base, rows, cols, stride)
         for r in self.resident:
             lo, hi = r.region.row, r.region.row + r.region.rows
-            if (r.buffer, r.dtype, r.base, r.rows, r.cols, r.stride) != want or lo < self._base_row \
+            if _laid_out(self.lanes, r.buffer, r.dtype, r.base, r.rows, r.cols, r.stride) != want \
+                    or lo < self._base_row \
                     or hi > self._ceiling or (self._named and lo < self._next_row):
                 continue
             if hi - self._next_row <= self._ceiling - lo:

@@ -539,6 +539,8 @@ def early_tiles(config: HardwareConfig, p: DecodePlan, prefetched: int, first_lo
 def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> None:
     b, L = ctx.b, ctx.lanes
     a, bm, c = k.a, k.b, k.c
+    # the A row where the kernel before left it (a decode step's attention output: a DMA latency sooner)
+    left = ctx.take_resident(a.buffer, a.dtype, a.offset, 1, p.k_tiles * L, p.k_tiles * L)
     ws = bm.strides[1]  # W's row stride in elements
     half = 2 * p.G * L  # vmem rows of an iteration's tiles
     n, G = p.iterations, p.G
@@ -560,11 +562,12 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
     else:
         next_region = None
     assert next_region is None or next_region != (n - 1) % len(ring), "the last iteration reads the next slot"
-    a_reg, c_reg = ctx.region(p.k_tiles, "a"), ctx.region(p.NT, "c")
+    a_reg, c_reg = left or ctx.region(p.k_tiles, "a"), ctx.region(p.NT, "c")
     ring_mem = tuple(r.mem(write=True) for r in ring)
     ring_read = tuple(r.mem() for r in ring)
     step_bytes = p.U * L * ws * 2  # HBM bytes of one iteration's n-tiles
-    ctx.dma(True, "bf16", ctx.hbm_addr(a, a.offset), a_reg, 0, 1, p.k_tiles * L, p.k_tiles * L, Flag.MATMUL_A)
+    if left is None:
+        ctx.dma(True, "bf16", ctx.hbm_addr(a, a.offset), a_reg, 0, 1, p.k_tiles * L, p.k_tiles * L, Flag.MATMUL_A)
     w0 = ctx.hbm_addr(bm, bm.offset)
 
     # the tiles of its slots the kernels before did not load: with two slots, on PREFETCH (waited for at
@@ -592,7 +595,8 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
         _tile_dma(ctx, p, ws, h_next, regions[first_loaded], j, early_flag, ring_mem)
     if prefetched or two:
         b.emit("wait", flag=int(Flag.PREFETCH))  # not marked used: the next stream's prefetch is on it too
-    b.emit("wait", flag=ctx.flag(Flag.MATMUL_A))
+    if left is None:
+        b.emit("wait", flag=ctx.flag(Flag.MATMUL_A))
     rows = b.const(1)
     a_mem, c_mem = a_reg.mem(), c_reg.mem(write=True)
     # two slots: iterations 0 and 1 (in vmem) load iteration 2's other tiles and iteration 3's first few, a

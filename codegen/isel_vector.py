@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from codegen.builder import Builder
-from codegen.isel_common import Flag, KernelContext, Region, chunk_loop, region_rows, row_mem
+from codegen.isel_common import Flag, KernelContext, Region, Resident, chunk_loop, region_rows, row_mem
 from codegen.kernel_graph import ESIZE, Access, FillKernel, GenericKernel, LoweringError, ScalarProgram, View
 from codegen.math_seqs import vdivide, vexp, vrecip, vrsqrt, vsqrt, vtanh
 from codegen.mir import ZERO, Reg
@@ -171,6 +171,11 @@ def lower_generic(ctx: KernelContext, k: GenericKernel) -> None:
             buffers = _tile_buffers(ctx, k, streams, rows * looped, P)
         if looped == 1:
             _tile_loop(ctx, k, streams, buffers, rows, C, P, valid=valid)
+            if math.prod(groups) == 1 and valid is None and _leaves_output(ctx, k, streams[-1], rows, C, buffers):
+                out = streams[-1]
+                region = buffers.out[0]
+                ctx.leave(Resident(out.view.buffer, out.view.dtype, out.base, rows, C, out.row_stride,
+                                   Region(region.name, region.row, rows * P)))
             continue
         if rows <= buffers.tile_rows:  # whole groups fit a tile: the group loop is the tile loop
             steps = [st[d] * ESIZE[s.view.dtype] for s, st in zip(streams, strides, strict=True)]
@@ -187,6 +192,21 @@ def lower_generic(ctx: KernelContext, k: GenericKernel) -> None:
                     ctx.b.addi(s.base_reg, st[d] * ESIZE[s.view.dtype], s.base_reg)
 
         ctx.b.counted_loop(looped, group, "group")
+
+
+def _leaves_output(ctx: KernelContext, k: GenericKernel, out: Stream, rows: int, C: int,
+                   buffers: TileBuffers) -> bool:
+    """Whether a map of one tile leaves its output in vmem for the next kernel (`KernelContext.leave`: a
+    decode step's attention output, which o_proj's weight stream reads there, a DMA latency earlier): whole
+    vmem rows (a load zeroes the lanes past a row's end, the map writes them), and what a load of the stored
+    values brings: f32, or bf16 rounded by the body itself (`arith.truncf`) or read as bf16."""
+    if k.reduction or out.kind != "row" or rows > buffers.tile_rows or C % ctx.lanes:
+        return False
+    made = dict((name, op) for name, op, _ in k.body.ops)
+    result = k.body.yields[0]
+    exact = out.view.dtype == "f32" or made.get(result) == "arith.truncf" or (
+        result in k.body.args[:-1] and k.inputs[k.body.args.index(result)].view.dtype == "bf16")
+    return exact and out.view.dtype in ("f32", "bf16")
 
 
 def _valid_rows(k: GenericKernel, dims: list[int], outer: list[int], split: int) -> tuple[int, int] | None:

@@ -985,3 +985,48 @@ def test_a_long_softmax_chain_computes_its_first_half_of_rows_while_the_second_l
     assert not none
     np.testing.assert_array_equal(out.view(np.uint32), whole.view(np.uint32))
     assert cycles < whole_cycles - 400, (cycles, whole_cycles)
+
+
+@pytest.mark.parametrize(("heads", "dim"), [(16, 128), (8, 256)])
+def test_a_decode_stream_reads_its_activation_row_where_the_kernel_before_left_it(
+        monkeypatch: pytest.MonkeyPatch, heads: int, dim: int) -> None:
+    """A decode step's o_proj on `large` (Qwen3's 16 heads of 128 into 1024; 8 of 256): the generic before
+    it (the attention output's normalization, rounded to bf16) leaves its [heads, dim] rows in vmem, and the
+    weight stream reads its A row there (`KernelContext.take_resident`: the same elements as the one row of
+    heads * dim it would load) instead of loading it (a DMA latency after the store: in a model, where the
+    run before loads the stream's first weights, the stream waits for nothing else; qwen3-0.6b-2l decode
+    82,754 -> 82,370 cycles). Under poisoned vmem the same bits as with the row loaded (inf, NaN, -0, a
+    subnormal, a value that rounds to inf, a fully masked head's 0 / 0), the row's load gone, and no more
+    cycles (alone, the stream's own first weight loads take that latency anyway)."""
+    torch.manual_seed(3)
+    o = torch.randn(1, heads, 1, dim) * 3
+    o[0, 1, 0, 5], o[0, 2, 0, 7], o[0, 3, 0, 9], o[0, 4, 0, 11] = float("inf"), float("nan"), -0.0, 1e-41
+    o[0, 5, 0, 13] = 3.4e38  # rounds to bf16 inf
+    l_sum = torch.rand(1, heads, 1, 1) + 0.5
+    o[0, 6], l_sum[0, 6] = 0.0, 0.0  # 0 / 0
+    w = (torch.randn(1024, heads * dim) / 32).to(torch.bfloat16)
+
+    def f(o: torch.Tensor, l_sum: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        a = (o / l_sum).to(torch.bfloat16).transpose(1, 2).reshape(1, 1, heads * dim)
+        return torch.nn.functional.linear(a, w)
+
+    args = [o, l_sum, w]
+    inputs = [t.float().numpy() for t in args]
+
+    def build() -> tuple[np.ndarray, int, list]:
+        cg = compile_graph(trace(f, *args), args, "large")
+        (out,) = run_with_poisoned_vmem(cg, inputs)
+        _, stats = run_fresh(cg, inputs, SimulatorRunner("large"))
+        return out, stats, [k.get("vmem_resident") for k in cg.summary["kernels"] if "start" in k]
+
+    out, stats, resident = build()
+    assert resident[-1] is not None and resident[-1][0][1] - resident[-1][0][0] == heads * dim // 128, resident
+    ref = f(*args).float().numpy()
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    monkeypatch.setattr(isel_vector, "_leaves_output", lambda *_: False)
+    loaded, loaded_stats, resident = build()
+    assert resident[-1] is None
+    np.testing.assert_array_equal(out.view(np.uint32), loaded.view(np.uint32))
+    assert (stats.dma_commands, stats.dma_bytes_loaded) == (loaded_stats.dma_commands - 1,
+                                                            loaded_stats.dma_bytes_loaded - 2 * heads * dim)
+    assert stats.cycles <= loaded_stats.cycles, (stats.cycles, loaded_stats.cycles)
