@@ -197,9 +197,11 @@ def test_edge_rows_across_the_fusion_barrier() -> None:
 
 
 def test_query_blocks() -> None:
-    """A causal prefill's queries run in blocks of at least 128, at most 4; one block where the keys before
+    """A causal prefill's queries run in blocks of at least 128, at most 8; one block where the keys before
     the queries are as many as the queries (a chunk after a long cache) or there are few queries."""
-    assert query_blocks(2048, 2048) == [(0, 512), (512, 1024), (1024, 1536), (1536, 2048)]
+    assert query_blocks(2048, 2048) == [(256 * i, 256 * (i + 1)) for i in range(8)]
+    assert query_blocks(1000, 1000) == [(0, 142), (142, 285), (285, 428), (428, 571), (571, 714), (714, 857),
+                                        (857, 1000)]
     assert query_blocks(301, 301) == [(0, 150), (150, 301)]
     assert query_blocks(300, 500) == [(0, 150), (150, 300)]
     assert query_blocks(255, 255) == [(0, 255)] and query_blocks(1, 300) == [(0, 1)]
