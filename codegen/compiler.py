@@ -78,6 +78,7 @@ from codegen.layer_loop import (
     emit_init,
     find_loops,
     hoist_invariant_kernels,
+    layers_two_at_a_time,
     loop_layout,
     next_slot_name,
     occurrence_slots,
@@ -260,18 +261,19 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
         # two repetitions save one body's code but cost the prefetch across the loop's edges (1b-2l decode:
         # 274,564 cycles looped, 270,481 unrolled, with a header that waited): kept only where imem needs it
         loops = [lp for lp in loops if lp.repeats > 2]
-    stages["kernels.txt"] = describe(graph) + "".join(
-        f"loop: kernels {lp.first}..{lp.first + lp.period - 1} run {lp.repeats} times over {len(lp.slots[0])} "
-        f"address slots\n" for lp in loops)
     value_inputs = _value_inputs(graph)
-    placements, arena_bytes = plan_memory(graph, len(value_inputs) + sum((lp.repeats + 1) * len(lp.slots[0])
-                                                                         for lp in loops))
+    placements, arena_bytes = _memory_plan(graph, loops)
     clock.lap("kernels_and_memory_plan")
     chains_undone: list[str] = []
-    chains, compact = True, False
+    chains, compact, tried_two = True, False, False
     while True:
-        funcs, per_kernel, scratch, table_entries, last_rows = _select(graph, placements, arena_bytes, cfg,
-                                                                       precision, loops, chains)
+        selection = _select(graph, placements, arena_bytes, cfg, precision, loops, chains)
+        if not tried_two:
+            tried_two = True
+            two = _two_layers_a_repetition(graph, cfg, precision, loops, selection[4], chains)
+            if two is not None:
+                loops, placements, arena_bytes, selection = two
+        funcs, per_kernel, scratch, table_entries, planned = selection
         machine_ir = "".join(f"# {f.name}\n{f.dump()}" for f in funcs)
         clock.lap("instruction_selection")
         instructions = sum(len(b.instrs) for f in funcs for b in f.blocks)
@@ -301,8 +303,11 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
                 raise
             chains = False
             chains_undone.append(str(e))
+    stages["kernels.txt"] = describe(graph) + "".join(
+        f"loop: kernels {lp.first}..{lp.first + lp.period - 1} run {lp.repeats} times over {len(lp.slots[0])} "
+        f"address slots\n" for lp in loops)
     arena_bytes += scratch
-    address_table = _address_table(graph, placements, loops, last_rows)
+    address_table = _address_table(graph, placements, loops, planned.last_rows)
     clock.lap("schedule_regalloc_assemble")
     starts = [sum(mc.function_bundles[:i]) for i in range(len(funcs))]
     for info in per_kernel:
@@ -433,6 +438,33 @@ def _value_inputs(graph: KernelGraph) -> list[int]:
                      if isinstance(k, GenericKernel) and k.valid_extent is not None})
 
 
+def _memory_plan(graph: KernelGraph, loops: list[Loop]) -> tuple[dict[str, BufferPlacement], int]:
+    """`plan_memory` with the argument table's entries: the value inputs and the loops' address tables."""
+    return plan_memory(graph, len(_value_inputs(graph)) + sum((lp.repeats + 1) * len(lp.slots[0]) for lp in loops))
+
+
+def _two_layers_a_repetition(graph: KernelGraph, cfg: HardwareConfig, precision: str, loops: list[Loop],
+                             planned: _Prefetches, chains: bool) -> tuple[list[Loop], dict[str, BufferPlacement],
+                                                                         int, Any] | None:
+    """The loops with the layers' loop running two layers a repetition, their memory plan and selection, where
+    the decode prefetch (`planned`, of `loops`) could not cross its edge and crosses it so: a layer of an odd
+    count of weight-slot turns plans its streams into the other slot than the layer before (packed Qwen3-0.6B:
+    7 a layer), so copies of a one-layer body plan differently and the edge stays a boundary, where the next
+    layer's first weights load late; two layers plan the same each repetition (of an odd count of layers,
+    the last runs after the loop). None where that does not cross either, or the program would not fit imem
+    (a layer or two more of code)."""
+    n = planned.uncrossed
+    if n is None or loops[n].repeats < 5 - loops[n].repeats % 2:  # at least two repetitions of two layers
+        return None
+    two = [*loops[:n], layers_two_at_a_time(graph, loops[n]), *loops[n + 1:]]
+    placements, arena_bytes = _memory_plan(graph, two)
+    selection = _select(graph, placements, arena_bytes, cfg, precision, two, chains)
+    instructions = sum(len(b.instrs) for f in selection[0] for b in f.blocks)
+    if selection[4].uncrossed is not None or instructions * BUNDLES_PER_INSTRUCTION > 0.8 * cfg.imem_bundles:
+        return None
+    return two, placements, arena_bytes, selection
+
+
 def _unrolled_fits(graph: KernelGraph, cfg: HardwareConfig, precision: str) -> bool:
     """Whether the program without layer loops is estimated to fit imem (with room: the estimate is rough)."""
     placements, arena_bytes = plan_memory(graph, len(_value_inputs(graph)))
@@ -489,13 +521,14 @@ class _Clock:
 
 def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_bytes: int, cfg: HardwareConfig,
             precision: str, loops: list[Loop], chains: bool = True
-            ) -> tuple[list[Function], list[dict[str, Any]], int, int, dict[int, tuple[str, ...]]]:
+            ) -> tuple[list[Function], list[dict[str, Any]], int, int, _Prefetches]:
     """Instruction selection into one machine-IR function per kernel, in order: the entry copies the
     argument table to vmem, then the kernels, then the exit halts. A loop's body kernels are selected once,
     between the loop's init + header and its footer; its other repetitions emit nothing. Returns the
     functions, per-kernel information (`function`: the index of its function, None for a repetition),
     the HBM scratch bytes the kernels need beyond the arena, the argument-table entries reserved in vmem and
-    the last rows of loops' address tables that differ from their last repetition's (`_prefetches`).
+    the decode prefetch plan (`_prefetches`: the last rows of loops' address tables that differ from their
+    last repetition's).
     chains: lower runs of small generics as one kernel each (`isel_vector.form_chains`)."""
     n_in = len(graph.arguments)
     arena = n_in  # the arena's entry in the argument table
@@ -537,7 +570,7 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
         for chain in {id(k): k for k, _ in emitted if isinstance(k, KernelChain)}.values():
             chain.private = private_chain_outputs(graph, loops, chain, touched)
     planned = _prefetches(cfg, graph, emitted, free_rows, loops)
-    prefetches, last_rows = planned.plan, planned.last_rows
+    prefetches = planned.plan
     preloads = _preloads(emitted, loops)
     table_word = fixed  # the next loop's address table, in words from the arena's start
     loop: Loop | None = None
@@ -601,7 +634,7 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
     b.start_function(funcs[-1], "exit")
     funcs[-1].blocks[0].instrs.extend(wait_for_stores())  # the outputs are in HBM when the program halts
     b.emit("halt")
-    return funcs, per_kernel, ctx.scratch_peak, entries, last_rows
+    return funcs, per_kernel, ctx.scratch_peak, entries, planned
 
 
 def private_chain_outputs(graph: KernelGraph, loops: list[Loop], chain: KernelChain,
@@ -667,6 +700,7 @@ class _Prefetches:
     plan: dict[int, Prefetch]
     last_rows: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     wait_before: int | None = None
+    uncrossed: int | None = None  # the layers' loop whose edge no prefetch crosses (`_two_layers_a_repetition`)
 
 
 def _prefetches(cfg: HardwareConfig, graph: KernelGraph, emitted: list[tuple[Kernel | None, int]], free_rows: int,
@@ -721,7 +755,7 @@ def _prefetches(cfg: HardwareConfig, graph: KernelGraph, emitted: list[tuple[Ker
         if not follows:  # after the loop as without the edge
             plan |= {i: pf for i, pf in base.items() if i >= end}
         return _Prefetches(plan, {n: last_row}, None if follows else end)
-    return _Prefetches(base)
+    return _Prefetches(base, uncrossed=n)
 
 
 def _across_edge(graph: KernelGraph, lp: Loop, vplan: dict[int, Prefetch], follows: bool

@@ -145,6 +145,12 @@ def _best_run(graph: KernelGraph, sig: list[int], lo: int, hi: int, min_saved: i
     return _slots(graph, first, best[1], best[3])  # equal saving and period: equal repeats
 
 
+def layers_two_at_a_time(graph: KernelGraph, lp: Loop) -> Loop:
+    """`lp` as a loop whose body is two of its bodies (of an odd count of repetitions, the last one then
+    runs after the loop, unrolled)."""
+    return _slots(graph, lp.first, 2 * lp.period, lp.repeats // 2)
+
+
 def _slots(graph: KernelGraph, first: int, period: int, repeats: int) -> Loop:
     """The run's address slots: view occurrences of the body grouped by the buffer they name in every
     repetition (occurrences that share a buffer in all repetitions share a slot)."""
