@@ -459,16 +459,19 @@ def _two_layers_a_repetition(graph: KernelGraph, cfg: HardwareConfig, precision:
     two = [*loops[:n], layers_two_at_a_time(graph, loops[n]), *loops[n + 1:]]
     placements, arena_bytes = _memory_plan(graph, two)
     selection = _select(graph, placements, arena_bytes, cfg, precision, two, chains)
-    instructions = sum(len(b.instrs) for f in selection[0] for b in f.blocks)
-    if selection[4].uncrossed is not None or instructions * BUNDLES_PER_INSTRUCTION > 0.8 * cfg.imem_bundles:
+    if selection[4].uncrossed is not None or not _fits_imem(selection[0], cfg):
         return None
     return two, placements, arena_bytes, selection
 
 
 def _unrolled_fits(graph: KernelGraph, cfg: HardwareConfig, precision: str) -> bool:
     """Whether the program without layer loops is estimated to fit imem (with room: the estimate is rough)."""
-    placements, arena_bytes = plan_memory(graph, len(_value_inputs(graph)))
-    funcs = _select(graph, placements, arena_bytes, cfg, precision, [])[0]
+    placements, arena_bytes = _memory_plan(graph, [])
+    return _fits_imem(_select(graph, placements, arena_bytes, cfg, precision, [])[0], cfg)
+
+
+def _fits_imem(funcs: list[Function], cfg: HardwareConfig) -> bool:
+    """Whether selected functions are estimated to fit imem, with room (the estimate is rough)."""
     return sum(len(b.instrs) for f in funcs for b in f.blocks) * BUNDLES_PER_INSTRUCTION < 0.8 * cfg.imem_bundles
 
 
