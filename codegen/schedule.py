@@ -227,7 +227,10 @@ def _list_schedule(instrs: list[MInstr], deps: list[Dep], release: list[int]) ->
     def growth(i: int, kind: str) -> int:
         dst = dsts[i]
         grow = 1 if dst >= 0 and kind_of[dst] == kind and remaining[dst] > 0 and not counted[dst] else 0
-        return grow - sum(1 for r in dying(i) if kind_of[r] == kind)
+        for r, count in uses[i]:  # `dying`, inline: asked of every candidate under pressure
+            if counted[r] and remaining[r] == count and kind_of[r] == kind:
+                grow -= 1
+        return grow
 
     def _reads_live(i: int, kind: str) -> bool:
         """Whether `i` works on a live value of `kind` that is near its end (at most 2 reads left): it
