@@ -347,11 +347,13 @@ def plan_prefetches(config: HardwareConfig, kernels: list[tuple[Kernel | None, i
 
     def capacity(m: int, p: DecodePlan) -> int:
         """Tiles of p that kernel m issues in about the time it takes anyway: a small kernel a DMA latency's
-        worth, a stream loaded whole its MXU time's."""
+        worth, a stream loaded whole its MXU time's, another stream two latencies' (its last iteration's
+        first wait, `tiles_ahead_of_last`, and its tail: the MXU's last results and the store; three cost
+        Qwen3's decode more than they saved)."""
         if m in whole:
             return 2 * plans[m].G * _tile_cycles(config, plans[m].packed, weights_only=True) // _tile_cycles(
                 config, p.packed)
-        return _small_capacity(config, p)
+        return _small_capacity(config, p) * (2 if m in plans else 1)
 
     out: dict[int, Prefetch] = {}
     parity = 0

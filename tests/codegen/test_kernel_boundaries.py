@@ -497,13 +497,16 @@ def test_a_stream_after_a_long_run_gets_larger_groups_loaded_a_quarter_each(monk
     assert out[1].carried == (first, first + 2 * o.G * cfg.lanes) and out[4].carried == out[8].carried
     assert out[8].carried == (min(first, other), max(first, other) + 2 * o.G * cfg.lanes)
     assert out[10].slots == (other, other + 2 * g.G * cfg.lanes)  # gate takes the second slot, both halves
-    # with only five small kernels the run has not the time for two iterations: it loads one, all a share
+    # with only five small kernels the run has not the time for two iterations: it loads one, all a share,
+    # the stream before twice a small kernel's (its last iteration's first wait and its tail)
     short = [kernels[0], *kernels[3:]]
     out = plan_prefetches(cfg, short, cfg.vmem_rows - 64)
     o = out[6].stream
     assert o is not None and out[6].prefetched == 2 * o.G and len(out[6].slots) == 1
     issued = [out[m].issue.tiles for m in range(6)]
-    assert issued[0].start == 0 and issued[-1].stop == 2 * o.G and all(len(t) in (10, 11) for t in issued)
+    assert issued[0].start == 0 and issued[-1].stop == 2 * o.G
+    assert all(a.stop == b.start for a, b in itertools.pairwise(issued))
+    assert len(issued[0]) in (18, 19) and all(len(t) in (9, 10) for t in issued[1:])  # 64 tiles by 2:1:1:1:1:1
 
 
 def test_a_slot_that_holds_two_iterations_is_loaded_by_the_stream_before_and_a_group_a_small_kernel() -> None:
@@ -678,9 +681,10 @@ def test_a_stream_after_a_long_run_has_two_iterations_loaded_and_gives_the_same_
 
 def test_a_stream_the_long_run_loads_whole_leaves_its_later_kernels_to_the_next_stream() -> None:
     # packed, Qwen3-0.6B's o_proj (1024 x 2048) is one iteration of 64 units (two k-tiles each: 4 MiB of vmem
-    # for 4 MB of weights, half what widened tiles take): the run's first kernels load it all, a latency's
-    # worth each, and its later kernels, o_proj (along its MXU work, from vmem) and the norm after it load
-    # gate_proj's first two iterations into the other slot, gate planned to fill it
+    # for 4 MB of weights, half what widened tiles take): v_proj (two latencies' worth: its last iteration's
+    # first wait and its tail) and the run's first kernels (a latency's worth each) load it all, and its
+    # later kernels, o_proj (along its MXU work, from vmem) and the norm after it load gate_proj's first two
+    # iterations into the other slot, gate planned to fill it
     cfg = get_config("large")
     fills = [FillKernel(View(f"t{n}", 0, (8, 128), (128, 1), "f32"), 0.0) for n in range(9)]
     v_proj, o_proj, gate = _stream("v", 512), _stream("o", 1024), _stream("g")
@@ -691,7 +695,9 @@ def test_a_stream_the_long_run_loads_whole_leaves_its_later_kernels_to_the_next_
     assert o.iterations == 1 and out[10].prefetched == 2 * o.G
     by = {m: out[m].issue for m in range(12) if m in out and out[m].issue is not None}
     mine = [m for m, issue in by.items() if issue.kernel is o_proj]
-    assert mine == list(range(-(-2 * o.G // isel_decode._small_capacity(cfg, o))))  # 8 units a kernel
+    small = isel_decode._small_capacity(cfg, o)  # 8 units
+    assert mine == list(range(1 + -(-(2 * o.G - 2 * small) // small)))
+    assert len(by[0].tiles) == 2 * small and all(len(by[m].tiles) <= small for m in mine[1:])
     ahead = [m for m, issue in by.items() if issue.kernel is gate]
     assert ahead == list(range(len(mine), 12))  # the rest of the run, o_proj and the norm
     tiles = [by[m].tiles for m in ahead]

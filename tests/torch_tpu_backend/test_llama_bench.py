@@ -64,8 +64,10 @@ def test_qwen3_two_layers_decode_ratio() -> None:
     of the 1B's, so each kernel boundary weighs four times as much."""
     r = llama_bench.run("qwen3-0.6b-2l")
     assert r["tokens_equal_eager"]
-    assert r["decode_roofline_ratio"] <= 1.37, r  # measured 1.352 (1.363 before q_proj, k_proj and v_proj streamed
-    # back to back; 1.385 before o_proj was all prefetched)
+    assert r["decode_roofline_ratio"] <= 1.26, r  # measured 1.245 (1.250 before a stream before a long run took
+    # two latencies' worth of its prefetch, 1.254 before a stream's last iteration issued the next one's tiles
+    # ahead of its first wait, 1.352 before packed weight streams and o_proj's resident row, 1.363 before
+    # q_proj, k_proj and v_proj streamed back to back; 1.385 before o_proj was all prefetched)
 
 
 @pytest.mark.slow  # minutes: one decode step of the 1B's layers over 1024 and 4096 cached positions
