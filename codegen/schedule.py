@@ -213,7 +213,6 @@ def _list_schedule(instrs: list[MInstr], deps: list[Dep], release: list[int]) ->
         for r, count in u:
             remaining[r] += count
     counted = [False] * len(regs)
-    live: dict[str, int] = defaultdict(int)
     live_regs: dict[str, set[int]] = defaultdict(set)  # the counted values, by kind
     readers: list[set[int]] = [set() for _ in regs]  # per value, the instructions left that read it
     for i, u in enumerate(uses):
@@ -240,7 +239,6 @@ def _list_schedule(instrs: list[MInstr], deps: list[Dep], release: list[int]) ->
     def commit(i: int) -> None:
         for r in dying(i):
             counted[r] = False
-            live[kind_of[r]] -= 1
             live_regs[kind_of[r]].discard(r)
         for r, count in uses[i]:
             remaining[r] -= count
@@ -248,7 +246,6 @@ def _list_schedule(instrs: list[MInstr], deps: list[Dep], release: list[int]) ->
         dst = dsts[i]
         if dst >= 0 and not phys[dst] and remaining[dst] > 0 and not counted[dst]:
             counted[dst] = True
-            live[kind_of[dst]] += 1
             live_regs[kind_of[dst]].add(dst)
 
     def pressure(found: dict[tuple[str, str], bool], what: str, kind: str) -> bool:
@@ -324,7 +321,8 @@ def _list_schedule(instrs: list[MInstr], deps: list[Dep], release: list[int]) ->
             if used[unit] >= slot_count[unit]:
                 continue
             dst = instrs[i].dst
-            if (not stuck and dst is not None and live[dst.kind] >= PRESSURE_LIMIT[dst.kind] and growth(i, dst.kind) > 0
+            if (not stuck and dst is not None and len(live_regs[dst.kind]) >= PRESSURE_LIMIT[dst.kind]
+                    and growth(i, dst.kind) > 0
                     and (now or pressure(found, "frees", dst.kind)
                          or (not _reads_live(i, dst.kind) and pressure(found, "continues", dst.kind)))):
                 continue  # under pressure: at most one new value per cycle (see above)
