@@ -265,14 +265,14 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
     placements, arena_bytes = _memory_plan(graph, loops)
     clock.lap("kernels_and_memory_plan")
     chains_undone: list[str] = []
-    chains, compact, tried_two = True, False, False
+    chains, compact, tried_crossing = True, False, False
     while True:
         selection = _select(graph, placements, arena_bytes, cfg, precision, loops, chains)
-        if not tried_two:
-            tried_two = True
-            two = _two_layers_a_repetition(graph, cfg, precision, loops, selection[4], chains)
-            if two is not None:
-                loops, placements, arena_bytes, selection = two
+        if not tried_crossing:
+            tried_crossing = True
+            crossing = _crossing_the_loops_edge(graph, cfg, precision, loops, selection, chains)
+            if crossing is not None:
+                loops, placements, arena_bytes, selection = crossing
         funcs, per_kernel, scratch, table_entries, planned = selection
         machine_ir = "".join(f"# {f.name}\n{f.dump()}" for f in funcs)
         clock.lap("instruction_selection")
@@ -443,25 +443,33 @@ def _memory_plan(graph: KernelGraph, loops: list[Loop]) -> tuple[dict[str, Buffe
     return plan_memory(graph, len(_value_inputs(graph)) + sum((lp.repeats + 1) * len(lp.slots[0]) for lp in loops))
 
 
-def _two_layers_a_repetition(graph: KernelGraph, cfg: HardwareConfig, precision: str, loops: list[Loop],
-                             planned: _Prefetches, chains: bool) -> tuple[list[Loop], dict[str, BufferPlacement],
-                                                                         int, Any] | None:
-    """The loops with the layers' loop running two layers a repetition, their memory plan and selection, where
-    the decode prefetch (`planned`, of `loops`) could not cross its edge and crosses it so: a layer of an odd
-    count of weight-slot turns plans its streams into the other slot than the layer before (packed Qwen3-0.6B:
-    7 a layer), so copies of a one-layer body plan differently and the edge stays a boundary, where the next
-    layer's first weights load late; two layers plan the same each repetition (of an odd count of layers,
-    the last runs after the loop). None where that does not cross either, or the program would not fit imem
-    (a layer or two more of code)."""
-    n = planned.uncrossed
-    if n is None or loops[n].repeats < 5 - loops[n].repeats % 2:  # at least two repetitions of two layers
+def _crossing_the_loops_edge(graph: KernelGraph, cfg: HardwareConfig, precision: str, loops: list[Loop],
+                             selection: Any, chains: bool) -> tuple[list[Loop], dict[str, BufferPlacement], int,
+                                                                   Any] | None:
+    """The loops, their memory plan and selection, where the decode prefetch of `selection` (of `loops`) could
+    not cross the layers' loop's edge: a layer of an odd count of weight-slot turns plans its streams into the
+    other slot than the layer before (packed Qwen3-0.6B: 7 a layer), so copies of a one-layer body plan
+    differently and the edge stays a boundary, where the next layer's first weights load late. Two layers a
+    repetition plan the same each repetition (of an odd count of layers, the last runs after the loop): that
+    where it crosses and fits imem (at least two repetitions of two layers); else the loop unrolled, where
+    the program is estimated to fit imem (a loop of 3 repetitions: 4 Qwen3 layers). None where neither."""
+    n = selection[4].uncrossed
+    if n is None:
         return None
-    two = [*loops[:n], layers_two_at_a_time(graph, loops[n]), *loops[n + 1:]]
-    placements, arena_bytes = _memory_plan(graph, two)
-    selection = _select(graph, placements, arena_bytes, cfg, precision, two, chains)
-    if selection[4].uncrossed is not None or not _fits_imem(selection[0], cfg):
-        return None
-    return two, placements, arena_bytes, selection
+    lp = loops[n]
+    if lp.repeats >= 5 - lp.repeats % 2:
+        two = [*loops[:n], layers_two_at_a_time(graph, lp), *loops[n + 1:]]
+        placements, arena_bytes = _memory_plan(graph, two)
+        chosen = _select(graph, placements, arena_bytes, cfg, precision, two, chains)
+        if chosen[4].uncrossed is None and _fits_imem(chosen[0], cfg):
+            return two, placements, arena_bytes, chosen
+    body = sum(info.get("instructions", 0) for info in selection[1][lp.first:lp.first + lp.period])
+    if not _fits_imem(selection[0], cfg, more=(lp.repeats - 1) * body):
+        return None  # not selected unrolled to learn it: a long model's layers are a long selection
+    unrolled = [*loops[:n], *loops[n + 1:]]
+    placements, arena_bytes = _memory_plan(graph, unrolled)
+    chosen = _select(graph, placements, arena_bytes, cfg, precision, unrolled, chains)
+    return (unrolled, placements, arena_bytes, chosen) if _fits_imem(chosen[0], cfg) else None
 
 
 def _unrolled_fits(graph: KernelGraph, cfg: HardwareConfig, precision: str) -> bool:
@@ -470,9 +478,11 @@ def _unrolled_fits(graph: KernelGraph, cfg: HardwareConfig, precision: str) -> b
     return _fits_imem(_select(graph, placements, arena_bytes, cfg, precision, [])[0], cfg)
 
 
-def _fits_imem(funcs: list[Function], cfg: HardwareConfig) -> bool:
-    """Whether selected functions are estimated to fit imem, with room (the estimate is rough)."""
-    return sum(len(b.instrs) for f in funcs for b in f.blocks) * BUNDLES_PER_INSTRUCTION < 0.8 * cfg.imem_bundles
+def _fits_imem(funcs: list[Function], cfg: HardwareConfig, more: int = 0) -> bool:
+    """Whether selected functions, and `more` instructions, are estimated to fit imem, with room (the estimate
+    is rough)."""
+    instructions = sum(len(b.instrs) for f in funcs for b in f.blocks) + more
+    return instructions * BUNDLES_PER_INSTRUCTION < 0.8 * cfg.imem_bundles
 
 
 def _address_table(graph: KernelGraph, placements: dict[str, BufferPlacement], loops: list[Loop],
@@ -703,7 +713,7 @@ class _Prefetches:
     plan: dict[int, Prefetch]
     last_rows: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     wait_before: int | None = None
-    uncrossed: int | None = None  # the layers' loop whose edge no prefetch crosses (`_two_layers_a_repetition`)
+    uncrossed: int | None = None  # the layers' loop whose edge no prefetch crosses (`_crossing_the_loops_edge`)
 
 
 def _prefetches(cfg: HardwareConfig, graph: KernelGraph, emitted: list[tuple[Kernel | None, int]], free_rows: int,
