@@ -179,6 +179,67 @@ def test_projections_stream_back_to_back(monkeypatch: pytest.MonkeyPatch) -> Non
     assert kinds.count("matmul") == 3 and "elementwise" not in kinds  # no weight copies
 
 
+class _RunThenMLP(torch.nn.Module):
+    """Four small matmuls (rank 16: not weight streams), then Qwen3-0.6B's o_proj, gate_proj and down_proj
+    shapes: a long run of small kernels loads o_proj whole, and gate_proj finds its first two iterations of
+    three in vmem."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.small = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(*shape) * scale)
+                                            for shape, scale in [((2048, 16), 0.02), ((16, 2048), 0.25)] * 2)
+        self.o = torch.nn.Linear(2048, 1024, bias=False)
+        self.gate = torch.nn.Linear(1024, 3072, bias=False)
+        self.down = torch.nn.Linear(3072, 1024, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for a, b in zip(self.small[::2], self.small[1::2], strict=True):
+            h = torch.relu(h @ a) @ b
+        return self.down(torch.relu(self.gate(self.o(x + h))))
+
+
+def test_a_stream_with_two_iterations_in_vmem_issues_the_next_streams_tiles_along_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """gate_proj's first two iterations are in vmem (`_RunThenMLP`, one token on `large`); along them it issues
+    its third's tiles, a tile every second command. Then the channel idled until its last iteration began
+    (Qwen3's decode: ~460 cycles a layer); now the rest of those iterations issue down_proj's first tiles,
+    whose slot o_proj has left (`next_stream_along_slots`): the same bits, in fewer cycles (measured 37,573
+    against 37,863)."""
+    torch.manual_seed(1)
+    model = _RunThenMLP().bfloat16().eval()
+    x = torch.randn(1, 2048).bfloat16()
+    x[0, :3] = torch.tensor([-0.0, 3e-39, 1e4])  # a signed zero, a subnormal, a large value
+    with torch.no_grad():
+        expected = model(x)
+        gm, args = capture(model, x)
+    gm, _ = fx_passes.run_passes(gm, args)
+    arrays = [t.detach().float().numpy() for t in args]
+    plans = []
+    lower = isel_decode.lower_decode_matmul
+
+    def recording(ctx, k, p):  # type: ignore[no-untyped-def]
+        plans.append((p.iterations, ctx.prefetch.prefetched if ctx.prefetch else 0))
+        return lower(ctx, k, p)
+
+    def run() -> tuple[int, np.ndarray]:
+        plans.clear()
+        exe = compile_graph(gm, args, "large")
+        (out,), stats = run_fresh(exe, arrays, SimulatorRunner("large"))
+        return stats.cycles, out
+
+    monkeypatch.setattr(isel_decode, "lower_decode_matmul", recording)
+    cycles, out = run()
+    assert plans[-3:] == [(1, 64), (3, 64), (4, 48)], plans  # o_proj whole; gate_proj's two iterations in vmem
+    with monkeypatch.context() as m:
+        m.setattr(isel_decode, "next_stream_along_slots", lambda two, next_region: False)
+        cycles_after, out_after = run()
+    np.testing.assert_array_equal(out.view(np.uint32), out_after.view(np.uint32))
+    ref = expected.float().numpy()  # 1e4 through three bf16 projections: eager's roundings differ in the last bits
+    np.testing.assert_allclose(out.reshape(ref.shape), ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+    assert cycles < cycles_after - 200, (cycles, cycles_after)
+
+
 def test_the_last_iteration_issues_the_next_streams_tiles_before_its_first_wait(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Three 1024 x 1024 bf16 projections in a row at one token (Qwen3-0.6B's k_proj shape, `large`): two
