@@ -206,21 +206,22 @@ def _tile_dma(ctx: KernelContext, p: DecodePlan, ws: int, h: Reg, row: Reg, j: i
 
 
 def _first_dmas(ctx: KernelContext, k: MatmulKernel, p: DecodePlan, regions: list[Region], tiles: range,
-                flag: Callable[[int], int], mem: tuple) -> list[Callable[[], None]]:
+                flag: Callable[[int], int], mem: tuple, first_flag: tuple[int, int] = (0, 0)
+                ) -> list[Callable[[], None]]:
     """The DMAs of tiles `tiles` of `k`'s first iterations (tile t of iteration t // 2G) into those
     iterations' ring regions, each a callable that emits it (a stream spreads a prefetch over its MXU
-    commands); `flag(q)` for group q of an iteration."""
+    commands); `flag(q)` for group q of an iteration, but flag f for the first n: first_flag (n, f)."""
     state: dict[int, tuple[Reg, Reg]] = {}
     step = p.U * ctx.lanes * k.b.strides[1]  # W's elements of one iteration's n-tiles
 
-    def dma(t: int) -> None:
+    def dma(n: int, t: int) -> None:
         it, j = divmod(t, 2 * p.G)
         if it not in state:
             state[it] = (ctx.hbm_addr(k.b, k.b.offset + it * step), ctx.b.const(regions[it].row))
         h, row = state[it]
-        _tile_dma(ctx, p, k.b.strides[1], h, row, j, flag(j // p.G), mem)
+        _tile_dma(ctx, p, k.b.strides[1], h, row, j, first_flag[1] if n < first_flag[0] else flag(j // p.G), mem)
 
-    return [lambda t=t: dma(t) for t in tiles]
+    return [lambda n=n, t=t: dma(n, t) for n, t in enumerate(tiles)]
 
 
 # ---- cross-kernel prefetch ----------------------------------------------------------------------------
@@ -521,12 +522,13 @@ def _before_branch(blk: Block) -> int:
     return len(blk.instrs) - 1 if blk.instrs and blk.instrs[-1].is_control else len(blk.instrs)
 
 
-def _issue_dmas(ctx: KernelContext, issue: Issue) -> list[Callable[[], None]]:
+def _issue_dmas(ctx: KernelContext, issue: Issue, first_flag: tuple[int, int] = (0, 0)
+                ) -> list[Callable[[], None]]:
     """The tile DMAs of a prefetch, on flag PREFETCH: not marked used, so the issuer does not wait for them
-    at its end."""
+    at its end (but the first n on flag f, first_flag (n, f): those it does wait for)."""
     slots = [Region(f"ring_prefetched{n}", row, 2 * issue.plan.G * ctx.lanes) for n, row in enumerate(issue.rows)]
     return _first_dmas(ctx, issue.kernel, issue.plan, slots, issue.tiles, lambda _: int(Flag.PREFETCH),
-                       tuple(r.mem(write=True) for r in slots))
+                       tuple(r.mem(write=True) for r in slots), first_flag)
 
 
 def early_tiles(config: HardwareConfig, p: DecodePlan, prefetched: int, first_loaded: int = 1) -> int:
@@ -543,6 +545,16 @@ def tiles_ahead_of_last(config: HardwareConfig) -> int:
     is for its own last tiles, issued a latency before with nothing queued behind them, so the channel would
     idle through it (Qwen3's k_proj: ~320 cycles). Half the DMA queue: where the wait is short, the issue
     does not stall behind a full queue (the whole queue cost Qwen3's decode more than it saved)."""
+    return config.dma_queue // 2
+
+
+def tiles_ahead_of_whole_wait(config: HardwareConfig) -> int:
+    """How many of the next stream's tiles a stream loaded whole (one iteration, prefetched) issues before it
+    waits for its own last tiles, a latency through which the channel would idle (Qwen3's o_proj: ~270
+    cycles). They go on a flag of their own, its early tiles' (a stream of one iteration has none:
+    `early_tiles`), waited for at its end, long after they land: on PREFETCH they would hold that wait.
+    Half the DMA queue, as `tiles_ahead_of_last` (2: 80,301 cycles of qwen3-0.6b-2l decode, 4: 80,173, 8:
+    80,421; every stream with a prefetch so, on its early tiles' flag: 81,727, against 80,490 with none)."""
     return config.dma_queue // 2
 
 
@@ -573,14 +585,16 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
     first_loaded = 2 if two else 1  # the first iteration the stream loads while it computes
     # the next stream's first groups, issued along the last iteration's MXU commands (the first few ahead of
     # its first wait: `tiles_ahead_of_last`)
-    next_groups = _issue_dmas(ctx, pre.issue) if pre is not None and pre.issue is not None else []
     ahead_of_last = tiles_ahead_of_last(ctx.config)
     # which ring region holds the slot they go to (the planner keeps the last iteration off it)
-    if next_groups:
+    if pre is not None and pre.issue is not None:
         lo, hi = pre.issue.rows[0], pre.issue.rows[0] + 2 * pre.issue.plan.G * L
         next_region = next((m for m, r in enumerate(ring) if r.row < hi and lo < r.row + r.rows), None)
     else:
         next_region = None
+    whole = n == 1 and prefetched > 0 and next_region is None and pre is not None and pre.issue is not None
+    ahead_of_wait = (tiles_ahead_of_whole_wait(ctx.config), ctx.flag(Flag.MATMUL_A, 1)) if whole else (0, 0)
+    next_groups = _issue_dmas(ctx, pre.issue, ahead_of_wait) if pre is not None and pre.issue is not None else []
     assert next_region is None or next_region != (n - 1) % len(ring), "the last iteration reads the next slot"
     a_reg, c_reg = left or ctx.region(p.k_tiles, "a"), ctx.region(p.NT, "c")
     ring_mem = tuple(r.mem(write=True) for r in ring)
@@ -614,6 +628,8 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
     for j in range(early):
         _tile_dma(ctx, p, ws, h_next, regions[first_loaded], j, early_flag, ring_mem)
     if prefetched or two:
+        for _ in range(min(len(next_groups), ahead_of_wait[0])):
+            next_groups.pop(0)()
         b.emit("wait", flag=int(Flag.PREFETCH))  # not marked used: the next stream's prefetch is on it too
     if left is None:
         b.emit("wait", flag=ctx.flag(Flag.MATMUL_A))
