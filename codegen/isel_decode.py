@@ -583,18 +583,22 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
     ring.append(ctx.region(half, "ring"))
     two = len(ring) == 3  # iterations 0 and 1 prefetched: they load iteration 2 between them, at half pace
     first_loaded = 2 if two else 1  # the first iteration the stream loads while it computes
-    # the next stream's first groups, issued along the last iteration's MXU commands (the first few ahead of
-    # its first wait: `tiles_ahead_of_last`)
-    ahead_of_last = tiles_ahead_of_last(ctx.config)
-    # which ring region holds the slot they go to (the planner keeps the last iteration off it)
-    if pre is not None and pre.issue is not None:
-        lo, hi = pre.issue.rows[0], pre.issue.rows[0] + 2 * pre.issue.plan.G * L
+    issue = pre.issue if pre is not None else None
+    # which ring region holds the slot the next stream's first groups go to (the planner keeps the last
+    # iteration off it)
+    if issue is not None:
+        lo, hi = issue.rows[0], issue.rows[0] + 2 * issue.plan.G * L
         next_region = next((m for m, r in enumerate(ring) if r.row < hi and lo < r.row + r.rows), None)
     else:
         next_region = None
-    whole = n == 1 and prefetched > 0 and next_region is None and pre is not None and pre.issue is not None
-    ahead_of_wait = (tiles_ahead_of_whole_wait(ctx.config), ctx.flag(Flag.MATMUL_A, 1)) if whole else (0, 0)
-    next_groups = _issue_dmas(ctx, pre.issue, ahead_of_wait) if pre is not None and pre.issue is not None else []
+    # those groups, issued along the last iteration's MXU commands (the first few ahead of its first wait:
+    # `tiles_ahead_of_last`), or along the iterations in the slots (`next_stream_along_slots`), or the first
+    # few ahead of the wait for the prefetch where the stream is loaded whole (`tiles_ahead_of_whole_wait`)
+    ahead_of_last = tiles_ahead_of_last(ctx.config)
+    loaded_whole = n == 1 and prefetched > 0 and next_region is None
+    ahead_of_wait = (tiles_ahead_of_whole_wait(ctx.config), ctx.flag(Flag.MATMUL_A, 1)) if loaded_whole \
+        and issue is not None else (0, 0)
+    next_groups = _issue_dmas(ctx, issue, ahead_of_wait) if issue is not None else []
     assert next_region is None or next_region != (n - 1) % len(ring), "the last iteration reads the next slot"
     a_reg, c_reg = left or ctx.region(p.k_tiles, "a"), ctx.region(p.NT, "c")
     ring_mem = tuple(r.mem(write=True) for r in ring)
