@@ -8,6 +8,9 @@ general path's bits (same MXU commands, same accumulation order) and keep the we
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -199,6 +202,35 @@ class _RunThenMLP(torch.nn.Module):
         return self.down(torch.relu(self.gate(self.o(x + h))))
 
 
+def _cycles_with_and_without(monkeypatch: pytest.MonkeyPatch, model: torch.nn.Module, width: int, name: str,
+                             off: Callable[..., Any], kinds: list[str] | None = None) -> tuple[int, int]:
+    """One token through bf16 `model` on `large` (its row with -0, a subnormal and 1e4), compiled as is and
+    with `isel_decode.<name>` replaced by `off`: the same bits both ways, eager's values (to 2% of the
+    largest: 1e4 through bf16 projections, eager's roundings differ in the last bits), and the cycles of
+    each. kinds: the kernels' kinds, checked."""
+    x = torch.randn(1, width).bfloat16()
+    x[0, :3] = torch.tensor([-0.0, 3e-39, 1e4])
+    with torch.no_grad():
+        expected = model(x).float().numpy()
+        gm, args = capture(model, x)
+    gm, _ = fx_passes.run_passes(gm, args)
+    arrays = [t.detach().float().numpy() for t in args]
+
+    def run() -> tuple[int, np.ndarray]:
+        exe = compile_graph(gm, args, "large")
+        assert kinds is None or [k["kind"] for k in exe.summary["kernels"]] == kinds
+        (out,), stats = run_fresh(exe, arrays, SimulatorRunner("large"))
+        return stats.cycles, out
+
+    cycles, out = run()
+    with monkeypatch.context() as m:
+        m.setattr(isel_decode, name, off)
+        cycles_off, out_off = run()
+    np.testing.assert_array_equal(out.view(np.uint32), out_off.view(np.uint32))
+    np.testing.assert_allclose(out.reshape(expected.shape), expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())
+    return cycles, cycles_off
+
+
 def test_a_stream_with_two_iterations_in_vmem_issues_the_next_streams_tiles_along_them(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """gate_proj's first two iterations are in vmem (`_RunThenMLP`, one token on `large`); along them it issues
@@ -207,14 +239,6 @@ def test_a_stream_with_two_iterations_in_vmem_issues_the_next_streams_tiles_alon
     whose slot o_proj has left (`next_stream_along_slots`): the same bits, in fewer cycles (measured 37,573
     against 37,863)."""
     torch.manual_seed(1)
-    model = _RunThenMLP().bfloat16().eval()
-    x = torch.randn(1, 2048).bfloat16()
-    x[0, :3] = torch.tensor([-0.0, 3e-39, 1e4])  # a signed zero, a subnormal, a large value
-    with torch.no_grad():
-        expected = model(x)
-        gm, args = capture(model, x)
-    gm, _ = fx_passes.run_passes(gm, args)
-    arrays = [t.detach().float().numpy() for t in args]
     plans = []
     lower = isel_decode.lower_decode_matmul
 
@@ -222,22 +246,11 @@ def test_a_stream_with_two_iterations_in_vmem_issues_the_next_streams_tiles_alon
         plans.append((p.iterations, ctx.prefetch.prefetched if ctx.prefetch else 0))
         return lower(ctx, k, p)
 
-    def run() -> tuple[int, np.ndarray]:
-        plans.clear()
-        exe = compile_graph(gm, args, "large")
-        (out,), stats = run_fresh(exe, arrays, SimulatorRunner("large"))
-        return stats.cycles, out
-
     monkeypatch.setattr(isel_decode, "lower_decode_matmul", recording)
-    cycles, out = run()
+    cycles, cycles_off = _cycles_with_and_without(monkeypatch, _RunThenMLP().bfloat16().eval(), 2048,
+                                                  "next_stream_along_slots", lambda two, next_region: False)
     assert plans[-3:] == [(1, 64), (3, 64), (4, 48)], plans  # o_proj whole; gate_proj's two iterations in vmem
-    with monkeypatch.context() as m:
-        m.setattr(isel_decode, "next_stream_along_slots", lambda two, next_region: False)
-        cycles_after, out_after = run()
-    np.testing.assert_array_equal(out.view(np.uint32), out_after.view(np.uint32))
-    ref = expected.float().numpy()  # 1e4 through three bf16 projections: eager's roundings differ in the last bits
-    np.testing.assert_allclose(out.reshape(ref.shape), ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
-    assert cycles < cycles_after - 200, (cycles, cycles_after)
+    assert cycles < cycles_off - 200, (cycles, cycles_off)
 
 
 def test_a_stream_loaded_whole_issues_the_next_streams_tiles_before_its_wait(
@@ -247,29 +260,10 @@ def test_a_stream_loaded_whole_issues_the_next_streams_tiles_before_its_wait(
     a flag o_proj waits for at its end (`tiles_ahead_of_whole_wait`): the same bits, in fewer cycles (measured
     37,320 against 37,573)."""
     torch.manual_seed(2)
-    model = _RunThenMLP().bfloat16().eval()
-    x = torch.randn(1, 2048).bfloat16()
-    x[0, :3] = torch.tensor([-0.0, 3e-39, 65280.0])  # a signed zero, a subnormal, a large value
-    with torch.no_grad():
-        expected = model(x)
-        gm, args = capture(model, x)
-    gm, _ = fx_passes.run_passes(gm, args)
-    arrays = [t.detach().float().numpy() for t in args]
-
-    def run() -> tuple[int, np.ndarray]:
-        exe = compile_graph(gm, args, "large")
-        (out,), stats = run_fresh(exe, arrays, SimulatorRunner("large"))
-        return stats.cycles, out
-
     assert isel_decode.tiles_ahead_of_whole_wait(get_config("large")) > 0
-    cycles, out = run()
-    with monkeypatch.context() as m:
-        m.setattr(isel_decode, "tiles_ahead_of_whole_wait", lambda config: 0)
-        cycles_none_ahead, out_none_ahead = run()
-    np.testing.assert_array_equal(out.view(np.uint32), out_none_ahead.view(np.uint32))
-    ref = expected.float().numpy()
-    np.testing.assert_allclose(out.reshape(ref.shape), ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
-    assert cycles < cycles_none_ahead - 100, (cycles, cycles_none_ahead)
+    cycles, cycles_off = _cycles_with_and_without(monkeypatch, _RunThenMLP().bfloat16().eval(), 2048,
+                                                  "tiles_ahead_of_whole_wait", lambda config: 0)
+    assert cycles < cycles_off - 100, (cycles, cycles_off)
 
 
 def test_the_last_iteration_issues_the_next_streams_tiles_before_its_first_wait(
@@ -281,25 +275,7 @@ def test_the_last_iteration_issues_the_next_streams_tiles_before_its_first_wait(
     bits, in fewer cycles than with none ahead."""
     torch.manual_seed(1)
     model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024, bias=False) for _ in range(3))).bfloat16().eval()
-    x = torch.randn(1, 1024).bfloat16()
-    x[0, :3] = torch.tensor([-0.0, 3e-39, 1e4])  # a signed zero, a subnormal, a large value
-    with torch.no_grad():
-        expected = model(x)
-        gm, args = capture(model, x)
-    gm, _ = fx_passes.run_passes(gm, args)
-    arrays = [t.detach().float().numpy() for t in args]
-
-    def run() -> tuple[int, np.ndarray]:
-        exe = compile_graph(gm, args, "large")
-        assert [k["kind"] for k in exe.summary["kernels"]] == ["matmul"] * 3
-        (out,), stats = run_fresh(exe, arrays, SimulatorRunner("large"))
-        return stats.cycles, out
-
     assert isel_decode.tiles_ahead_of_last(get_config("large")) > 0
-    cycles, out = run()
-    with monkeypatch.context() as m:
-        m.setattr(isel_decode, "tiles_ahead_of_last", lambda config: 0)
-        cycles_none_ahead, out_none_ahead = run()
-    np.testing.assert_array_equal(out.view(np.uint32), out_none_ahead.view(np.uint32))
-    np.testing.assert_allclose(out.reshape(expected.shape), expected.float().numpy(), rtol=2e-2, atol=2e-2)
-    assert cycles < cycles_none_ahead - 100, (cycles, cycles_none_ahead)
+    cycles, cycles_off = _cycles_with_and_without(monkeypatch, model, 1024, "tiles_ahead_of_last",
+                                                  lambda config: 0, kinds=["matmul"] * 3)
+    assert cycles < cycles_off - 100, (cycles, cycles_off)
