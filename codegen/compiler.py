@@ -457,19 +457,21 @@ def _crossing_the_loops_edge(graph: KernelGraph, cfg: HardwareConfig, precision:
     if n is None:
         return None
     lp = loops[n]
+
+    def selected(alternative: list[Loop]) -> tuple[list[Loop], dict[str, BufferPlacement], int, Any]:
+        placements, arena_bytes = _memory_plan(graph, alternative)
+        return alternative, placements, arena_bytes, _select(graph, placements, arena_bytes, cfg, precision,
+                                                             alternative, chains)
+
     if lp.repeats >= 5 - lp.repeats % 2:
-        two = [*loops[:n], layers_two_at_a_time(graph, lp), *loops[n + 1:]]
-        placements, arena_bytes = _memory_plan(graph, two)
-        chosen = _select(graph, placements, arena_bytes, cfg, precision, two, chains)
-        if chosen[4].uncrossed is None and _fits_imem(chosen[0], cfg):
-            return two, placements, arena_bytes, chosen
+        two = selected([*loops[:n], layers_two_at_a_time(graph, lp), *loops[n + 1:]])
+        if two[3][4].uncrossed is None and _fits_imem(two[3][0], cfg):
+            return two
     body = sum(info.get("instructions", 0) for info in selection[1][lp.first:lp.first + lp.period])
     if not _fits_imem(selection[0], cfg, more=(lp.repeats - 1) * body):
         return None  # not selected unrolled to learn it: a long model's layers are a long selection
-    unrolled = [*loops[:n], *loops[n + 1:]]
-    placements, arena_bytes = _memory_plan(graph, unrolled)
-    chosen = _select(graph, placements, arena_bytes, cfg, precision, unrolled, chains)
-    return (unrolled, placements, arena_bytes, chosen) if _fits_imem(chosen[0], cfg) else None
+    unrolled = selected([*loops[:n], *loops[n + 1:]])
+    return unrolled if _fits_imem(unrolled[3][0], cfg) else None
 
 
 def _unrolled_fits(graph: KernelGraph, cfg: HardwareConfig, precision: str) -> bool:

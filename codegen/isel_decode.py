@@ -595,9 +595,8 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
     # `tiles_ahead_of_last`), or along the iterations in the slots (`next_stream_along_slots`), or the first
     # few ahead of the wait for the prefetch where the stream is loaded whole (`tiles_ahead_of_whole_wait`)
     ahead_of_last = tiles_ahead_of_last(ctx.config)
-    loaded_whole = n == 1 and prefetched > 0 and next_region is None
-    ahead_of_wait = (tiles_ahead_of_whole_wait(ctx.config), ctx.flag(Flag.MATMUL_A, 1)) if loaded_whole \
-        and issue is not None else (0, 0)
+    loaded_whole = n == 1 and prefetched > 0 and issue is not None and next_region is None
+    ahead_of_wait = (tiles_ahead_of_whole_wait(ctx.config), ctx.flag(Flag.MATMUL_A, 1)) if loaded_whole else (0, 0)
     next_groups = _issue_dmas(ctx, issue, ahead_of_wait) if issue is not None else []
     assert next_region is None or next_region != (n - 1) % len(ring), "the last iteration reads the next slot"
     a_reg, c_reg = left or ctx.region(p.k_tiles, "a"), ctx.region(p.NT, "c")
