@@ -64,7 +64,9 @@ def test_qwen3_two_layers_decode_ratio() -> None:
     of the 1B's, so each kernel boundary weighs four times as much."""
     r = llama_bench.run("qwen3-0.6b-2l")
     assert r["tokens_equal_eager"]
-    assert r["decode_roofline_ratio"] <= 1.26, r  # measured 1.245 (1.250 before a stream before a long run took
+    assert r["decode_roofline_ratio"] <= 1.22, r  # measured 1.208 (1.220 before a stream loaded whole issued the
+    # next one's tiles at one every second tile and took two latencies' more of its prefetch, 1.245 before the
+    # tiles along the slots and ahead of the whole wait, 1.250 before a stream before a long run took
     # two latencies' worth of its prefetch, 1.254 before a stream's last iteration issued the next one's tiles
     # ahead of its first wait, 1.352 before packed weight streams and o_proj's resident row, 1.363 before
     # q_proj, k_proj and v_proj streamed back to back; 1.385 before o_proj was all prefetched)
