@@ -279,6 +279,68 @@ def test_a_stream_in_vmem_issues_the_next_streams_tiles_at_the_channels_pace(
     assert cycles < cycles_off - 200, (cycles, cycles_off)
 
 
+def test_a_stream_of_two_iterations_after_a_stream_loaded_whole_has_both_prefetched(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After o_proj (loaded whole, its weight port twice the channel's pace) a 1024 x 1024 projection of two
+    iterations (`_RunThenMLP(ffn=1024)`, Qwen3's k_proj after q_proj) has both in its slot: o_proj's MXU
+    time loads them (`slot_holds_two`). The same bits, in fewer cycles than with its first alone."""
+    torch.manual_seed(4)
+    plans = []
+    lower = isel_decode.lower_decode_matmul
+
+    def recording(ctx, k, p):  # type: ignore[no-untyped-def]
+        plans.append((p.iterations, ctx.prefetch.prefetched if ctx.prefetch else 0))
+        return lower(ctx, k, p)
+
+    monkeypatch.setattr(isel_decode, "lower_decode_matmul", recording)
+    cycles, cycles_off = _cycles_with_and_without(
+        monkeypatch, _RunThenMLP(ffn=1024).bfloat16().eval(), 2048, "slot_holds_two",
+        lambda p, after_whole: isel_decode.two_ahead(p) and p.iterations > 2)
+    assert plans[-6:-3] == [(1, 64), (2, 32), (2, 16)], plans  # o_proj whole; the next two both loaded ahead
+    assert plans[-3:] == [(1, 64), (2, 16), (2, 16)], plans  # its first alone
+    assert cycles < cycles_off - 100, (cycles, cycles_off)
+
+
+def test_projections_of_one_row_read_it_where_the_first_left_it() -> None:
+    """Three projections of the same bf16 row at one token (Qwen3-0.6B's q_proj, k_proj and v_proj shapes on
+    `large`, the row with -0, a subnormal and 1e4): the first loads the row, the other two read it where it
+    left it (`vmem_resident`), a DMA latency sooner; their values are eager's, also on NaN-poisoned vmem."""
+    torch.manual_seed(5)
+
+    class QKV(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = torch.nn.Linear(1024, 2048, bias=False)
+            self.k = torch.nn.Linear(1024, 1024, bias=False)
+            self.v = torch.nn.Linear(1024, 1024, bias=False)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return self.q(x), self.k(x), self.v(x)
+
+    def check(model: torch.nn.Module, resident: list[bool]) -> None:
+        x = torch.randn(1, 1024).bfloat16()
+        x[0, :3] = torch.tensor([-0.0, 3e-39, 1e4])
+        with torch.no_grad():
+            out = model(x)
+            expected = [t.float().numpy() for t in (out if isinstance(out, tuple) else (out,))]
+            gm, args = capture(model, x)
+        gm, _ = fx_passes.run_passes(gm, args)
+        exe = compile_graph(gm, args, "large")
+        matmuls = [k for k in exe.summary["kernels"] if k["kind"] == "matmul"]
+        assert ["vmem_resident" in k for k in matmuls] == resident, matmuls
+        arrays = [t.detach().float().numpy() for t in args]
+        outs, _ = run_fresh(exe, arrays, SimulatorRunner("large"))
+        for out, poisoned, ref in zip(outs, run_with_poisoned_vmem(exe, arrays), expected, strict=True):
+            np.testing.assert_array_equal(out.view(np.uint32), poisoned.view(np.uint32))
+            np.testing.assert_allclose(out.reshape(ref.shape), ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+
+    check(QKV().bfloat16().eval(), [False, True, True])
+    # a chain of projections reuses its buffers: each writes its output where its input was, so it leaves
+    # nothing (the third read the first's input there, and computed from the wrong row)
+    chain = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024, bias=False) for _ in range(3))).bfloat16().eval()
+    check(chain, [False, False, False])
+
+
 def test_the_last_iteration_issues_the_next_streams_tiles_before_its_first_wait(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Three 1024 x 1024 bf16 projections in a row at one token (Qwen3-0.6B's k_proj shape, `large`): two
