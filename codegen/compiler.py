@@ -37,9 +37,11 @@ from codegen.isel_common import (
     Flag,
     KernelContext,
     Region,
+    Rows,
     rows_within,
     table_rows,
     wait_for_stores,
+    writes_before_covered,
 )
 from codegen.isel_decode import (
     PREFETCH_KERNELS,
@@ -563,6 +565,8 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
     ctx.end()
     funcs = [entry]
 
+    ran: list[tuple[Function, tuple[Rows, bool]]] = []  # each function, with its `uncovered` (uncovered_writes)
+
     def function(name: str, hint: str, emit: Callable[[], None]) -> Function:
         func = Function(name=name)
         b.start_function(func, hint)
@@ -570,6 +574,7 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
         emit()
         ctx.end()
         funcs.append(func)
+        ran.append((func, ctx.uncovered))
         return func
 
     per_kernel: list[dict[str, Any]] = []
@@ -607,6 +612,7 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
             ctx.assume_stores(back_edge_stores)
             header = function(f"loop at kernel {i}: header", "loop", lambda lp=loop, at=4 * table_word: emit_header(
                 ctx, layout, table, arena, at, len(lp.slots[0])))
+            header_run = len(ran) - 1
             table_word += (loop.repeats + 1) * len(loop.slots[0])
         if loop is not None and i >= loop.first + loop.period * loop.repeats:
             loop, ctx.buffers = None, buffers
@@ -642,7 +648,10 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
                 nodes = (m.kernel.origin[0] for m in lowered.members if m.kernel.origin[0])
                 info["node"] = " + ".join(dict.fromkeys(nodes))
         if loop is not None and i == loop.first + loop.period - 1:  # also after a chain's last member
-            drain = not rows_within(ctx.stores_in_flight, back_edge_stores)
+            # the body's last stores in flight, where the header and the body's first kernels expect others:
+            # waited for only where those kernels may write their rows before they wait them out themselves
+            drain = not rows_within(ctx.stores_in_flight, back_edge_stores) and writes_before_covered(
+                ran[header_run:], ctx.stores_in_flight)
             function(f"loop at kernel {loop.first}: footer", "loop_next",
                      lambda lp=loop, h=header.blocks[0].label, d=drain: emit_footer(ctx, layout, table, lp, h, d))
     funcs.append(Function(name="exit"))

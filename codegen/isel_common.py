@@ -162,8 +162,52 @@ def guard_stores_in_flight(func: Function, clashes: Callable[[MInstr], bool] = _
 Rows = list[tuple[int, int]] | None  # vmem row ranges [lo, hi); None: not known (any row)
 
 
+def uncovered_writes(func: Function, rows_of: Callable[[Mem], tuple[int, int] | None]) -> tuple[Rows, bool]:
+    """The vmem rows `func` may write (by any unit but the DMA channel) while earlier stores may still read
+    theirs, and whether it then waits them out: the code that runs first, as `guard_stores_in_flight` searches
+    it, up to a wait on one of its own DMA commands or on all of STORE_FLAGS (covered), or up to the first
+    branch (after it: any row)."""
+    rows: list[tuple[int, int]] = []
+    dma_flags: set[int | None] = set()
+    waited: set[int | None] = set()
+    for blk in func.blocks:
+        for ins in blk.instrs:
+            if ins.op == "wait":
+                waited.add(ins.flag)
+                if ins.flag in dma_flags or waited >= set(STORE_FLAGS):
+                    return rows, True
+            elif ins.unit is Unit.DMA:
+                dma_flags.add(ins.flag)
+            elif ins.is_control:
+                return None, False
+            elif _writes_vmem(ins):
+                written = [rows_of(m) for m in ins.mem if m.write] or [None]
+                if None in written:
+                    return None, False
+                rows += written
+    return rows, False
+
+
 def _overlaps(rows: Rows, lo: int, hi: int) -> bool:
     return rows is None or any(a < hi and lo < b for a, b in rows)
+
+
+def writes_before_covered(runs: list[tuple[Function, tuple[Rows, bool]]], rows: Rows) -> bool:
+    """Whether functions that run in order, each with `(rows it may write uncovered, whether it then covers)`
+    (`uncovered_writes`), may write `rows` before the stores that read them are waited out. If not, their
+    spill slots (chosen later, by register allocation) are moved off those rows: they may stay in flight."""
+    ahead = []
+    for func, (written, covered) in runs:
+        if written is None or any(_overlaps(rows, lo, hi) for lo, hi in written):
+            return True
+        ahead.append(func)
+        if covered:
+            break
+    else:
+        return True
+    for func in ahead:
+        func.spill_rows = tuple(r for r in func.spill_rows if r < SPILL_ROWS or not _overlaps(rows, r, r + 8))
+    return False
 
 
 def rows_within(rows: Rows, bound: Rows) -> bool:
@@ -198,6 +242,7 @@ class KernelContext:
     _args: dict[int, Reg] = field(default_factory=dict)
     _named: dict[str, Region] = field(default_factory=dict)  # this kernel's regions by name
     _in_flight: Rows = field(default_factory=list)  # rows the earlier kernels' stores may still read
+    uncovered: tuple[Rows, bool] = ([], True)  # the last function's `uncovered_writes`
     resident: tuple[Resident, ...] = ()  # what the function before this one left in vmem (`take_resident`)
     _leaving: list[Resident] = field(default_factory=list)  # what this one leaves (`leave`)
     taken: list[tuple[int, int]] = field(default_factory=list)  # rows it reads where the kernel before left them
@@ -255,6 +300,7 @@ class KernelContext:
         top = min(self._ceiling, MAX_SPILL_ROW) // 8 * 8
         above = range(top - 8, -(-self._next_row // 8) * 8 - 1, -8)
         func.spill_rows = tuple(range(0, SPILL_ROWS, 8)) + tuple(r for r in above if not _overlaps(before, r, r + 8))
+        self.uncovered = uncovered_writes(func, self._rows)  # for a layer loop's footer
         # what the next kernel's guard must know: this kernel's stores, and the earlier ones unless this kernel
         # waited on them (its guard) or on a DMA of its own issued after them (its last waits)
         loads = {ins.flag for blk in func.blocks for ins in blk.instrs

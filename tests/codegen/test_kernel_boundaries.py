@@ -56,6 +56,51 @@ def test_a_wait_on_its_own_load_covers_the_stores_in_flight() -> None:
     assert _waits(f) == [Flag.LOAD]
 
 
+def test_a_loops_footer_waits_for_the_bodys_last_stores_only_where_the_next_run_writes_their_rows() -> None:
+    """A layer loop's header and the body's first kernels run after the footer with the body's last stores in
+    flight, compiled to expect others (the kernel's before the loop). The footer waits for them only where
+    that code may write their rows before it waits them out: on a DMA of its own (the channel completes in
+    order) or on the store flags (a guard). Where it does not wait, their spill slots move off those rows."""
+    base = isel_common.SPILL_ROWS
+    regions = {"out": base + 200, "in": base + 300, "low": base + 40}
+
+    def kernel(*steps: str) -> Function:
+        f = Function(spill_rows=(*range(0, base, 8), base + 200, base + 400))
+        b = Builder(f)
+        shape = b.const(8 << 16 | 8)
+        for step in steps:
+            if step == "load":
+                b.emit("dma.ld", None, (b.const(0), b.const(64), shape, b.const(8)), flag=Flag.LOAD,
+                       mem=(Mem("in", write=True),))
+            elif step == "wait":
+                b.emit("wait", flag=Flag.LOAD)
+            elif step == "guard":
+                b.block.instrs.extend(isel_common.wait_for_stores())
+            elif step == "loop":
+                b.emit("bnz", None, (b.const(1),), target="x")
+            else:  # a vector store to that region
+                b.vst(b.vconst(0.0), b.const(0), 64, Mem(step, 0, 8, True))
+        return f
+
+    def rows_of(m: Mem) -> tuple[int, int]:
+        return regions[m.region] + m.lo, regions[m.region] + (8 if m.hi is None else m.hi)
+
+    def drains(*kernels: Function, stores: isel_common.Rows = [(base + 200, base + 208)]) -> bool:  # noqa: B006
+        runs = [(f, isel_common.uncovered_writes(f, rows_of)) for f in kernels]
+        return isel_common.writes_before_covered(runs, stores)
+
+    assert drains(kernel("out", "load", "wait"))  # writes the stores' rows first
+    assert drains(kernel("low", "loop", "low"))  # after a branch: any row
+    assert drains(kernel("low"), kernel("low"))  # never waits them out
+    assert drains(kernel("low", "load", "wait"), stores=[(base + 40, base + 48)])
+    header, first = kernel(), kernel("low", "load", "wait", "out")
+    assert not drains(header, first)  # waits on its own load before it writes the stores' rows
+    assert first.spill_rows == (*range(0, base, 8), base + 400)  # its slot on those rows moved
+    assert header.spill_rows == first.spill_rows
+    assert not drains(kernel("low", "guard", "out"))  # a guard's wait on the store flags covers them too
+    assert drains(kernel("low", "guard", "out"), stores=None)  # rows not known
+
+
 @pytest.mark.parametrize("writes_first", [False, True])
 def test_a_loop_that_loads_and_waits_first_covers_the_stores_in_flight(writes_first: bool) -> None:
     # a matmul over a runtime count of m-tiles: its entry block only sets registers up and falls into the
