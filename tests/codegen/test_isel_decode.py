@@ -202,6 +202,19 @@ class _RunThenMLP(torch.nn.Module):
         return self.down(torch.relu(self.gate(self.o(x + h))))
 
 
+def _recorded_plans(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Each weight stream's (iterations, tiles prefetched), appended as compiles lower them."""
+    plans: list[tuple[int, int]] = []
+    lower = isel_decode.lower_decode_matmul
+
+    def recording(ctx, k, p):  # type: ignore[no-untyped-def]
+        plans.append((p.iterations, ctx.prefetch.prefetched if ctx.prefetch else 0))
+        return lower(ctx, k, p)
+
+    monkeypatch.setattr(isel_decode, "lower_decode_matmul", recording)
+    return plans
+
+
 def _cycles_with_and_without(monkeypatch: pytest.MonkeyPatch, model: torch.nn.Module, width: int, name: str,
                              off: Callable[..., Any], kinds: list[str] | None = None) -> tuple[int, int]:
     """One token through bf16 `model` on `large` (its row with -0, a subnormal and 1e4), compiled as is and
@@ -239,14 +252,7 @@ def test_a_stream_with_two_iterations_in_vmem_issues_the_next_streams_tiles_alon
     whose slot o_proj has left (`next_stream_along_slots`): the same bits, in fewer cycles (measured 37,573
     against 37,863)."""
     torch.manual_seed(1)
-    plans = []
-    lower = isel_decode.lower_decode_matmul
-
-    def recording(ctx, k, p):  # type: ignore[no-untyped-def]
-        plans.append((p.iterations, ctx.prefetch.prefetched if ctx.prefetch else 0))
-        return lower(ctx, k, p)
-
-    monkeypatch.setattr(isel_decode, "lower_decode_matmul", recording)
+    plans = _recorded_plans(monkeypatch)
     cycles, cycles_off = _cycles_with_and_without(monkeypatch, _RunThenMLP().bfloat16().eval(), 2048,
                                                   "next_stream_along_slots", lambda two, next_region: False)
     assert plans[-3:] == [(1, 64), (3, 64), (4, 48)], plans  # o_proj whole; gate_proj's two iterations in vmem
@@ -285,14 +291,7 @@ def test_a_stream_of_two_iterations_after_a_stream_loaded_whole_has_both_prefetc
     iterations (`_RunThenMLP(ffn=1024)`, Qwen3's k_proj after q_proj) has both in its slot: o_proj's MXU
     time loads them (`slot_holds_two`). The same bits, in fewer cycles than with its first alone."""
     torch.manual_seed(4)
-    plans = []
-    lower = isel_decode.lower_decode_matmul
-
-    def recording(ctx, k, p):  # type: ignore[no-untyped-def]
-        plans.append((p.iterations, ctx.prefetch.prefetched if ctx.prefetch else 0))
-        return lower(ctx, k, p)
-
-    monkeypatch.setattr(isel_decode, "lower_decode_matmul", recording)
+    plans = _recorded_plans(monkeypatch)
     cycles, cycles_off = _cycles_with_and_without(
         monkeypatch, _RunThenMLP(ffn=1024).bfloat16().eval(), 2048, "slot_holds_two",
         lambda p, after_whole: isel_decode.two_ahead(p) and p.iterations > 2)
