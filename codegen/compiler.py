@@ -39,9 +39,9 @@ from codegen.isel_common import (
     Region,
     Rows,
     rows_within,
+    stay_in_flight,
     table_rows,
     wait_for_stores,
-    writes_before_covered,
 )
 from codegen.isel_decode import (
     PREFETCH_KERNELS,
@@ -650,7 +650,7 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
         if loop is not None and i == loop.first + loop.period - 1:  # also after a chain's last member
             # the body's last stores in flight, where the header and the body's first kernels expect others:
             # waited for only where those kernels may write their rows before they wait them out themselves
-            drain = not rows_within(ctx.stores_in_flight, back_edge_stores) and writes_before_covered(
+            drain = not rows_within(ctx.stores_in_flight, back_edge_stores) and not stay_in_flight(
                 ran[header_run:], ctx.stores_in_flight)
             function(f"loop at kernel {loop.first}: footer", "loop_next",
                      lambda lp=loop, h=header.blocks[0].label, d=drain: emit_footer(ctx, layout, table, lp, h, d))

@@ -192,22 +192,23 @@ def _overlaps(rows: Rows, lo: int, hi: int) -> bool:
     return rows is None or any(a < hi and lo < b for a, b in rows)
 
 
-def writes_before_covered(runs: list[tuple[Function, tuple[Rows, bool]]], rows: Rows) -> bool:
-    """Whether functions that run in order, each with `(rows it may write uncovered, whether it then covers)`
-    (`uncovered_writes`), may write `rows` before the stores that read them are waited out. If not, their
-    spill slots (chosen later, by register allocation) are moved off those rows: they may stay in flight."""
+def stay_in_flight(runs: list[tuple[Function, tuple[Rows, bool]]], rows: Rows) -> bool:
+    """Whether stores that read `rows` may stay in flight into functions that run in order, each with `(rows
+    it may write uncovered, whether it then covers)` (`uncovered_writes`): none of them writes those rows
+    before they are waited out. If so, their spill slots (chosen later, by register allocation) move off
+    those rows."""
     ahead = []
     for func, (written, covered) in runs:
         if written is None or any(_overlaps(rows, lo, hi) for lo, hi in written):
-            return True
+            return False
         ahead.append(func)
         if covered:
             break
     else:
-        return True
+        return False
     for func in ahead:
         func.spill_rows = tuple(r for r in func.spill_rows if r < SPILL_ROWS or not _overlaps(rows, r, r + 8))
-    return False
+    return True
 
 
 def rows_within(rows: Rows, bound: Rows) -> bool:

@@ -87,7 +87,7 @@ def test_a_loops_footer_waits_for_the_bodys_last_stores_only_where_the_next_run_
 
     def drains(*kernels: Function, stores: isel_common.Rows = [(base + 200, base + 208)]) -> bool:  # noqa: B006
         runs = [(f, isel_common.uncovered_writes(f, rows_of)) for f in kernels]
-        return isel_common.writes_before_covered(runs, stores)
+        return not isel_common.stay_in_flight(runs, stores)
 
     assert drains(kernel("out", "load", "wait"))  # writes the stores' rows first
     assert drains(kernel("low", "loop", "low"))  # after a branch: any row

@@ -145,7 +145,7 @@ def test_a_decode_loop_costs_little_more_than_its_layers_unrolled(monkeypatch: p
     repetition loads the next one's addresses while it runs (the header waited a DMA latency for them), and
     the body's first kernels expect the stores its last kernel leaves in flight (the footer waited for them).
     And the footer waits for the body's last stores only where the header and the body's first kernels may
-    write their rows before they wait them out (`isel_common.writes_before_covered`): their rows are not
+    write their rows before they wait them out (`isel_common.stay_in_flight`): their rows are not
     those of the kernel before the loop, which the body's first kernels expect. Measured 796 cycles more a
     repetition than unrolled (60,506 vs 58,117); 1,294 (62,000) with the footer waiting for those stores;
     1,834 before all four. (So the compiler unrolls a loop this short, kept here to measure it:
