@@ -36,6 +36,7 @@ nonzero value: so the parts that hold a non-finite x are chosen by the passes th
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -68,6 +69,8 @@ MAX_RESIDENT_BATCHES = 32  # `_resident_batches` unrolls its batches
 MAX_RESIDENT_COMMANDS = 4
 ROW_COMMAND_ROWS = 8  # resident batches of at most this many rows of A run an MXU command a row (`_mxu_by_row`)
 ROUND_HALVES = True  # resident rounds of a batch each move each batch's weights in halves (`_resident_batches`)
+JOINT_A = True  # one resident round by row loads every batch's A in one DMA (the same)
+LAST_HALVES = True  # one resident round in groups: its last batch a group, its weights in halves (the same)
 SPLIT_MIN_ROWS = 256  # m-tiles of at least this many rows start on part of A and end storing C in two parts
 A_ROWS, A_REST = -1, -2  # a pipelined start's A loads (in place of an n-tile): rows 0 .. head (all), the rest
 MIN_N_TILE_PAIRS = 2  # n loops of fewer pairs of n-tiles are unrolled
@@ -252,7 +255,17 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
                 for _ in range(B if by_batch else R)]
 
     c_tiles = c_regions() if leave else []
-    a_parts = [[ctx.region(KT * mt, f"a{q}_") for q in range(parts)] for _ in range(B if by_batch else R)]
+    # one round by row whose batches' A rows follow each other in HBM (decode's query rows of every KV head):
+    # A in one DMA. A DMA a batch took half the DMA queue, and issuing the rest, the next stream's prefetch
+    # last, held the MXU back until the queue had room for it (Qwen3's q @ K^T at 1024 positions: ~550 cycles
+    # after its first group had landed)
+    joint_a = JOINT_A and by_row and parts == 1 and R == B and batched and a.strides[0] == M * a.strides[-2]
+    if joint_a:
+        a_rows = M * KT  # a batch's, row-major (`_mxu_by_row`)
+        whole_a = ctx.region(B * a_rows, "a0_")
+        a_parts = [[whole_a.view(i * a_rows, a_rows)] for i in range(B)]
+    else:
+        a_parts = [[ctx.region(KT * mt, f"a{q}_") for q in range(parts)] for _ in range(B if by_batch else R)]
 
     def a_slot(i: int, s: int) -> list[Region]:
         return a_parts[i if by_batch else s]
@@ -283,19 +296,38 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
     # MXU works on a batch after it has landed, so the last batch's work is the kernel's tail. Each batch's B
     # moves in halves (by weight tile: n-tiles of K^T, k-tiles of V), the first on the round's load flag, the
     # second on the round's ROUND_HALF_FLAGS, and the MXU starts on the first half
-    halves = ROUND_HALVES and by_batch and by_row and (whole_b or (not trans_b and NT == 1)) and KT * NT >= 2
+    splittable = by_row and (whole_b or (not trans_b and NT == 1)) and KT * NT >= 2
+    halves = ROUND_HALVES and by_batch and splittable
     half = (NT // 2 if whole_b else KT // 2) * L  # B's rows in the first half (keys, or V's rows)
+    # one round in groups (below): where the MXU takes a batch's weights in at most half the time HBM delivers
+    # them (Qwen3's keys of head dim 128; not the 1B's of 64, which fill half a weight tile), it keeps up
+    # with groups that shrink, and what it has left when the last lands is the kernel's tail: the last group
+    # is one batch, its B in halves (qwen3-0.6b-2l decode at 1024 positions, A in one DMA: 87,151 -> 86,643
+    # cycles, 87,241 with a DMA a batch's A; the 1B's attention, where the MXU only keeps pace: 265,978 ->
+    # 266,490)
+    mxu_cycles = NT * KT * ctx.config.mxu_weight_cycles
+    transfer = K * bm.shape[-1] * _esize(bm) // ctx.config.hbm_bytes_per_cycle
+    last_halves = LAST_HALVES and not by_batch and R == B and splittable and 2 * mxu_cycles <= transfer
+
+    def second_half(i: int, group: int) -> tuple[Flag, int] | None:
+        """The flag batch i's second half of B lands on, where its B moves in halves; `group`: its slot group."""
+        if halves:
+            return ROUND_HALF_FLAGS[group]
+        return LAST_HALF_FLAG if last_halves and i == B - 1 else None
 
     def load(i: int, s: int, role: Flag, parity: int) -> None:  # batch i's A and B into slot s
-        if by_row:
+        if joint_a:
+            if i == 0:  # every batch's, on the first group's flag: each group waits for it first
+                ctx.dma(True, a.dtype, ctx.hbm_addr(a, a.offset), whole_a, 0, B * M, K, a.strides[-2], role, parity)
+        elif by_row:
             ctx.dma(True, a.dtype, ctx.hbm_addr(a, at(a, i)), a_slot(i, s)[0], 0, M, K, a.strides[-2], role, parity)
         else:
             _dma_tiles(ctx, a, ctx.hbm_addr(a, at(a, i)), a_slot(i, s)[0], mt, KT, M, K, role, parity)
-        if halves:  # B's rows (keys of K^T, or V's rows) by halves: whole_b's shape is B transposed
+        second = second_half(i, ROUND_LOAD_FLAGS.index((role, parity)) if halves else 0)
+        if second is not None:  # B's rows (keys of K^T, or V's rows) by halves: whole_b's shape is B transposed
             rows, width = bm.shape[-2:][::-1] if whole_b else bm.shape[-2:]
             stride = bm.strides[-1 if whole_b else -2]
             region = raw_b[s] if whole_b else panels[s][0][0]
-            second = ROUND_HALF_FLAGS[ROUND_LOAD_FLAGS.index((role, parity))]
             ctx.dma(True, bm.dtype, ctx.hbm_addr(bm, at(bm, i)), region, 0, half, width, stride, role, parity)
             ctx.dma(True, bm.dtype, ctx.hbm_addr(bm, at(bm, i) + half * stride), region, half, rows - half, width,
                     stride, *second)
@@ -320,8 +352,9 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
                 _split(ctx, panels[s][nt], KT * L, False)
         for i, s in slots:
             if by_row:
+                second = second_half(i, group)
                 _mxu_by_row(ctx, a_slot(i, s)[0], [panel[0] for panel in panels[s]], c_slot(i, s)[0], M, KT, trans_b,
-                            parity, (half // L * (KT if whole_b else 1), ROUND_HALF_FLAGS[group]) if halves else None)
+                            parity, (half // L * (KT if whole_b else 1), second) if second else None)
                 continue
             for nt in range(NT):
                 _mxu(ctx, t, a_slot(i, s), panels[s][nt], c_slot(i, s)[nt], commands, M, first=True, overwrite=True,
@@ -350,7 +383,10 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
     half_latency = ctx.config.hbm_bytes_per_cycle * ctx.config.dma_latency // 2  # bytes
     load_bytes = B * (M * K * _esize(a) + K * bm.shape[-1] * _esize(bm))
     n = max(1, min(len(RESIDENT_FLAGS), B, load_bytes // half_latency))
-    groups = [[(i, i) for i in range(g * B // n, (g + 1) * B // n)] for g in range(n)]
+    # with the last batch a group of its own (`last_halves`), the others split evenly before it
+    ends = [B - 1 - (n - 1 - g) * (B - 1) // (n - 1) for g in range(n)] + [B] if last_halves and n > 1 else \
+        [g * B // n for g in range(n + 1)]
+    groups = [[(i, i) for i in range(lo, hi)] for lo, hi in itertools.pairwise(ends)]
     for slots, (role, parity) in zip(groups, RESIDENT_FLAGS, strict=False):
         for i, s in slots:
             load(i, s, role, parity)
@@ -396,6 +432,8 @@ ROUND_STORE_FLAGS = ((Flag.STORE, 0), (Flag.STORE, 1), (Flag.OUT, 0))
 ROUND_DEPTH = len(ROUND_LOAD_FLAGS)
 # the second half of a round's B, where it moves in halves: flags that no other part of such a kernel uses
 ROUND_HALF_FLAGS = ((Flag.MATMUL_A, 1), (Flag.INDEX, 0), (Flag.ROWS, 0))
+# one round in groups: the last batch's second half of B (a flag none of `RESIDENT_FLAGS`)
+LAST_HALF_FLAG = (Flag.INDEX, 0)
 
 
 def _resident_rounds(ctx: KernelContext, B: int, R: int, load: Callable[[int, int, Flag, int], None],
