@@ -233,6 +233,9 @@ class KernelContext:
     matmul_precision: str = "highest"
     table_entries: int = 0  # vmem argument-table entries to reserve beyond those `buffers` names (layer loops)
     prefetch: Any = None  # the kernel's part in a decode stream's prefetch (isel_decode.Prefetch), set per kernel
+    # where a kernel that issues its own loads over its run wants the next stream's prefetch tiles
+    # (`isel_decode.issue_prefetch`; else before its first wait): after this instruction
+    prefetch_after: MInstr | None = None
     values: dict[int, int] = field(default_factory=dict)  # graph argument -> the table entry holding its value
     hbm_base: dict[str, tuple[Reg, int]] = field(default_factory=dict)  # this kernel's scratch views
     _base_row: int = SPILL_ROWS
@@ -278,6 +281,7 @@ class KernelContext:
         self._named = {}
         self.hbm_base = {}
         self.kernel = kernel
+        self.prefetch_after = None
         # only the function just before: a loop's init, header or footer in between leaves nothing
         self.resident, self._leaving, self.taken = tuple(self._leaving), [], []
 

@@ -39,7 +39,7 @@ from codegen.kernel_graph import (
     views_of,
     written_buffer,
 )
-from codegen.mir import Block, Reg
+from codegen.mir import Block, MInstr, Reg
 from device_sim.config import HardwareConfig
 from device_sim.isa import DMA_SHAPE_ROWS_SHIFT
 
@@ -503,9 +503,18 @@ def issue_prefetch(ctx: KernelContext) -> None:
     # in order: a share uses the address registers of those before
     shares = [emit_apart(b, lambda n=n: issue(n)) for n in range(0, len(dmas), share)]
     # where they go, found after they were emitted: their argument loads went into the entry block
-    points = [(blk, 0) for blk in members] if spread else [_first_wait(blocks)]
+    points = [(blk, 0) for blk in members] if spread else [_after(blocks, ctx.prefetch_after) or _first_wait(blocks)]
     for (block, at), instrs in zip(points, shares, strict=False):
         block.instrs[at:at] = instrs
+
+
+def _after(blocks: list[Block], ins: MInstr | None) -> tuple[Block, int] | None:
+    """The block holding `ins` and the index just after it, if any does."""
+    for blk in blocks if ins is not None else ():
+        for m, other in enumerate(blk.instrs):
+            if other is ins:
+                return blk, m + 1
+    return None
 
 
 def _first_wait(blocks: list[Block]) -> tuple[Block, int]:
