@@ -130,31 +130,50 @@ def _writes_vmem(ins: MInstr) -> bool:
         or any(m.write for m in ins.mem)
 
 
+def _runs_first(func: Function, stores_cover: bool) -> tuple[list[tuple[Block, int, MInstr]], bool]:
+    """The code of `func` (a kernel) that runs before it waits out the earlier kernels' stores: the entry
+    block, then the blocks it falls into, up to a wait on one of its own DMA commands (the channel completes
+    commands in issue order, so that wait covers the earlier stores) or, `stores_cover`, on all of
+    STORE_FLAGS, or up to the first branch (a loop's first block: a runtime count of m-tiles or tiles loads,
+    then waits, on its first run as on the others; the branch is the last instruction given). Each
+    instruction with its block and index, and whether a wait covered."""
+    code: list[tuple[Block, int, MInstr]] = []
+    dma_flags: set[int | None] = set()
+    waited: set[int | None] = set()
+    for blk in func.blocks:
+        for i, ins in enumerate(blk.instrs):
+            if ins.op == "wait":
+                waited.add(ins.flag)
+                if ins.flag in dma_flags or (stores_cover and waited >= set(STORE_FLAGS)):
+                    return code, True
+            elif ins.unit is Unit.DMA:
+                dma_flags.add(ins.flag)
+            code.append((blk, i, ins))
+            if ins.is_control:
+                return code, False
+    return code, False
+
+
 def guard_stores_in_flight(func: Function, clashes: Callable[[MInstr], bool] = _writes_vmem) -> bool:
     """Make `func` (a kernel) safe to start while the earlier kernels' stores still read their vmem rows:
     wait on STORE_FLAGS before its first instruction that writes vmem by any unit but the DMA channel (which
-    orders itself) and `clashes` with those rows, unless a wait on one of its own DMA commands comes first:
-    the channel completes commands in issue order, so that wait covers the earlier stores. The code that
-    runs first is searched: the entry block, then the blocks it falls into up to the first branch (a loop's
-    first block: a runtime count of m-tiles or tiles loads, then waits, on its first run as on the others);
-    when that ends uncovered, the waits go at the entry block's end, or before its first clash. Returns
-    whether it waits (nothing to wait for when no instruction of `func` clashes)."""
+    orders itself) and `clashes` with those rows, unless a wait on one of its own DMA commands comes first
+    (`_runs_first`); when the code that runs first ends uncovered, the waits go at the entry block's end, or
+    before its first clash. Returns whether it waits (nothing to wait for when no instruction of `func`
+    clashes)."""
     if not any(ins.unit is not Unit.DMA and clashes(ins) for blk in func.blocks for ins in blk.instrs):
         return False
     entry = func.blocks[0]
-    dma_flags: set[int | None] = set()
-    for blk in func.blocks:
-        for i, ins in enumerate(blk.instrs):
-            if ins.op == "wait" and ins.flag in dma_flags:
-                return False
-            if ins.unit is Unit.DMA:
-                dma_flags.add(ins.flag)
-            elif clashes(ins) or ins.is_control:
-                if blk is entry:
-                    entry.instrs[i:i] = wait_for_stores()
-                else:
-                    entry.instrs.extend(wait_for_stores())
-                return True
+    code, covered = _runs_first(func, stores_cover=False)
+    for blk, i, ins in code:
+        if ins.unit is not Unit.DMA and (clashes(ins) or ins.is_control):
+            if blk is entry:
+                entry.instrs[i:i] = wait_for_stores()
+            else:
+                entry.instrs.extend(wait_for_stores())
+            return True
+    if covered:
+        return False
     entry.instrs.extend(wait_for_stores())
     return True
 
@@ -164,28 +183,19 @@ Rows = list[tuple[int, int]] | None  # vmem row ranges [lo, hi); None: not known
 
 def uncovered_writes(func: Function, rows_of: Callable[[Mem], tuple[int, int] | None]) -> tuple[Rows, bool]:
     """The vmem rows `func` may write (by any unit but the DMA channel) while earlier stores may still read
-    theirs, and whether it then waits them out: the code that runs first, as `guard_stores_in_flight` searches
-    it, up to a wait on one of its own DMA commands or on all of STORE_FLAGS (covered), or up to the first
-    branch (after it: any row)."""
+    theirs, and whether it then waits them out: the code that runs first (`_runs_first`), where a wait on
+    all of STORE_FLAGS (a guard's) covers too; after a branch, any row."""
     rows: list[tuple[int, int]] = []
-    dma_flags: set[int | None] = set()
-    waited: set[int | None] = set()
-    for blk in func.blocks:
-        for ins in blk.instrs:
-            if ins.op == "wait":
-                waited.add(ins.flag)
-                if ins.flag in dma_flags or waited >= set(STORE_FLAGS):
-                    return rows, True
-            elif ins.unit is Unit.DMA:
-                dma_flags.add(ins.flag)
-            elif ins.is_control:
+    code, covered = _runs_first(func, stores_cover=True)
+    for _, _, ins in code:
+        if ins.is_control:
+            return None, False
+        if ins.unit is not Unit.DMA and _writes_vmem(ins):
+            written = [rows_of(m) for m in ins.mem if m.write] or [None]
+            if None in written:
                 return None, False
-            elif _writes_vmem(ins):
-                written = [rows_of(m) for m in ins.mem if m.write] or [None]
-                if None in written:
-                    return None, False
-                rows += written
-    return rows, False
+            rows += written
+    return rows, covered
 
 
 def _overlaps(rows: Rows, lo: int, hi: int) -> bool:
