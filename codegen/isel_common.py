@@ -250,7 +250,8 @@ class KernelContext:
     hbm_base: dict[str, tuple[Reg, int]] = field(default_factory=dict)  # this kernel's scratch views
     _base_row: int = SPILL_ROWS
     _next_row: int = SPILL_ROWS
-    _ceiling: int = 0  # the first vmem row the kernel may not use (rows above hold a prefetch)
+    _ceiling: int = 0  # the first vmem row the kernel may allocate no region from
+    _top: int = 0  # the first it may not use at all (rows above hold a prefetch)
     _regions: int = 0
     _flags_used: set[int] = field(default_factory=set)
     _args: dict[int, Reg] = field(default_factory=dict)
@@ -278,6 +279,7 @@ class KernelContext:
 
     def begin(self, kernel: str) -> None:
         self._ceiling = self.prefetch.ceiling if self.prefetch is not None else self.config.vmem_rows
+        self._top = self._ceiling
         self._next_row = self._base_row
         # a few rows at the bottom still read by the stores in flight (a small kernel's output tile): start
         # above them, so that the kernel's own writes need not wait for those stores
@@ -377,16 +379,19 @@ class KernelContext:
     def take_resident(self, buffer: str, dtype: str, base: int, rows: int, cols: int, stride: int) -> Region | None:
         """The region where the kernel before left exactly these elements (see `Resident`), kept out of this
         kernel's own regions: below them (the allocator starts above it) or above (the ceiling comes down to
-        it), whichever keeps more rows; None when it did not leave them, or when they lie where this kernel
-        may not keep them (above its ceiling: a prefetch's slots; among regions it allocated already)."""
+        it), whichever keeps more rows, or where they are when they lie above the rows it allocates from (a
+        ceiling an earlier resident lowered); None when it did not leave them, or when they lie where this
+        kernel may not keep them (above its top: a prefetch's slots; among regions it allocated already)."""
         want = _laid_out(self.lanes, buffer, dtype, base, rows, cols, stride)
         for r in self.resident:
             lo, hi = r.region.row, r.region.row + r.region.rows
             if _laid_out(self.lanes, r.buffer, r.dtype, r.base, r.rows, r.cols, r.stride) != want \
                     or lo < self._base_row \
-                    or hi > self._ceiling or (self._named and lo < self._next_row):
+                    or hi > self._top or (self._named and lo < self._next_row):
                 continue
-            if hi - self._next_row <= self._ceiling - lo:
+            if lo >= self._ceiling:  # above the rows it allocates from (a ceiling an earlier resident lowered)
+                pass
+            elif hi - self._next_row <= self._ceiling - lo:
                 self._next_row = max(self._next_row, -(-hi // 8) * 8)
             else:
                 self._ceiling = lo

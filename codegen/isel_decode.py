@@ -47,6 +47,7 @@ MAX_RING_ROWS = 16384  # at most half of `large`'s vmem for the ring
 # W's bf16 loaded raw, two to a vmem word, and unpacked by the MXU (`mxu.lwt.lo` / `.hi`): a weight takes
 # half the vmem, so a slot holds twice the weights (docs/architecture.md, "Why the weight port reads packed")
 PACKED = True
+LEAVE_C_ROW = True  # a stream leaves its C row in vmem for the kernel after (`lower_decode_matmul`)
 
 
 @dataclass(frozen=True)
@@ -751,3 +752,7 @@ def lower_decode_matmul(ctx: KernelContext, k: MatmulKernel, p: DecodePlan) -> N
     # reused once its last reader is done)
     if c.buffer != a.buffer or c.offset >= a.offset + p.k_tiles * L or a.offset >= c.offset + p.NT * L:
         ctx.leave(Resident(a.buffer, a.dtype, a.offset, 1, p.k_tiles * L, p.k_tiles * L, a_reg))
+    # and the C row for the kernel after (the residual add and norm after o_proj and down_proj), which would
+    # wait a DMA latency for what was just stored: f32 in whole vmem rows, what a load of it brings
+    if LEAVE_C_ROW and c.dtype == "f32" and c.shape[-1] == p.NT * L:
+        ctx.leave(Resident(c.buffer, c.dtype, c.offset, 1, p.NT * L, p.NT * L, c_reg))

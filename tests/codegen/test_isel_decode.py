@@ -405,3 +405,59 @@ def test_resident_rounds_issue_the_next_streams_tiles_after_their_last_loads(
     ref_proj = (x.double() @ w.double().T).numpy()
     np.testing.assert_allclose(proj, ref_proj, rtol=2e-2, atol=2e-2 * np.abs(ref_proj).max())
     assert cycles < cycles_before - 400, (cycles, cycles_before)
+
+
+class _RunThenNormedMLP(_RunThenMLP):
+    """`_RunThenMLP` with Qwen3's residual add and post-attention RMSNorm (one chain) after o_proj."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.residual = torch.nn.Parameter(torch.randn(1, 1024))
+        self.norm = torch.nn.RMSNorm(1024, eps=1e-6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for a, b in zip(self.small[::2], self.small[1::2], strict=True):
+            h = torch.relu(h @ a) @ b
+        return self.down(torch.relu(self.gate(self.norm(self.residual + self.o(x + h)))))
+
+
+def test_a_chain_after_a_stream_reads_its_rows_in_vmem(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The residual add and the norm after a decode projection loaded the projection's output row, which the
+    stream had just stored, and the residual row and the norm's weight: a DMA latency with the channel all
+    but idle (~490 cycles a layer after o_proj and after down_proj). The stream now leaves its C row in vmem
+    (`LEAVE_C_ROW`) and loads the chain's other rows at its start (`PRELOAD_ROWS`), and the chain takes all
+    three there, the rows above a ceiling an earlier one lowered too (`KernelContext.take_resident`): here
+    o_proj's C row lies mid-vmem and the preloaded rows at the top. The same bits as loading them, on vmem
+    poisoned with NaN too, and eager's values (a row with -0, a subnormal and 1e4). Here the chain's own
+    wait hides behind the 16 prefetch tiles it issues (37,320 cycles against 37,328); in Qwen3's layer it
+    issues 6, and qwen3-0.6b-2l's decode at 1024 positions took 86,643 -> 85,882 cycles."""
+    from codegen import isel_vector
+
+    model = _RunThenNormedMLP().bfloat16().eval()
+    x = torch.randn(1, 2048).bfloat16()
+    x[0, :3] = torch.tensor([-0.0, 3e-39, 1e4])
+    with torch.no_grad():
+        expected = model(x).float().numpy()
+        gm, args = capture(model, x)
+    gm, _ = fx_passes.run_passes(gm, args)
+    arrays = [t.detach().float().numpy() for t in args]
+
+    def run() -> tuple[np.ndarray, int, list[Any]]:
+        exe = compile_graph(gm, args, "large")
+        (out,), stats = run_fresh(exe, arrays, SimulatorRunner("large"))
+        (poisoned,) = run_with_poisoned_vmem(exe, arrays)
+        np.testing.assert_array_equal(poisoned.view(np.uint32), out.view(np.uint32))
+        chain = next(k for k in exe.summary["kernels"] if "rms_norm" in (k.get("node") or ""))
+        return out, stats.cycles, chain.get("vmem_resident") or []
+
+    out, cycles, taken = run()
+    assert len(taken) == 3, taken  # o_proj's C row, the residual row, the norm's weight
+    with monkeypatch.context() as m:
+        m.setattr(isel_decode, "LEAVE_C_ROW", False)
+        m.setattr(isel_vector, "PRELOAD_ROWS", False)
+        out_off, cycles_off, taken_off = run()
+    assert taken_off == [], taken_off
+    np.testing.assert_array_equal(out.view(np.uint32), out_off.view(np.uint32))
+    np.testing.assert_allclose(out.reshape(expected.shape), expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())
+    assert cycles <= cycles_off, (cycles, cycles_off)
