@@ -215,19 +215,25 @@ def _recorded_plans(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     return plans
 
 
-def _cycles_with_and_without(monkeypatch: pytest.MonkeyPatch, model: torch.nn.Module, width: int, name: str,
-                             off: Callable[..., Any], kinds: list[str] | None = None) -> tuple[int, int]:
-    """One token through bf16 `model` on `large` (its row with -0, a subnormal and 1e4), compiled as is and
-    with `isel_decode.<name>` replaced by `off`: the same bits both ways, eager's values (to 2% of the
-    largest: 1e4 through bf16 projections, eager's roundings differ in the last bits), and the cycles of
-    each. kinds: the kernels' kinds, checked."""
+def _one_token(model: torch.nn.Module, width: int) -> tuple[np.ndarray, Any, list[torch.Tensor], list[np.ndarray]]:
+    """A row of `width` with -0, a subnormal and 1e4 through bf16 `model`: eager's output, the graph after the
+    FX passes, its arguments, and those as float arrays."""
     x = torch.randn(1, width).bfloat16()
     x[0, :3] = torch.tensor([-0.0, 3e-39, 1e4])
     with torch.no_grad():
         expected = model(x).float().numpy()
         gm, args = capture(model, x)
     gm, _ = fx_passes.run_passes(gm, args)
-    arrays = [t.detach().float().numpy() for t in args]
+    return expected, gm, args, [t.detach().float().numpy() for t in args]
+
+
+def _cycles_with_and_without(monkeypatch: pytest.MonkeyPatch, model: torch.nn.Module, width: int, name: str,
+                             off: Callable[..., Any], kinds: list[str] | None = None) -> tuple[int, int]:
+    """One token through bf16 `model` on `large` (its row with -0, a subnormal and 1e4), compiled as is and
+    with `isel_decode.<name>` replaced by `off`: the same bits both ways, eager's values (to 2% of the
+    largest: 1e4 through bf16 projections, eager's roundings differ in the last bits), and the cycles of
+    each. kinds: the kernels' kinds, checked."""
+    expected, gm, args, arrays = _one_token(model, width)
 
     def run() -> tuple[int, np.ndarray]:
         exe = compile_graph(gm, args, "large")
@@ -434,14 +440,7 @@ def test_a_chain_after_a_stream_reads_its_rows_in_vmem(monkeypatch: pytest.Monke
     issues 6, and qwen3-0.6b-2l's decode at 1024 positions took 86,643 -> 85,882 cycles."""
     from codegen import isel_vector
 
-    model = _RunThenNormedMLP().bfloat16().eval()
-    x = torch.randn(1, 2048).bfloat16()
-    x[0, :3] = torch.tensor([-0.0, 3e-39, 1e4])
-    with torch.no_grad():
-        expected = model(x).float().numpy()
-        gm, args = capture(model, x)
-    gm, _ = fx_passes.run_passes(gm, args)
-    arrays = [t.detach().float().numpy() for t in args]
+    expected, gm, args, arrays = _one_token(_RunThenNormedMLP().bfloat16().eval(), 2048)
 
     def run() -> tuple[np.ndarray, int, list[Any]]:
         exe = compile_graph(gm, args, "large")
