@@ -55,7 +55,7 @@ from codegen.isel_decode import (
 )
 from codegen.isel_gather import lower_gather, lower_iota, lower_scatter
 from codegen.isel_matmul import lower_matmul
-from codegen.isel_vector import KernelChain, form_chains, lower_chain, lower_fill, lower_generic, rows_to_preload
+from codegen.isel_vector import KernelChain, form_chains, lower_chain, lower_fill, lower_generic, rows_moved_once
 from codegen.kernel_graph import (
     FillKernel,
     GatherKernel,
@@ -850,9 +850,9 @@ def _signature(k: Kernel) -> list[tuple[Any, ...]]:
 
 
 def _preloads(emitted: list[tuple[Kernel | None, int]], loops: list[Loop]
-              ) -> dict[int, list[tuple[View, int, int, int, int]]]:
+              ) -> dict[int, list[tuple[View, int, int, int]]]:
     """For a kernel whose function the next kernel's follows (same segment) where that one is a chain: the rows
-    what the chain reads that this kernel does not write, which it loads for the chain (`rows_to_preload`).
+    the chain moves once that this kernel does not write, which it loads for the chain (`rows_moved_once`).
     In a loop's body buffers are slots: two slots are one buffer where a repetition's row names it twice."""
     starts = [i for i, (k, _) in enumerate(emitted)
               if k is not None and not (isinstance(k, KernelChain) and k.first != i)]
@@ -864,7 +864,7 @@ def _preloads(emitted: list[tuple[Kernel | None, int]], loops: list[Loop]
         loop = next((lp for lp in loops if lp.first <= i < lp.first + lp.period), None)
         writes = {m.kernel.output.view.buffer for m in k.members} if isinstance(k, KernelChain) \
             else {written_buffer(k)}
-        rows = [r for r in rows_to_preload(chain) if not any(_same_buffer(r[0].buffer, w, loop) for w in writes)]
+        rows = [r for r in rows_moved_once(chain) if not any(_same_buffer(r[0].buffer, w, loop) for w in writes)]
         if rows:
             out[i] = rows
     return out
@@ -880,7 +880,7 @@ def _same_buffer(a: str, b: str, loop: Loop | None) -> bool:
     return a in names and b in names and any(row[names[a]] == row[names[b]] for row in loop.slots)
 
 
-def _lower(ctx: KernelContext, k: Kernel, preloads: Sequence[tuple[View, int, int, int, int]] = ()) -> None:
+def _lower(ctx: KernelContext, k: Kernel, preloads: Sequence[tuple[View, int, int, int]] = ()) -> None:
     if isinstance(k, KernelChain):
         lower_chain(ctx, k)
     elif isinstance(k, GenericKernel):
@@ -897,8 +897,8 @@ def _lower(ctx: KernelContext, k: Kernel, preloads: Sequence[tuple[View, int, in
         lower_matmul(ctx, k)
     if ctx.prefetch is not None and ctx.prefetch.issue is not None and not isinstance(k, MatmulKernel):
         issue_prefetch(ctx)  # a stream issues its prefetch along its last iteration
-    for view, base, rows, cols, stride in preloads:  # in the rows the kernel left free, issued at its start
-        ctx.preload_rows(view, base, rows, cols, stride)
+    for view, base, cols, stride in preloads:  # in the rows the kernel left free, issued at its start
+        ctx.preload_row(view, base, cols, stride)
 
 
 def _kind(k: Kernel) -> str:
