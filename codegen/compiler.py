@@ -55,7 +55,7 @@ from codegen.isel_decode import (
 )
 from codegen.isel_gather import lower_gather, lower_iota, lower_scatter
 from codegen.isel_matmul import lower_matmul
-from codegen.isel_vector import KernelChain, form_chains, lower_chain, lower_fill, lower_generic, rows_moved_once
+from codegen.isel_vector import KernelChain, form_chains, lower_chain, lower_fill, lower_generic, rows_to_preload
 from codegen.kernel_graph import (
     FillKernel,
     GatherKernel,
@@ -852,7 +852,7 @@ def _signature(k: Kernel) -> list[tuple[Any, ...]]:
 def _preloads(emitted: list[tuple[Kernel | None, int]], loops: list[Loop]
               ) -> dict[int, list[tuple[View, int, int, int]]]:
     """For a kernel whose function the next kernel's follows (same segment) where that one is a chain: the rows
-    the chain moves once that this kernel does not write, which it loads for the chain (`rows_moved_once`).
+    the chain would load that this kernel does not write, which it loads for the chain (`rows_to_preload`).
     In a loop's body buffers are slots: two slots are one buffer where a repetition's row names it twice."""
     starts = [i for i, (k, _) in enumerate(emitted)
               if k is not None and not (isinstance(k, KernelChain) and k.first != i)]
@@ -864,7 +864,7 @@ def _preloads(emitted: list[tuple[Kernel | None, int]], loops: list[Loop]
         loop = next((lp for lp in loops if lp.first <= i < lp.first + lp.period), None)
         writes = {m.kernel.output.view.buffer for m in k.members} if isinstance(k, KernelChain) \
             else {written_buffer(k)}
-        rows = [r for r in rows_moved_once(chain) if not any(_same_buffer(r[0].buffer, w, loop) for w in writes)]
+        rows = [r for r in rows_to_preload(chain) if not any(_same_buffer(r[0].buffer, w, loop) for w in writes)]
         if rows:
             out[i] = rows
     return out

@@ -389,12 +389,11 @@ class KernelContext:
                     or lo < self._base_row \
                     or hi > self._top or (self._named and lo < self._next_row):
                 continue
-            if lo >= self._ceiling:  # above the rows it allocates from (a ceiling an earlier resident lowered)
-                pass
-            elif hi - self._next_row <= self._ceiling - lo:
-                self._next_row = max(self._next_row, -(-hi // 8) * 8)
-            else:
-                self._ceiling = lo
+            if lo < self._ceiling:  # among the rows it allocates from (not above a ceiling an earlier one lowered)
+                if hi - self._next_row <= self._ceiling - lo:
+                    self._next_row = max(self._next_row, -(-hi // 8) * 8)
+                else:
+                    self._ceiling = lo
             self.taken.append((lo, hi))
             return r.region
         return None

@@ -877,7 +877,7 @@ def form_chains(kernels: list[tuple[object, int]], config: HardwareConfig, vmem_
 
 
 COPY_CHUNKS = 8  # chunks of a row `_copy_row` holds in registers at a time
-PRELOAD_ROWS = True  # the kernel before a chain of one-row members loads their rows for it (`rows_moved_once`)
+PRELOAD_ROWS = True  # the kernel before a chain of one-row members loads their rows for it (`rows_to_preload`)
 
 
 def _moved_once(s: Stream, m: ChainMember) -> bool:
@@ -1011,21 +1011,27 @@ def _chain_loads(chain: KernelChain) -> list[tuple[Stream, ChainMember]]:
     return out
 
 
-def rows_moved_once(chain: KernelChain) -> list[tuple[View, int, int, int]]:
-    """The rows the chain moves once (`_moved_once`) as (view, first element, elements, row stride): what the
-    kernel before may load for it (`KernelContext.preload_row`), so that it does not wait a DMA latency for
-    them (decode's key mask, ahead of its first member); with `PRELOAD_ROWS`, a one-row member's rows too,
-    in whole chunks of 8 vmem rows as `_resident_tile` takes them (decode's residual row and norm weight
+def rows_to_preload(chain: KernelChain) -> list[tuple[View, int, int, int]]:
+    """The rows the kernel before may load for the chain (`KernelContext.preload_row`), so that it does not
+    wait a DMA latency for them, as (view, first element, elements, row stride): those it moves once
+    (`_moved_once`: decode's key mask, ahead of its first member) and, with `PRELOAD_ROWS`, a one-row
+    member's rows as its tile would hold them (`_tile_held`: decode's residual row and norm weight
     after o_proj and down_proj, whose output row the stream leaves in vmem: 86,643 -> 85,882 cycles of
     qwen3-0.6b-2l decode at 1024 positions, with `KernelContext.take_resident`'s rows above a ceiling)."""
     return [(s.view, s.base, m.C, s.row_stride) for s, m in _chain_loads(chain) if _moved_once(s, m)
-            or (PRELOAD_ROWS and m.rows == 1 and s.kind == "row" and m.P % 8 == 0 and m.valid is None)]
+            or (PRELOAD_ROWS and m.rows == 1 and _tile_held(s, m))]
+
+
+def _tile_held(s: Stream, m: ChainMember) -> bool:
+    """Whether stream s's rows, left in vmem, can be read as s's tile would hold them: whole vmem rows a row,
+    whole chunks of 8 rows, no runtime row count."""
+    return s.kind == "row" and m.rows * m.P % 8 == 0 and m.valid is None
 
 
 def _resident_tile(ctx: KernelContext, s: Stream, m: ChainMember) -> Region | None:
-    """Where the kernel before left stream s's rows in vmem as s's tile would hold them (whole vmem rows a
-    row, whole chunks of 8 rows), else None."""
-    if s.kind != "row" or m.rows * m.P % 8 or m.valid is not None:
+    """Where the kernel before left stream s's rows in vmem as s's tile would hold them (`_tile_held`), else
+    None."""
+    if not _tile_held(s, m):
         return None
     return ctx.take_resident(s.view.buffer, s.view.dtype, s.base, m.rows, m.C, s.row_stride)
 
