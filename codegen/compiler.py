@@ -850,9 +850,9 @@ def _signature(k: Kernel) -> list[tuple[Any, ...]]:
 
 
 def _preloads(emitted: list[tuple[Kernel | None, int]], loops: list[Loop]
-              ) -> dict[int, list[tuple[View, int, int, int]]]:
+              ) -> dict[int, list[tuple[View, int, int, int, int]]]:
     """For a kernel whose function the next kernel's follows (same segment) where that one is a chain: the rows
-    the chain would load that this kernel does not write, which it loads for the chain (`rows_to_preload`).
+    what the chain reads that this kernel does not write, which it loads for the chain (`rows_to_preload`).
     In a loop's body buffers are slots: two slots are one buffer where a repetition's row names it twice."""
     starts = [i for i, (k, _) in enumerate(emitted)
               if k is not None and not (isinstance(k, KernelChain) and k.first != i)]
@@ -880,7 +880,7 @@ def _same_buffer(a: str, b: str, loop: Loop | None) -> bool:
     return a in names and b in names and any(row[names[a]] == row[names[b]] for row in loop.slots)
 
 
-def _lower(ctx: KernelContext, k: Kernel, preloads: Sequence[tuple[View, int, int, int]] = ()) -> None:
+def _lower(ctx: KernelContext, k: Kernel, preloads: Sequence[tuple[View, int, int, int, int]] = ()) -> None:
     if isinstance(k, KernelChain):
         lower_chain(ctx, k)
     elif isinstance(k, GenericKernel):
@@ -897,8 +897,8 @@ def _lower(ctx: KernelContext, k: Kernel, preloads: Sequence[tuple[View, int, in
         lower_matmul(ctx, k)
     if ctx.prefetch is not None and ctx.prefetch.issue is not None and not isinstance(k, MatmulKernel):
         issue_prefetch(ctx)  # a stream issues its prefetch along its last iteration
-    for view, base, cols, stride in preloads:  # in the rows the kernel left free, issued at its start
-        ctx.preload_row(view, base, cols, stride)
+    for view, base, rows, cols, stride in preloads:  # in the rows the kernel left free, issued at its start
+        ctx.preload_rows(view, base, rows, cols, stride)
 
 
 def _kind(k: Kernel) -> str:

@@ -13,7 +13,7 @@ Two exceptions carry vmem rows across a boundary. A decode stream's prefetched w
 kernels before it stay under a ceiling). And *residents* (`Resident`): rows a kernel leaves for the function
 right after it, exactly as a load would bring them, which that kernel then reads in place of the load
 (`leave`, `take_resident`): decode's f32 scores from q @ K^T to the softmax chain, and rows a kernel loads
-for the chain after it (`preload_row`: the key mask, whose DMA latency then runs along q @ K^T's work).
+for the chain after it (`preload_rows`: the key mask, whose DMA latency then runs along q @ K^T's work).
 
 HBM addresses: the program's entry copies the launch's argument table (the HBM addresses of the graph's
 inputs and of its arena) into vmem rows `args_row`..; a kernel loads the entries it uses (`vld` + `vext`)
@@ -359,22 +359,24 @@ class KernelContext:
         """`resident` stays in vmem for the next function (its rows are not written after this call)."""
         self._leaving.append(resident)
 
-    def preload_row(self, view: View, base: int, cols: int, stride: int) -> None:
-        """After the kernel is lowered: load a row of `view` (`cols` elements from element `base`) for the next
-        kernel and leave it there (`leave`), in rows at the top of what the kernel left free (none: nothing),
-        issued at its start so that its latency runs along the kernel's work, which ends waiting for it (COPY)."""
-        rows = region_rows(-(-cols // self.lanes))
-        if self.vmem_free() < rows:
+    def preload_rows(self, view: View, base: int, rows: int, cols: int, stride: int) -> None:
+        """After the kernel is lowered: load `rows` rows of `view` (`cols` elements each from element `base`,
+        `stride` apart) for the next kernel and leave them there (`leave`), in rows at the top of what the
+        kernel left free (none: nothing), issued at its start so that their latency runs along the kernel's
+        work, which ends waiting for them (COPY)."""
+        pitch = -(-cols // self.lanes)
+        need = region_rows(rows * pitch + (8 if pitch % 8 else 0))  # as a tile's: a row's 8-row vld reads past it
+        if self.vmem_free() < need:
             return
-        self._ceiling -= rows
+        self._ceiling -= need
         self._regions += 1
-        region = Region(f"preload{self._regions}", self._ceiling, rows)
+        region = Region(f"preload{self._regions}", self._ceiling, need)
         self._named[region.name] = region  # its DMA waits only for stores in flight on these rows
-        instrs = emit_apart(self.b, lambda: self.dma(True, view.dtype, self.hbm_addr(view, base), region, 0, 1,
+        instrs = emit_apart(self.b, lambda: self.dma(True, view.dtype, self.hbm_addr(view, base), region, 0, rows,
                                                      cols, stride, Flag.COPY))
         at = 2 * len(self._args)  # after the argument loads (`argument`), which the DMA's address may have added
         self.b.func.blocks[0].instrs[at:at] = instrs
-        self.leave(Resident(view.buffer, view.dtype, base, 1, cols, stride, region))
+        self.leave(Resident(view.buffer, view.dtype, base, rows, cols, stride, region))
 
     def take_resident(self, buffer: str, dtype: str, base: int, rows: int, cols: int, stride: int) -> Region | None:
         """The region where the kernel before left exactly these elements (see `Resident`), kept out of this

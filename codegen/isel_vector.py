@@ -877,7 +877,8 @@ def form_chains(kernels: list[tuple[object, int]], config: HardwareConfig, vmem_
 
 
 COPY_CHUNKS = 8  # chunks of a row `_copy_row` holds in registers at a time
-PRELOAD_ROWS = True  # the kernel before a chain of one-row members loads their rows for it (`rows_to_preload`)
+PRELOAD_ROWS = True  # the kernel before a decode chain loads its small operands for it (`rows_to_preload`)
+PRELOAD_MAX_ROWS = 64  # vmem rows of an operand it loads so
 
 
 def _moved_once(s: Stream, m: ChainMember) -> bool:
@@ -928,7 +929,7 @@ def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
         return counts[key], m.rows
 
     # what the kernel before left in vmem (decode's scores, from q @ K^T; a row moved once, which it loaded
-    # for this chain: `preload_row`): read there, not loaded
+    # for this chain: `preload_rows`): read there, not loaded
     chain_loads = _chain_loads(chain)
     left = {id(s): region for s, m in chain_loads if (region := _resident_tile(ctx, s, m)) is not None}
     left_rows = {id(s): region for s, m in chain_loads if _moved_once(s, m) and (
@@ -1011,15 +1012,21 @@ def _chain_loads(chain: KernelChain) -> list[tuple[Stream, ChainMember]]:
     return out
 
 
-def rows_to_preload(chain: KernelChain) -> list[tuple[View, int, int, int]]:
-    """The rows the kernel before may load for the chain (`KernelContext.preload_row`), so that it does not
-    wait a DMA latency for them, as (view, first element, elements, row stride): those it moves once
-    (`_moved_once`: decode's key mask, ahead of its first member) and, with `PRELOAD_ROWS`, a one-row
-    member's rows as its tile would hold them (`_tile_held`: decode's residual row and norm weight
-    after o_proj and down_proj, whose output row the stream leaves in vmem: 86,643 -> 85,882 cycles of
-    qwen3-0.6b-2l decode at 1024 positions, with `KernelContext.take_resident`'s rows above a ceiling)."""
-    return [(s.view, s.base, m.C, s.row_stride) for s, m in _chain_loads(chain) if _moved_once(s, m)
-            or (PRELOAD_ROWS and m.rows == 1 and _tile_held(s, m))]
+def rows_to_preload(chain: KernelChain) -> list[tuple[View, int, int, int, int]]:
+    """What the kernel before may load for the chain (`KernelContext.preload_rows`), so that it does not wait
+    a DMA latency for it, as (view, first element, rows, elements a row, row stride): the rows the chain
+    moves once (`_moved_once`: decode's key mask, one row ahead of its first member), and with
+    `PRELOAD_ROWS` a decode chain's small operands as its tiles hold them (`_tile_held`: the residual row
+    and the norm's weight after o_proj and down_proj, whose output row the stream leaves in vmem: 86,643 ->
+    85,882 cycles of qwen3-0.6b-2l decode at 1024 positions, with `KernelContext.take_resident`'s rows above
+    a ceiling; QK-norm's heads of q and k and its weights after v_proj)."""
+    out: dict[tuple, tuple[View, int, int, int, int]] = {}
+    for s, m in _chain_loads(chain):
+        if _moved_once(s, m):
+            out[(s.view.buffer, s.base, 1)] = (s.view, s.base, 1, m.C, s.row_stride)
+        elif PRELOAD_ROWS and _tile_held(s, m) and m.rows * m.P <= PRELOAD_MAX_ROWS:
+            out[(s.view.buffer, s.base, m.rows)] = (s.view, s.base, m.rows, m.C, s.row_stride)
+    return list(out.values())
 
 
 def _tile_held(s: Stream, m: ChainMember) -> bool:

@@ -215,13 +215,14 @@ def _recorded_plans(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     return plans
 
 
-def _one_token(model: torch.nn.Module, width: int) -> tuple[np.ndarray, Any, list[torch.Tensor], list[np.ndarray]]:
-    """A row of `width` with -0, a subnormal and 1e4 through bf16 `model`: eager's output, the graph after the
-    FX passes, its arguments, and those as float arrays."""
+def _one_token(model: torch.nn.Module, width: int) -> tuple[Any, Any, list[torch.Tensor], list[np.ndarray]]:
+    """A row of `width` with -0, a subnormal and 1e4 through bf16 `model`: eager's output (a list of them for
+    a tuple), the graph after the FX passes, its arguments, and those as float arrays."""
     x = torch.randn(1, width).bfloat16()
     x[0, :3] = torch.tensor([-0.0, 3e-39, 1e4])
     with torch.no_grad():
-        expected = model(x).float().numpy()
+        out = model(x)
+        expected = [o.float().numpy() for o in out] if isinstance(out, tuple) else out.float().numpy()
         gm, args = capture(model, x)
     gm, _ = fx_passes.run_passes(gm, args)
     return expected, gm, args, [t.detach().float().numpy() for t in args]
@@ -460,3 +461,52 @@ def test_a_chain_after_a_stream_reads_its_rows_in_vmem(monkeypatch: pytest.Monke
     np.testing.assert_array_equal(out.view(np.uint32), out_off.view(np.uint32))
     np.testing.assert_allclose(out.reshape(expected.shape), expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())
     assert cycles <= cycles_off, (cycles, cycles_off)
+
+
+class _ProjectionsThenQKNorm(torch.nn.Module):
+    """Qwen3's q, k and v projections of one row, then QK-norm over each head (one chain after v_proj)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(1024, n, bias=False) for n in (2048, 1024, 1024))
+        self.q_norm, self.k_norm = torch.nn.RMSNorm(128, eps=1e-6), torch.nn.RMSNorm(128, eps=1e-6)
+        with torch.no_grad():
+            self.q_norm.weight.uniform_(0.5, 1.5)
+            self.k_norm.weight.uniform_(0.5, 1.5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        return self.q_norm(q.view(16, 128)), self.k_norm(k.view(8, 128)), v
+
+
+def test_a_decode_chain_finds_its_heads_and_weights_loaded_by_the_stream_before(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """QK-norm after Qwen3's v_proj reads q and k (16 and 8 heads of 128, stored two and one kernels before)
+    and its two weights (a row for every head): it waited a DMA latency for them, and the channel idled
+    (262 + 105 cycles a layer). v_proj now loads them for it at its start, as its tiles hold them
+    (`isel_vector.rows_to_preload`, `KernelContext.preload_rows`; a weight's row once a head, stride 0):
+    qwen3-0.6b-2l decode at 1024 positions 85,882 -> 85,144 cycles. The same bits as loading them, on vmem
+    poisoned with NaN too, eager's values with -0, a subnormal and 1e4 in the row, and the chain takes its
+    four operands in vmem."""
+    from codegen import isel_vector
+
+    expected, gm, args, arrays = _one_token(_ProjectionsThenQKNorm().bfloat16().eval(), 1024)
+
+    def run() -> tuple[list[np.ndarray], int, list[Any]]:
+        exe = compile_graph(gm, args, "large")
+        outs, stats = run_fresh(exe, arrays, SimulatorRunner("large"))
+        for poisoned, out in zip(run_with_poisoned_vmem(exe, arrays), outs, strict=True):
+            np.testing.assert_array_equal(poisoned.view(np.uint32), out.view(np.uint32))
+        chain = next(k for k in exe.summary["kernels"] if "rms_norm" in (k.get("node") or ""))
+        return outs, stats.cycles, chain.get("vmem_resident") or []
+
+    outs, cycles, taken = run()
+    assert len(taken) == 4, taken  # q, k and the two weights
+    with monkeypatch.context() as m:
+        m.setattr(isel_vector, "PRELOAD_ROWS", False)
+        outs_off, cycles_off, taken_off = run()
+    assert taken_off == [], taken_off
+    for out, off, ref in zip(outs, outs_off, expected, strict=True):
+        np.testing.assert_array_equal(out.view(np.uint32), off.view(np.uint32))
+        np.testing.assert_allclose(out.reshape(ref.shape), ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+    assert cycles < cycles_off - 300, (cycles, cycles_off)

@@ -973,7 +973,7 @@ def test_decode_softmax_reads_the_scores_where_q_k_left_them_in_vmem(
     2048): q @ K^T leaves its f32 scores in vmem (a region a KV head, one after the other: the [heads, keys]
     rows as a load would bring them) and the softmax chain after it reads them there instead of waiting for
     their store and a load of 512 KiB (`KernelContext.take_resident`); q @ K^T also loads the key mask's row
-    for it (`preload_row`), so the chain waits for nothing and starts at once. Under poisoned vmem (all of
+    for it (`preload_rows`), so the chain waits for nothing and starts at once. Under poisoned vmem (all of
     vmem NaN at each kernel's start but what it is meant to find there) the same bits as with the scores
     loaded: inf keys, a NaN in a masked value, -0 and a subnormal in q, masked keys; 400+ cycles fewer (1B
     layer: the chain 4,553 -> 3,796 cycles)."""
@@ -993,7 +993,7 @@ def test_decode_softmax_reads_the_scores_where_q_k_left_them_in_vmem(
         return out, stats.cycles, [k.get("vmem_resident") for k in cg.summary["kernels"] if "start" in k]
 
     out, cycles, resident = build()
-    # the chain, after q @ K^T: the scores, and the key mask's row that q @ K^T loaded for it (`preload_row`)
+    # the chain, after q @ K^T: the scores, and the key mask's row that q @ K^T loaded for it (`preload_rows`)
     (scores, mask_row) = resident[1]
     assert scores[1] - scores[0] == heads * keys // 128 and mask_row[1] - mask_row[0] == keys // 128
     assert [r for j, r in enumerate(resident) if j != 1] == [None] * (len(resident) - 1)
