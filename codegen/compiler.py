@@ -36,6 +36,7 @@ from codegen.isel_common import (
     SPILL_ROWS,
     Flag,
     KernelContext,
+    Preload,
     Region,
     Rows,
     rows_within,
@@ -54,7 +55,7 @@ from codegen.isel_decode import (
     streams_back_to_back,
 )
 from codegen.isel_gather import lower_gather, lower_iota, lower_scatter
-from codegen.isel_matmul import lower_matmul
+from codegen.isel_matmul import first_batch_weights, lower_matmul
 from codegen.isel_vector import KernelChain, form_chains, lower_chain, lower_fill, lower_generic, rows_to_preload
 from codegen.kernel_graph import (
     FillKernel,
@@ -591,7 +592,7 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
             chain.private = private_chain_outputs(graph, loops, chain, touched)
     planned = _prefetches(cfg, graph, emitted, free_rows, loops)
     prefetches = planned.plan
-    preloads = _preloads(emitted, loops)
+    preloads = _preloads(emitted, loops, cfg.lanes)
     table_word = fixed  # the next loop's address table, in words from the arena's start
     loop: Loop | None = None
     for i, k in enumerate(graph.kernels):
@@ -849,24 +850,30 @@ def _signature(k: Kernel) -> list[tuple[Any, ...]]:
     return [type(k), *((v.shape, v.strides, v.offset, v.dtype) for v in views_of(k))]
 
 
-def _preloads(emitted: list[tuple[Kernel | None, int]], loops: list[Loop]
-              ) -> dict[int, list[tuple[View, int, int, int, int]]]:
-    """For a kernel whose function the next kernel's follows (same segment) where that one is a chain: the rows
-    what the chain reads that this kernel does not write, which it loads for the chain (`rows_to_preload`).
-    In a loop's body buffers are slots: two slots are one buffer where a repetition's row names it twice."""
+def _preloads(emitted: list[tuple[Kernel | None, int]], loops: list[Loop], lanes: int) -> dict[int, list[Preload]]:
+    """For a kernel whose function the next kernel's follows (same segment): what it loads for that one which
+    it does not write itself, where that one is a chain (`rows_to_preload`) or resident batches (their first
+    batch's weights: `first_batch_weights`). In a loop's body buffers are slots: two slots are one buffer
+    where a repetition's row names it twice."""
     starts = [i for i, (k, _) in enumerate(emitted)
               if k is not None and not (isinstance(k, KernelChain) and k.first != i)]
     out = {}
     for i, j in itertools.pairwise(starts):
-        (k, segment), (chain, next_segment) = emitted[i], emitted[j]
-        if not isinstance(chain, KernelChain) or segment != next_segment:
+        (k, segment), (after, next_segment) = emitted[i], emitted[j]
+        if segment != next_segment:
+            continue
+        if isinstance(after, KernelChain):
+            wanted = rows_to_preload(after)
+        elif isinstance(after, MatmulKernel):
+            wanted = [p] if (p := first_batch_weights(after, lanes)) is not None else []
+        else:
             continue
         loop = next((lp for lp in loops if lp.first <= i < lp.first + lp.period), None)
         writes = {m.kernel.output.view.buffer for m in k.members} if isinstance(k, KernelChain) \
             else {written_buffer(k)}
-        rows = [r for r in rows_to_preload(chain) if not any(_same_buffer(r[0].buffer, w, loop) for w in writes)]
-        if rows:
-            out[i] = rows
+        wanted = [p for p in wanted if not any(_same_buffer(p.view.buffer, w, loop) for w in writes)]
+        if wanted:
+            out[i] = wanted
     return out
 
 
@@ -880,7 +887,7 @@ def _same_buffer(a: str, b: str, loop: Loop | None) -> bool:
     return a in names and b in names and any(row[names[a]] == row[names[b]] for row in loop.slots)
 
 
-def _lower(ctx: KernelContext, k: Kernel, preloads: Sequence[tuple[View, int, int, int, int]] = ()) -> None:
+def _lower(ctx: KernelContext, k: Kernel, preloads: Sequence[Preload] = ()) -> None:
     if isinstance(k, KernelChain):
         lower_chain(ctx, k)
     elif isinstance(k, GenericKernel):
@@ -897,8 +904,8 @@ def _lower(ctx: KernelContext, k: Kernel, preloads: Sequence[tuple[View, int, in
         lower_matmul(ctx, k)
     if ctx.prefetch is not None and ctx.prefetch.issue is not None and not isinstance(k, MatmulKernel):
         issue_prefetch(ctx)  # a stream issues its prefetch along its last iteration
-    for view, base, rows, cols, stride in preloads:  # in the rows the kernel left free, issued at its start
-        ctx.preload_rows(view, base, rows, cols, stride)
+    for p in preloads:  # in the rows the kernel left free
+        ctx.preload(p)
 
 
 def _kind(k: Kernel) -> str:

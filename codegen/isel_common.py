@@ -13,7 +13,7 @@ Two exceptions carry vmem rows across a boundary. A decode stream's prefetched w
 kernels before it stay under a ceiling). And *residents* (`Resident`): rows a kernel leaves for the function
 right after it, exactly as a load would bring them, which that kernel then reads in place of the load
 (`leave`, `take_resident`): decode's f32 scores from q @ K^T to the softmax chain, and rows a kernel loads
-for the chain after it (`preload_rows`: the key mask, whose DMA latency then runs along q @ K^T's work).
+for the chain after it (`preload`: the key mask, whose DMA latency then runs along q @ K^T's work).
 
 HBM addresses: the program's entry copies the launch's argument table (the HBM addresses of the graph's
 inputs and of its arena) into vmem rows `args_row`..; a kernel loads the entries it uses (`vld` + `vext`)
@@ -89,7 +89,9 @@ class Resident:
     """Elements of a buffer a kernel leaves in its vmem for the next kernel to read there instead of loading
     them: `rows` rows of `cols` elements (row r's from element `base + r * stride`), laid out as a DMA of
     that shape would load them (row r at region row r * ceil(cols / lanes), zero past a row's last element).
-    Bit for bit what the load would bring: the kernel also stores them, and ends waiting for what writes them."""
+    Bit for bit what the load would bring: the kernel also stores them, and ends waiting for what writes them,
+    but an `in_flight` preload's DMA (`Preload`), on COPY: the next function waits for it, before it reads
+    the rows where it takes them, else at its start."""
 
     buffer: str
     dtype: str
@@ -98,6 +100,24 @@ class Resident:
     cols: int
     stride: int
     region: Region
+    in_flight: bool = False
+
+
+@dataclass(frozen=True)
+class Preload:
+    """Rows a kernel loads for the next one (`KernelContext.preload`), which that one takes as a `Resident`:
+    `rows` rows of `cols` elements of `view` (row r's from element `base + r * stride`) in `extent` vmem rows
+    (what the reader's own load would fill), issued at the kernel's start, which ends waiting for it; or,
+    `in_flight` (a big one: a matmul's first weights), just after the kernel's own first loads, which it
+    would hold up, and left in flight for the next function to wait on (`Resident.in_flight`)."""
+
+    view: View
+    base: int
+    rows: int
+    cols: int
+    stride: int
+    extent: int
+    in_flight: bool = False
 
 
 def _laid_out(lanes: int, buffer: str, dtype: str, base: int, rows: int, cols: int, stride: int) -> tuple:
@@ -119,6 +139,42 @@ def emit_apart(b: Builder, emit: Callable[[], None]) -> list[MInstr]:
     b.block = current
     b.new_scope()
     return scratch.instrs
+
+
+def first_wait(blocks: list[Block]) -> tuple[Block, int]:
+    """Where code runs once, before the kernel first waits: the block and index of its first wait outside a
+    loop, or the end of the block before the first loop with a wait (a loop that zeroes a panel before the
+    loads does not count), or the end of the last block (before a branch that ends it)."""
+    index = {blk.label: n for n, blk in enumerate(blocks)}
+    looped = [False] * len(blocks)
+    for n, blk in enumerate(blocks):
+        for ins in blk.instrs:
+            head = index.get(str(ins.target)) if ins.target is not None else None
+            if head is not None and head <= n:
+                looped[head:n + 1] = [True] * (n + 1 - head)
+    for n, blk in enumerate(blocks):
+        waits = [m for m, ins in enumerate(blk.instrs) if ins.op == "wait"]
+        if waits and looped[n]:
+            before = blocks[max(m for m in range(n) if not looped[m])]
+            return before, _before_branch(before)
+        if waits:
+            return blk, waits[0]
+    return blocks[-1], _before_branch(blocks[-1])
+
+
+def _before_branch(blk: Block) -> int:
+    return len(blk.instrs) - 1 if blk.instrs and blk.instrs[-1].is_control else len(blk.instrs)
+
+
+def after_first_loads(blocks: list[Block], start: Block, at: int) -> tuple[Block, int]:
+    """Just after the last load a kernel issues before it first waits (`first_wait`), or (start, at) when it
+    loads nothing before."""
+    wait_block, wait_at = first_wait(blocks)
+    for blk in blocks[:blocks.index(wait_block) + 1]:
+        for m, ins in enumerate(blk.instrs[:wait_at] if blk is wait_block else blk.instrs):
+            if ins.unit is Unit.DMA and not ins.op.startswith("dma.st"):
+                start, at = blk, m + 1
+    return start, at
 
 
 def wait_for_stores() -> list[MInstr]:
@@ -260,6 +316,7 @@ class KernelContext:
     uncovered: tuple[Rows, bool] = ([], True)  # the last function's `uncovered_writes`
     resident: tuple[Resident, ...] = ()  # what the function before this one left in vmem (`take_resident`)
     _leaving: list[Resident] = field(default_factory=list)  # what this one leaves (`leave`)
+    _preloaded: list[tuple[int, int]] = field(default_factory=list)  # the rows of its preloads (`preload`)
     taken: list[tuple[int, int]] = field(default_factory=list)  # rows it reads where the kernel before left them
     _scratch_used: int = 0
     scratch_peak: int = 0
@@ -295,7 +352,7 @@ class KernelContext:
         self.kernel = kernel
         self.prefetch_after = None
         # only the function just before: a loop's init, header or footer in between leaves nothing
-        self.resident, self._leaving, self.taken = tuple(self._leaving), [], []
+        self.resident, self._leaving, self.taken, self._preloaded = tuple(self._leaving), [], [], []
 
     @property
     def stores_in_flight(self) -> Rows:
@@ -309,6 +366,8 @@ class KernelContext:
 
     def end(self) -> None:
         func, before = self.b.func, self._in_flight
+        if any(r.in_flight and (r.region.row, r.region.row + r.region.rows) not in self.taken for r in self.resident):
+            func.blocks[0].instrs.insert(0, MInstr("wait", flag=Flag.COPY))  # its rows are this function's
         waits = guard_stores_in_flight(func, self._clashes)
         for f in sorted(self._flags_used - set(STORE_FLAGS)):
             self.b.emit("wait", flag=f)
@@ -359,24 +418,42 @@ class KernelContext:
         """`resident` stays in vmem for the next function (its rows are not written after this call)."""
         self._leaving.append(resident)
 
-    def preload_rows(self, view: View, base: int, rows: int, cols: int, stride: int) -> None:
-        """After the kernel is lowered: load `rows` rows of `view` (`cols` elements each from element `base`,
-        `stride` apart) for the next kernel and leave them there (`leave`), in rows at the top of what the
-        kernel left free (none: nothing), issued at its start so that their latency runs along the kernel's
-        work, which ends waiting for them (COPY)."""
-        pitch = -(-cols // self.lanes)
-        need = region_rows(rows * pitch + (8 if pitch % 8 else 0))  # as a tile's: a row's 8-row vld reads past it
-        if self.vmem_free() < need:
-            return
-        self._ceiling -= need
+    def preload(self, p: Preload) -> None:
+        """After the kernel is lowered: load `p` for the next kernel and leave it there (`leave`), in rows at the
+        top of what the kernel left free (none: nothing), on COPY, issued where its latency runs along the
+        kernel's work (see `Preload`)."""
+        view = p.view
+        need = region_rows(p.extent)
+        row = self._free_above(need)
+        if row is None:
+            if self.vmem_free() < need:
+                return
+            self._ceiling -= need
+            row = self._ceiling
+        self._preloaded.append((row, row + need))
         self._regions += 1
-        region = Region(f"preload{self._regions}", self._ceiling, need)
+        region = Region(f"preload{self._regions}", row, need)
         self._named[region.name] = region  # its DMA waits only for stores in flight on these rows
-        instrs = emit_apart(self.b, lambda: self.dma(True, view.dtype, self.hbm_addr(view, base), region, 0, rows,
-                                                     cols, stride, Flag.COPY))
-        at = 2 * len(self._args)  # after the argument loads (`argument`), which the DMA's address may have added
-        self.b.func.blocks[0].instrs[at:at] = instrs
-        self.leave(Resident(view.buffer, view.dtype, base, rows, cols, stride, region))
+        instrs = emit_apart(self.b, lambda: self.dma(True, view.dtype, self.hbm_addr(view, p.base), region, 0,
+                                                     p.rows, p.cols, p.stride, Flag.COPY, in_flight=p.in_flight))
+        # found after it was emitted: the DMA's address may have added argument loads (`argument`)
+        block, at = self.b.func.blocks[0], 2 * len(self._args)
+        if p.in_flight:
+            block, at = after_first_loads(self.b.func.blocks, block, at)
+        block.instrs[at:at] = instrs
+        self.leave(Resident(view.buffer, view.dtype, p.base, p.rows, p.cols, p.stride, region, p.in_flight))
+
+    def _free_above(self, rows: int) -> int | None:
+        """The first of the highest `rows` rows between the ceiling and the top that hold nothing this kernel
+        reads or loads (what it took, its preloads; a resident it did not take is dead), if any: a preload
+        there does not lower the ceiling the next kernel finds (where the kernel took a row just under its top,
+        the next took its preload below that, and rows above it went unused)."""
+        cursor = self._top
+        for lo, hi in sorted(self.taken + self._preloaded, reverse=True):
+            if hi <= cursor - rows:
+                break
+            cursor = min(cursor, lo)
+        return cursor - rows if cursor - rows >= self._ceiling else None
 
     def take_resident(self, buffer: str, dtype: str, base: int, rows: int, cols: int, stride: int) -> Region | None:
         """The region where the kernel before left exactly these elements (see `Resident`), kept out of this
@@ -397,6 +474,8 @@ class KernelContext:
                 else:
                     self._ceiling = lo
             self.taken.append((lo, hi))
+            if r.in_flight:  # marked used: the kernel ends waiting for it, and waits before it reads it
+                self.flag(Flag.COPY)
             return r.region
         return None
 

@@ -26,7 +26,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from codegen.isel_common import Flag, KernelContext, Region, Resident, emit_apart
+from codegen.isel_common import Flag, KernelContext, Region, Resident, emit_apart, first_wait
 from codegen.isel_vector import KernelChain
 from codegen.kernel_graph import (
     FillKernel,
@@ -504,7 +504,7 @@ def issue_prefetch(ctx: KernelContext) -> None:
     # in order: a share uses the address registers of those before
     shares = [emit_apart(b, lambda n=n: issue(n)) for n in range(0, len(dmas), share)]
     # where they go, found after they were emitted: their argument loads went into the entry block
-    points = [(blk, 0) for blk in members] if spread else [_after(blocks, ctx.prefetch_after) or _first_wait(blocks)]
+    points = [(blk, 0) for blk in members] if spread else [_after(blocks, ctx.prefetch_after) or first_wait(blocks)]
     for (block, at), instrs in zip(points, shares, strict=False):
         block.instrs[at:at] = instrs
 
@@ -516,31 +516,6 @@ def _after(blocks: list[Block], ins: MInstr | None) -> tuple[Block, int] | None:
             if other is ins:
                 return blk, m + 1
     return None
-
-
-def _first_wait(blocks: list[Block]) -> tuple[Block, int]:
-    """Where code runs once, before the kernel first waits: the block and index of its first wait outside a
-    loop, or the end of the block before the first loop with a wait (a loop that zeroes a panel before the
-    loads does not count), or the end of the last block (before a branch that ends it)."""
-    index = {blk.label: n for n, blk in enumerate(blocks)}
-    looped = [False] * len(blocks)
-    for n, blk in enumerate(blocks):
-        for ins in blk.instrs:
-            head = index.get(str(ins.target)) if ins.target is not None else None
-            if head is not None and head <= n:
-                looped[head:n + 1] = [True] * (n + 1 - head)
-    for n, blk in enumerate(blocks):
-        waits = [m for m, ins in enumerate(blk.instrs) if ins.op == "wait"]
-        if waits and looped[n]:
-            before = blocks[max(m for m in range(n) if not looped[m])]
-            return before, _before_branch(before)
-        if waits:
-            return blk, waits[0]
-    return blocks[-1], _before_branch(blocks[-1])
-
-
-def _before_branch(blk: Block) -> int:
-    return len(blk.instrs) - 1 if blk.instrs and blk.instrs[-1].is_control else len(blk.instrs)
 
 
 def _issue_dmas(ctx: KernelContext, issue: Issue, first_flag: tuple[int, int] = (0, 0)

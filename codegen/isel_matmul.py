@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from codegen import isel_decode
-from codegen.isel_common import Flag, KernelContext, Region, Resident, chunk_loop, region_rows, row_mem
+from codegen.isel_common import Flag, KernelContext, Preload, Region, Resident, chunk_loop, region_rows, row_mem
 from codegen.kernel_graph import LoweringError, MatmulKernel, View
 from codegen.mir import ZERO, Reg
 from device_sim.isa import DMA_SHAPE_ROWS_SHIFT
@@ -72,6 +72,8 @@ ROUND_HALVES = True  # resident rounds of a batch each move each batch's weights
 JOINT_A = True  # one resident round by row loads every batch's A in one DMA (the same)
 PREFETCH_AFTER_ROUNDS = True  # resident rounds issue a prefetch before their last round (`_resident_rounds`)
 LAST_HALVES = True  # one resident round in groups: its last batch a group, its weights in halves (the same)
+KEYS=True
+PRELOAD_FIRST_B = True  # the kernel before resident batches loads their first batch's B (`first_batch_weights`)
 SPLIT_MIN_ROWS = 256  # m-tiles of at least this many rows start on part of A and end storing C in two parts
 A_ROWS, A_REST = -1, -2  # a pipelined start's A loads (in place of an n-tile): rows 0 .. head (all), the rest
 MIN_N_TILE_PAIRS = 2  # n loops of fewer pairs of n-tiles are unrolled
@@ -196,6 +198,27 @@ def _valid_m_tiles(ctx: KernelContext, k: MatmulKernel, t: _Tiling, B: int, batc
 RESIDENT_FLAGS = ((Flag.LOAD, 0), (Flag.LOAD, 1), (Flag.MATMUL_A, 0), (Flag.MATMUL_A, 1))  # a group of batches each
 
 
+def first_batch_weights(k: MatmulKernel, lanes: int) -> Preload | None:
+    """Batch 0's B of resident batches by row as the rows one DMA brings into its panel, which the kernel
+    before may load for them behind its own loads (`KernelContext.preload`): decode attention's first KV
+    head, its keys for q @ K^T (a key a vmem row) or its values for P @ V (a value row a vmem row). The
+    softmax before P @ V at 4096 positions computed ~1,100 cycles with the channel idle, while P @ V waited
+    for its first head's values. None where B does not land so (several n-tiles of V, a panel past the
+    last key or value, more than bf16 operands' one pass)."""
+    a, bm, c = k.a, k.b, k.c
+    if not PRELOAD_FIRST_B or len(c.shape) != 3 or c.shape[0] < 2 or a.shape[-2] > ROW_COMMAND_ROWS \
+            or (a.dtype, bm.dtype) != ("bf16", "bf16"):
+        return None
+    K, N = bm.shape[-2:]
+    if bm.strides[-1] != 1 and N > 1:  # K^T: whole, one k-tile, its n-tiles views of the keys' rows
+        if KEYS and K <= lanes and bm.strides[-2] == 1 and N % lanes == 0 and N > lanes:
+            return Preload(bm, bm.offset, N, K, bm.strides[-1], N, in_flight=True)
+        return None
+    if N <= lanes and K % lanes == 0 and K > lanes:  # V: one n-tile, no zero rows past K
+        return Preload(bm, bm.offset, K, N, bm.strides[-2], K, in_flight=True)
+    return None
+
+
 def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool, KT: int, NT: int,
                       trans_b: bool, precision: str) -> bool:
     """Batched matmuls of at most one m-tile a batch (attention's q @ K^T and P @ V for each KV head, at decode
@@ -227,7 +250,12 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
     # DMA queue, and issuing them stalled the kernel past its first group's loads
     by_row = M <= ROW_COMMAND_ROWS and passes == [(0, 0)] and KT * NT > 1 and a.strides[-1] == 1 and c.strides[-1] == 1
     per_batch = parts * (KT * mt + 8 + NT * (KT * L + 8)) + NT * (mt + 8)
-    free = ctx.vmem_free()
+    # batch 0's B where the kernel before loaded it (`first_batch_weights`): slot 0's panel, not loaded; its
+    # rows count as free (where it lies, below this kernel's ceiling, it may split the rows above)
+    first = first_batch_weights(k, L) if by_row else None
+    first_b = ctx.take_resident(first.view.buffer, bm.dtype, first.base, first.rows, first.cols, first.stride) \
+        if first is not None else None
+    free = ctx.vmem_free() + (first_b.rows if first_b else 0)
     R = min(B, free // per_batch)  # batch slots
     # in rounds, A and C regions of every batch, B in slots, where that leaves ROUND_DEPTH slots: a round's
     # loads then wait only for the weight loads of the round whose slots they take, not its MXU work, and
@@ -271,9 +299,9 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
     def a_slot(i: int, s: int) -> list[Region]:
         return a_parts[i if by_batch else s]
 
-    raw_b = [ctx.region(NT * L, "b0_") for _ in range(R)] if whole_b else []
-    panels = [[[raw_b[s].view(nt * L, L) if whole_b and q == 0 else ctx.region(KT * L, f"b{q}_")
-                for q in range(parts)] for nt in range(NT)] for s in range(R)]
+    raw_b = [first_b if s == 0 and first_b else ctx.region(NT * L, "b0_") for s in range(R)] if whole_b else []
+    panels = [[[raw_b[s].view(nt * L, L) if whole_b and q == 0 else first_b if s == 0 and first_b
+                else ctx.region(KT * L, f"b{q}_") for q in range(parts)] for nt in range(NT)] for s in range(R)]
     c_tiles = c_tiles or c_regions()
 
     def c_slot(i: int, s: int) -> list[Region]:
@@ -324,6 +352,8 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
             ctx.dma(True, a.dtype, ctx.hbm_addr(a, at(a, i)), a_slot(i, s)[0], 0, M, K, a.strides[-2], role, parity)
         else:
             _dma_tiles(ctx, a, ctx.hbm_addr(a, at(a, i)), a_slot(i, s)[0], mt, KT, M, K, role, parity)
+        if i == 0 and first_b:  # landed: the kernel before loaded it
+            return
         second = second_half(i, ROUND_LOAD_FLAGS.index((role, parity)) if halves else 0)
         if second is not None:  # B's rows (keys of K^T, or V's rows) by halves: whole_b's shape is B transposed
             rows, width = bm.shape[-2:][::-1] if whole_b else bm.shape[-2:]
@@ -351,6 +381,8 @@ def _resident_batches(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool
             _split(ctx, a_slot(i, s), KT * mt, False)
             for nt in range(NT):
                 _split(ctx, panels[s][nt], KT * L, False)
+        if first_b and any(i == 0 for i, _ in slots):  # the kernel before left its DMA in flight
+            b.emit("wait", flag=ctx.flag(Flag.COPY))
         for i, s in slots:
             if by_row:
                 second = second_half(i, group)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from codegen.builder import Builder
-from codegen.isel_common import Flag, KernelContext, Region, Resident, chunk_loop, region_rows, row_mem
+from codegen.isel_common import Flag, KernelContext, Preload, Region, Resident, chunk_loop, region_rows, row_mem
 from codegen.kernel_graph import ESIZE, Access, FillKernel, GenericKernel, LoweringError, ScalarProgram, View
 from codegen.math_seqs import vdivide, vexp, vrecip, vrsqrt, vsqrt, vtanh
 from codegen.mir import ZERO, Reg
@@ -929,7 +929,7 @@ def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
         return counts[key], m.rows
 
     # what the kernel before left in vmem (decode's scores, from q @ K^T; a row moved once, which it loaded
-    # for this chain: `preload_rows`): read there, not loaded
+    # for this chain: `preload`): read there, not loaded
     chain_loads = _chain_loads(chain)
     left = {id(s): region for s, m in chain_loads if (region := _resident_tile(ctx, s, m)) is not None}
     left_rows = {id(s): region for s, m in chain_loads if _moved_once(s, m) and (
@@ -1012,20 +1012,21 @@ def _chain_loads(chain: KernelChain) -> list[tuple[Stream, ChainMember]]:
     return out
 
 
-def rows_to_preload(chain: KernelChain) -> list[tuple[View, int, int, int, int]]:
-    """What the kernel before may load for the chain (`KernelContext.preload_rows`), so that it does not wait
-    a DMA latency for it, as (view, first element, rows, elements a row, row stride): the rows the chain
-    moves once (`_moved_once`: decode's key mask, one row ahead of its first member), and with
-    `PRELOAD_ROWS` a decode chain's small operands as its tiles hold them (`_tile_held`: the residual row
-    and the norm's weight after o_proj and down_proj, whose output row the stream leaves in vmem: 86,643 ->
-    85,882 cycles of qwen3-0.6b-2l decode at 1024 positions, with `KernelContext.take_resident`'s rows above
-    a ceiling; QK-norm's heads of q and k and its weights after v_proj)."""
-    out: dict[tuple, tuple[View, int, int, int, int]] = {}
+def rows_to_preload(chain: KernelChain) -> list[Preload]:
+    """What the kernel before may load for the chain (`KernelContext.preload`), so that it does not wait a DMA
+    latency for it: the rows the chain moves once (`_moved_once`: decode's key mask, one row ahead of its
+    first member), and with `PRELOAD_ROWS` a decode chain's small operands, in the rows its tiles would take
+    (`_tile_held`: the residual row and the norm's weight after o_proj and down_proj, whose output row the
+    stream leaves in vmem: 86,643 -> 85,882 cycles of qwen3-0.6b-2l decode at 1024 positions, with
+    `KernelContext.take_resident`'s rows above a ceiling; QK-norm's heads of q and k and its weights after
+    v_proj: 85,882 -> 85,144)."""
+    out: dict[tuple, Preload] = {}
     for s, m in _chain_loads(chain):
         if _moved_once(s, m):
-            out[(s.view.buffer, s.base, 1)] = (s.view, s.base, 1, m.C, s.row_stride)
+            out[(s.view.buffer, s.base, 1)] = Preload(s.view, s.base, 1, m.C, s.row_stride, m.P)
         elif PRELOAD_ROWS and _tile_held(s, m) and m.rows * m.P <= PRELOAD_MAX_ROWS:
-            out[(s.view.buffer, s.base, m.rows)] = (s.view, s.base, m.rows, m.C, s.row_stride)
+            out[(s.view.buffer, s.base, m.rows)] = Preload(s.view, s.base, m.rows, m.C, s.row_stride,
+                                                           m.rows * m.pitch(s)[0] + 8)
     return list(out.values())
 
 

@@ -484,7 +484,7 @@ def test_a_decode_chain_finds_its_heads_and_weights_loaded_by_the_stream_before(
     """QK-norm after Qwen3's v_proj reads q and k (16 and 8 heads of 128, stored two and one kernels before)
     and its two weights (a row for every head): it waited a DMA latency for them, and the channel idled
     (262 + 105 cycles a layer). v_proj now loads them for it at its start, as its tiles hold them
-    (`isel_vector.rows_to_preload`, `KernelContext.preload_rows`; a weight's row once a head, stride 0):
+    (`isel_vector.rows_to_preload`, `KernelContext.preload`; a weight's row once a head, stride 0):
     qwen3-0.6b-2l decode at 1024 positions 85,882 -> 85,144 cycles. The same bits as loading them, on vmem
     poisoned with NaN too, eager's values with -0, a subnormal and 1e4 in the row, and the chain takes its
     four operands in vmem."""

@@ -429,3 +429,92 @@ def test_runtime_rows_give_the_static_bits_and_leave_the_padding(config: str, ba
     np.testing.assert_array_equal(got[..., rows:, :], 0.0)
     if rows < m:
         assert stats.cycles < static_stats.cycles
+
+
+def _softmax_then_values(scores: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.bmm(torch.softmax(scores, -1).bfloat16(), v)
+
+
+def _probabilities_and_values(context: int) -> list[torch.Tensor]:
+    """Qwen3's decode attention after its scores: 8 KV heads of 2 query rows, head dim 128, `context` keys;
+    specials in the first head's values, which the kernel before P @ V loads."""
+    g = torch.Generator().manual_seed(9)
+    scores = torch.randn(8, 2, context, generator=g)
+    scores[0, 0, :3] = torch.tensor([-float("inf"), 3e4, -1e-40])
+    v = torch.randn(8, context, 128, generator=g).bfloat16()
+    v[0, 0, 0], v[0, context // 2, 1], v[0, context - 1, 127] = -0.0, 1e-39, 3e38
+    v[7, 1, 2] = float("nan")
+    return [scores, v]
+
+
+@pytest.mark.parametrize("context", [1024, 4096])
+def test_the_kernel_before_resident_batches_loads_their_first_weights(
+        context: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode's softmax computes with the channel idle (~1,100 cycles a layer at 4096 positions, ~150 at
+    1024) while P @ V waits for its first head's values. The kernel before now loads them, behind its own
+    loads, into rows at its top, and leaves the DMA in flight (`first_batch_weights`,
+    `KernelContext.preload`): P @ V takes the rows as its first slot's panel and waits for them only before
+    that head's MXU work. One round in groups (1024 positions) and rounds of a head (4096, where the values
+    fill vmem: the taken rows count as the slot they are). The same bits as loading them itself, on vmem
+    poisoned with NaN too; eager's values; measured 5,282 against 5,538 cycles at 1024 and 13,161 against
+    14,185 at 4096."""
+    args = _probabilities_and_values(context)
+    inputs = [t.float().numpy() for t in args]
+
+    def build() -> tuple[np.ndarray, int, list[Any]]:
+        cg = compile_graph(trace(_softmax_then_values, *args), args, "large")
+        (out,), stats = run_fresh(cg, inputs, SimulatorRunner("large"))
+        (poisoned,) = run_with_poisoned_vmem(cg, inputs)
+        np.testing.assert_array_equal(poisoned.view(np.uint32), out.view(np.uint32))
+        matmul = cg.summary["kernels"][-1]
+        assert matmul["kind"] == "matmul"
+        return out, stats.cycles, matmul.get("vmem_resident") or []
+
+    out, cycles, taken = build()
+    assert len(taken) == 1 and taken[0][1] - taken[0][0] == context, taken  # the first head's values
+    ref = (torch.softmax(args[0], -1).bfloat16().double() @ args[1].double()).numpy()
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    finite = np.isfinite(ref)
+    np.testing.assert_allclose(out[finite], ref[finite], rtol=2e-2, atol=2e-2 * np.abs(ref[finite]).max())
+    monkeypatch.setattr(isel_matmul, "PRELOAD_FIRST_B", False)
+    out_off, cycles_off, taken_off = build()
+    assert taken_off == []
+    np.testing.assert_array_equal(out.view(np.uint32), out_off.view(np.uint32))
+    assert cycles < cycles_off - 200, (cycles, cycles_off)
+
+
+def test_a_function_that_does_not_take_a_preload_in_flight_waits_for_it_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel after does not take the rows a preload left in flight (here: P @ V told not to), they
+    are its vmem like any other: it waits for the DMA (COPY) before anything else, so that no late row
+    lands on its own; one that takes them waits only before it reads them. The same bits as without the
+    preload, on vmem poisoned with NaN too."""
+    import re
+
+    from codegen import compiler
+    from codegen.isel_common import Flag
+
+    args = _probabilities_and_values(1024)
+    inputs = [t.float().numpy() for t in args]
+
+    def build() -> tuple[np.ndarray, str]:
+        cg = compile_graph(trace(_softmax_then_values, *args), args, "large")
+        (out,), _ = run_fresh(cg, inputs, SimulatorRunner("large"))
+        (poisoned,) = run_with_poisoned_vmem(cg, inputs)
+        np.testing.assert_array_equal(poisoned.view(np.uint32), out.view(np.uint32))
+        program = cg.stages["program.s"]
+        last = list(re.finditer(r"^k\d+_\d+:\n", program, re.M))[-1]  # P @ V's function
+        return out, program[last.end():].split("\n", 1)[0]
+
+    starts_with_wait = re.compile(rf"\s*wait f{int(Flag.COPY)}\b")
+    out, first = build()
+    assert not starts_with_wait.match(first), first
+    monkeypatch.setattr(isel_matmul, "first_batch_weights", lambda *_: None)  # the taker's; not the compiler's
+    assert compiler.first_batch_weights is not isel_matmul.first_batch_weights
+    out_untaken, first = build()
+    assert starts_with_wait.match(first), first
+    monkeypatch.setattr(compiler, "first_batch_weights", lambda *_: None)
+    out_off, first = build()
+    assert not starts_with_wait.match(first), first
+    for other in (out_untaken, out_off):
+        np.testing.assert_array_equal(out.view(np.uint32), other.view(np.uint32))

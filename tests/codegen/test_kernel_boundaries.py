@@ -506,10 +506,10 @@ def test_a_prefetch_goes_after_the_loads_that_follow_a_zeroing_loop() -> None:
         return f
 
     f = kernel(False)
-    block, at = isel_decode._first_wait(f.blocks)
+    block, at = isel_common.first_wait(f.blocks)
     assert block is f.blocks[-1] and block.instrs[at].op == "wait" and block.instrs[at - 1].op == "dma.ld"
     f = kernel(True)
-    block, at = isel_decode._first_wait(f.blocks)
+    block, at = isel_common.first_wait(f.blocks)
     assert block is f.blocks[0] and at == len(block.instrs)  # after the loop counter's li, before the loop
 
 
@@ -973,7 +973,8 @@ def test_decode_softmax_reads_the_scores_where_q_k_left_them_in_vmem(
     2048): q @ K^T leaves its f32 scores in vmem (a region a KV head, one after the other: the [heads, keys]
     rows as a load would bring them) and the softmax chain after it reads them there instead of waiting for
     their store and a load of 512 KiB (`KernelContext.take_resident`); q @ K^T also loads the key mask's row
-    for it (`preload_rows`), so the chain waits for nothing and starts at once. Under poisoned vmem (all of
+    for it (`preload`), so the chain waits for nothing and starts at once (and the chain loads the first KV
+    head's values for P @ V after it). Under poisoned vmem (all of
     vmem NaN at each kernel's start but what it is meant to find there) the same bits as with the scores
     loaded: inf keys, a NaN in a masked value, -0 and a subnormal in q, masked keys; 400+ cycles fewer (1B
     layer: the chain 4,553 -> 3,796 cycles)."""
@@ -993,10 +994,12 @@ def test_decode_softmax_reads_the_scores_where_q_k_left_them_in_vmem(
         return out, stats.cycles, [k.get("vmem_resident") for k in cg.summary["kernels"] if "start" in k]
 
     out, cycles, resident = build()
-    # the chain, after q @ K^T: the scores, and the key mask's row that q @ K^T loaded for it (`preload_rows`)
+    # the chain, after q @ K^T: the scores, and the key mask's row that q @ K^T loaded for it (`preload`)
     (scores, mask_row) = resident[1]
     assert scores[1] - scores[0] == heads * keys // 128 and mask_row[1] - mask_row[0] == keys // 128
-    assert [r for j, r in enumerate(resident) if j != 1] == [None] * (len(resident) - 1)
+    # P @ V, after the chain: the first KV head's values, which the chain loaded for it (`first_batch_weights`)
+    ((values_lo, values_hi),) = resident[2]
+    assert values_hi - values_lo == keys and resident[0] is None and resident[3:] == [None]
     ref = _decode_attention(*(t.float() for t in args)).numpy()
     nan = np.isnan(ref).any(axis=-1).ravel()
     assert list(np.flatnonzero(nan)) == [*range(rep, 2 * rep), *range(4 * rep, 5 * rep)]
