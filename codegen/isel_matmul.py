@@ -72,7 +72,6 @@ ROUND_HALVES = True  # resident rounds of a batch each move each batch's weights
 JOINT_A = True  # one resident round by row loads every batch's A in one DMA (the same)
 PREFETCH_AFTER_ROUNDS = True  # resident rounds issue a prefetch before their last round (`_resident_rounds`)
 LAST_HALVES = True  # one resident round in groups: its last batch a group, its weights in halves (the same)
-KEYS=True
 PRELOAD_FIRST_B = True  # the kernel before resident batches loads their first batch's B (`first_batch_weights`)
 SPLIT_MIN_ROWS = 256  # m-tiles of at least this many rows start on part of A and end storing C in two parts
 A_ROWS, A_REST = -1, -2  # a pipelined start's A loads (in place of an n-tile): rows 0 .. head (all), the rest
@@ -211,7 +210,7 @@ def first_batch_weights(k: MatmulKernel, lanes: int) -> Preload | None:
         return None
     K, N = bm.shape[-2:]
     if bm.strides[-1] != 1 and N > 1:  # K^T: whole, one k-tile, its n-tiles views of the keys' rows
-        if KEYS and K <= lanes and bm.strides[-2] == 1 and N % lanes == 0 and N > lanes:
+        if K <= lanes and bm.strides[-2] == 1 and N % lanes == 0 and N > lanes:
             return Preload(bm, bm.offset, N, K, bm.strides[-1], N, in_flight=True)
         return None
     if N <= lanes and K % lanes == 0 and K > lanes:  # V: one n-tile, no zero rows past K
