@@ -13,7 +13,8 @@ Two exceptions carry vmem rows across a boundary. A decode stream's prefetched w
 kernels before it stay under a ceiling). And *residents* (`Resident`): rows a kernel leaves for the function
 right after it, exactly as a load would bring them, which that kernel then reads in place of the load
 (`leave`, `take_resident`): decode's f32 scores from q @ K^T to the softmax chain, and rows a kernel loads
-for the chain after it (`preload`: the key mask, whose DMA latency then runs along q @ K^T's work).
+for the chain after it (`preload`: the key mask, whose DMA latency then runs along q @ K^T's work), or
+for resident batches after it (their first KV head's keys or values, left in flight: `Preload.in_flight`).
 
 HBM addresses: the program's entry copies the launch's argument table (the HBM addresses of the graph's
 inputs and of its arena) into vmem rows `args_row`..; a kernel loads the entries it uses (`vld` + `vext`)
