@@ -781,6 +781,11 @@ class ChainMember:
         """(vmem rows, elements) a row of stream s takes in its tile."""
         return (self.P, self.C) if s.kind == "row" else (1, 1)
 
+    def tile_rows(self, s: Stream) -> int:
+        """vmem rows stream s's tile takes: its rows, and 8 more, which a row's 8-row loads read past its last
+        where a row takes fewer (what a preload for it takes too: `rows_to_preload`)."""
+        return self.rows * self.pitch(s)[0] + 8
+
     def reads(self) -> list[Stream]:
         return self.streams[:-1] + ([self.streams[-1]] if _reads_output(self.kernel) else [])
 
@@ -826,10 +831,10 @@ def _forwards(writer: ChainMember, reader: ChainMember, s: Stream) -> bool:
 
 
 def _tile_rows_needed(m: ChainMember, forwarded: set[int]) -> int:
-    rows = region_rows(m.rows * m.pitch(m.streams[-1])[0] + 8)
+    rows = region_rows(m.tile_rows(m.streams[-1]))
     for s in m.reads():
         if id(s) not in forwarded:
-            rows += region_rows(m.rows * m.pitch(s)[0] + 8)
+            rows += region_rows(m.tile_rows(s))
     return rows + sum(region_rows(m.rows * m.P + 8) for s in m.streams[:-1] if s.kind == "col")
 
 
@@ -947,13 +952,13 @@ def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
                 s.tiles = (left[id(s)], left[id(s)])
                 computed_from.append((s, m))
             else:
-                tile = ctx.region(m.rows * m.pitch(s)[0] + 8, "in")
+                tile = ctx.region(m.tile_rows(s), "in")
                 s.tiles = (tile, tile)
                 loads.append((s, m))
                 computed_from.append((s, m))
         for s in m.streams[:-1]:
             s.expanded = ctx.region(m.rows * m.P + 8, "bcast") if s.kind == "col" else None
-        m.out_tile = ctx.region(m.rows * m.pitch(m.streams[-1])[0] + 8, "out")
+        m.out_tile = ctx.region(m.tile_rows(m.streams[-1]), "out")
         written[m.streams[-1].view.buffer] = m
     once = [(s, m) for s, m in loads if _moved_once(s, m)]
     rest = [(s, m) for s, m in loads if not _moved_once(s, m)]
@@ -1026,7 +1031,7 @@ def rows_to_preload(chain: KernelChain) -> list[Preload]:
             out[(s.view.buffer, s.base, 1)] = Preload(s.view, s.base, 1, m.C, s.row_stride, m.P)
         elif PRELOAD_ROWS and _tile_held(s, m) and m.rows * m.P <= PRELOAD_MAX_ROWS:
             out[(s.view.buffer, s.base, m.rows)] = Preload(s.view, s.base, m.rows, m.C, s.row_stride,
-                                                           m.rows * m.pitch(s)[0] + 8)
+                                                           m.tile_rows(s))
     return list(out.values())
 
 
