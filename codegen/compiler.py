@@ -56,7 +56,15 @@ from codegen.isel_decode import (
 )
 from codegen.isel_gather import lower_gather, lower_iota, lower_scatter
 from codegen.isel_matmul import first_batch_weights, lower_matmul
-from codegen.isel_vector import KernelChain, form_chains, lower_chain, lower_fill, lower_generic, rows_to_preload
+from codegen.isel_vector import (
+    KernelChain,
+    form_chains,
+    lower_chain,
+    lower_fill,
+    lower_generic,
+    lower_tiled_chain,
+    rows_to_preload,
+)
 from codegen.kernel_graph import (
     FillKernel,
     GatherKernel,
@@ -583,7 +591,7 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
     free_rows = cfg.vmem_rows - ctx.base_row
     emitted = _emitted_kernels(graph, loops)
     if chains:  # runs of small generics lowered as one kernel (isel_vector.KernelChain)
-        emitted = form_chains(emitted, cfg, free_rows // 2)
+        emitted = form_chains(emitted, cfg, free_rows // 2, lambda a, b: _apart(placements, a, b))
         touched: dict[str, set[int]] = {}  # buffer -> the kernels that read or write it
         for i, k in enumerate(graph.kernels):
             for v in views_of(k):
@@ -648,6 +656,7 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
             if isinstance(lowered, KernelChain):  # the profiler names the kernel's span after every member's node
                 nodes = (m.kernel.origin[0] for m in lowered.members if m.kernel.origin[0])
                 info["node"] = " + ".join(dict.fromkeys(nodes))
+                info["chain"] = "tiled" if lowered.tiled else "one tile"
         if loop is not None and i == loop.first + loop.period - 1:  # also after a chain's last member
             # the body's last stores in flight, where the header and the body's first kernels expect others:
             # waited for only where those kernels may write their rows before they wait them out themselves
@@ -662,13 +671,27 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
     return funcs, per_kernel, ctx.scratch_peak, entries, planned
 
 
+def _apart(placements: dict[str, BufferPlacement], a: str, b: str) -> bool:
+    """Whether buffers a and b never share HBM bytes: an input and a temporary, or temporaries whose arena
+    ranges are disjoint. Not known (so not) for two inputs (views of one tensor may alias) or a loop body's
+    slots, which name a buffer a repetition."""
+    pa, pb = placements.get(a), placements.get(b)
+    if pa is None or pb is None or a == b or pa.kind == pb.kind == "input":
+        return False
+    if "input" in (pa.kind, pb.kind):
+        return True
+    return pa.offset + pa.nbytes <= pb.offset or pb.offset + pb.nbytes <= pa.offset
+
+
 def private_chain_outputs(graph: KernelGraph, loops: list[Loop], chain: KernelChain,
                           touched: dict[str, set[int]]) -> frozenset[int]:
     """The members of `chain` whose output needs no store, in every run of the chain (each layer of a loop
     body it is in): a later member writes the same view (a softmax's exponentials, divided in place), or
-    its buffer is a temporary, no result, that no kernel outside the chain touches (`touched`: the kernels
-    that read or write each buffer). Their values stay in the chain's vmem tiles (a decode softmax's scaled
-    scores and f32 probabilities: 1 MiB of stores a 1B layer at a 4096-token context)."""
+    its buffer is a temporary, no result, that no kernel after the chain touches (`touched`: the kernels
+    that read or write each buffer; one before it wrote what a member overwrites: a prefill softmax's
+    exponentials, computed in place over its scaled scores). Their values stay in the chain's vmem tiles (a
+    decode softmax's scaled scores and f32 probabilities: 1 MiB of stores a 1B layer at a 4096-token
+    context)."""
     results = {v.buffer for v in graph.results}
     loop = next((lp for lp in loops if lp.first <= chain.first < lp.first + lp.period), None)
     runs = [r * loop.period for r in range(loop.repeats)] if loop is not None else [0]
@@ -683,7 +706,7 @@ def private_chain_outputs(graph: KernelGraph, loops: list[Loop], chain: KernelCh
                 continue
             name = outs[j].buffer
             if graph.buffers[name].kind != "temp" or name in results or \
-                    not touched[name] <= set(range(chain.first + run, chain.first + run + n)):
+                    any(t >= chain.first + run + n for t in touched[name]):
                 return False
         return True
 
@@ -889,7 +912,7 @@ def _same_buffer(a: str, b: str, loop: Loop | None) -> bool:
 
 def _lower(ctx: KernelContext, k: Kernel, preloads: Sequence[Preload] = ()) -> None:
     if isinstance(k, KernelChain):
-        lower_chain(ctx, k)
+        (lower_tiled_chain if k.tiled else lower_chain)(ctx, k)
     elif isinstance(k, GenericKernel):
         lower_generic(ctx, k)
     elif isinstance(k, FillKernel):

@@ -762,6 +762,9 @@ def evaluate(b: Builder, body: ScalarProgram, env: dict[str, Reg], result: str) 
 # heads of f32 scores, is 512; a norm of hidden 2048 over a dynamic-shape bucket of 64 tokens is 1024)
 CHAIN_MIN_TILE_ROWS, CHAIN_TILE_SHARE = 64, 32
 CHAIN_MAX_MEMBERS = 16
+# runs of generics too large for one tile, over the same rows, run as one tile loop (`lower_tiled_chain`: a
+# prefill softmax's passes over a key tile of scores)
+TILED_CHAINS = True
 
 
 @dataclass
@@ -799,6 +802,7 @@ class KernelChain:
     first: int
     members: list[ChainMember]
     private: frozenset[int] = frozenset()
+    tiled: bool = False  # members too large for one tile run as tiles of rows (`lower_tiled_chain`)
 
 
 def chain_member(k: object, lanes: int, max_rows: int = CHAIN_MIN_TILE_ROWS) -> ChainMember | None:
@@ -838,11 +842,13 @@ def _tile_rows_needed(m: ChainMember, forwarded: set[int]) -> int:
     return rows + sum(region_rows(m.rows * m.P + 8) for s in m.streams[:-1] if s.kind == "col")
 
 
-def form_chains(kernels: list[tuple[object, int]], config: HardwareConfig, vmem_rows: int) -> list[tuple[object, int]]:
+def form_chains(kernels: list[tuple[object, int]], config: HardwareConfig, vmem_rows: int,
+                apart: Callable[[str, str], bool] | None = None) -> list[tuple[object, int]]:
     """`kernels` (what each kernel lowers to, its segment: compiler._emitted_kernels) with every run of two or
     more chainable generics of one segment replaced by one KernelChain (at each member's index). A run
     ends where a member would read a buffer an earlier member wrote other than as that member's output
-    tile holds it, or where the members' tiles would take more than `vmem_rows`."""
+    tile holds it, or where the members' tiles would take more than `vmem_rows`. Runs too large for one tile
+    become tiled chains (`_tiled_run`) where `apart(a, b)` says which buffers never share HBM bytes."""
     lanes, tile_rows = config.lanes, max(CHAIN_MIN_TILE_ROWS, config.vmem_rows // CHAIN_TILE_SHARE)
     out = list(kernels)
     i = 0
@@ -871,14 +877,61 @@ def form_chains(kernels: list[tuple[object, int]], config: HardwareConfig, vmem_
                     j += 1
                     continue
             break
+        tiled = len(members) < 2 and apart is not None and TILED_CHAINS
+        if tiled:
+            assert apart is not None
+            members = _tiled_run(kernels, i, lanes, tile_rows, apart)
+            j = i + len(members)
         if len(members) >= 2:
-            chain = KernelChain(i, members)
+            chain = KernelChain(i, members, tiled=tiled)
             for n in range(i, j):
                 out[n] = (chain, kernels[n][1])
             i = j
         else:
             i += 1
     return out
+
+
+def _tiled_run(kernels: list[tuple[object, int]], i: int, lanes: int, tile_rows: int,
+               apart: Callable[[str, str], bool]) -> list[ChainMember]:
+    """The generics from kernels[i] on that run as one tile loop over their rows (`lower_tiled_chain`): each
+    too large for one chain tile or reading a member's output, all of the same rows, every row valid. A run
+    ends where a member would read a buffer an earlier member wrote other than as its output tile holds it,
+    or would write HBM that a member loads or writes other than the rows its own tile loaded: a tile's
+    stores precede the next tiles' loads, where the members one by one read everything before any wrote
+    (and the memory plan reuses a buffer's bytes once its last reader ran: `apart`)."""
+    members: list[ChainMember] = []
+    written: dict[str, ChainMember] = {}
+    loaded: list[tuple[Stream, ChainMember]] = []
+    j = i
+    while j < len(kernels) and len(members) < CHAIN_MAX_MEMBERS and kernels[j][1] == kernels[i][1]:
+        m = chain_member(kernels[j][0], lanes, 1 << 62)
+        if m is None or m.valid is not None or (members and m.rows != members[0].rows):
+            break
+        reads = m.reads()
+        forwarded = [s for s in reads if s.view.buffer in written]
+        if any(not _forwards(written[s.view.buffer], m, s) for s in forwarded):
+            break
+        if not forwarded and m.rows * m.P <= tile_rows:
+            break  # small and independent of the run: not worth a tile loop of its own
+        loads = [(s, m) for s in reads if s.view.buffer not in written]
+        out = m.streams[-1]
+        # written in place over rows the chain loads: only where each tile writes the rows it loaded
+        if any(_tile_key(s, sm) != _tile_key(out, m) if s.view.buffer == out.view.buffer
+               else not apart(s.view.buffer, out.view.buffer) for s, sm in loaded + loads) \
+                or any(not apart(w, out.view.buffer) for w in written if w != out.view.buffer) \
+                or any(not apart(s.view.buffer, w) for s, _ in loads for w in written if w != s.view.buffer):
+            break
+        loaded += loads
+        members.append(m)
+        written[out.view.buffer] = m
+        j += 1
+    return members
+
+
+def _tile_key(s: Stream, m: ChainMember) -> tuple:
+    """What a tiled chain's tile of stream s holds: streams of one key share a tile."""
+    return s.view.buffer, s.view.dtype, s.base, s.row_stride, s.kind, m.pitch(s)
 
 
 COPY_CHUNKS = 8  # chunks of a row `_copy_row` holds in registers at a time
@@ -1007,6 +1060,114 @@ def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
                         count, m.pitch(out)[1], out.row_stride, Flag.STORE, rows_reg=moved)
 
 
+def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
+    """A chain whose members are too large for one tile (a prefill's softmax over a key tile of every query
+    row: the row max, the exponentials, their sum, their bf16 copy for P @ V) as `_tile_loop`'s loop of
+    double-buffered tiles of T rows, every member computing the tile in turn: a member reads an earlier
+    member's output where its tile holds it, so the chain moves each value through HBM at most once (the
+    exponentials' f32, which only the chain reads, never), where the members one by one loaded and stored
+    every intermediate."""
+    b = ctx.b
+    members, rows = chain.members, chain.members[0].rows
+    T = _chain_tile_rows(ctx, chain)
+    written: dict[str, ChainMember] = {}
+    loads: list[tuple[Stream, ChainMember]] = []
+    loaded: dict[tuple, tuple[Region, Region]] = {}  # a tile's key (`_tile_key`): its two regions
+    outs: dict[int, tuple[Region, Region]] = {}
+    for j, m in enumerate(members):
+        for s in m.reads():
+            w = written.get(s.view.buffer)
+            if w is not None:
+                s.tiles = outs[id(w)]
+            elif _tile_key(s, m) in loaded:  # the rows an earlier member loaded
+                s.tiles = loaded[_tile_key(s, m)]
+            else:
+                n = T * m.pitch(s)[0] + 8
+                s.tiles = loaded[_tile_key(s, m)] = (ctx.region(n, "in"), ctx.region(n, "in"))
+                loads.append((s, m))
+        for s in m.streams[:-1]:
+            s.expanded = ctx.region(T * m.P + 8, "bcast") if s.kind == "col" else None
+        n = T * m.pitch(m.streams[-1])[0] + 8
+        out = ctx.region(n, "out")
+        outs[id(m)] = (out, out) if j in chain.private else (out, ctx.region(n, "out"))
+        written[m.streams[-1].view.buffer] = m
+    stores = [(m, outs[id(m)]) for j, m in enumerate(members) if j not in chain.private]
+    for s, _ in loads:
+        s.ptr = b.sreg()
+        b.emit("addi", s.ptr, (ctx.hbm_addr(s.view, s.base),), imm=0)
+    store_ptrs = []
+    for m, _ in stores:
+        out_s = m.streams[-1]
+        store_ptrs.append(b.emit("addi", b.sreg(), (ctx.hbm_addr(out_s.view, out_s.base),), imm=0))
+
+    def move(load: bool, s: Stream, m: ChainMember, ptr: Reg, region: Region, p: int, n: int) -> None:
+        cols = m.pitch(s)[1] if s.kind == "row" else 1
+        ctx.dma(load, s.view.dtype, ptr, region, 0, n, cols, s.row_stride, Flag.LOAD if load else Flag.STORE, p)
+        b.addi(ptr, n * s.row_stride * ESIZE[s.view.dtype], ptr)
+
+    def issue_loads(p: int, n: int) -> None:
+        for s, m in loads:
+            assert s.tiles is not None and s.ptr is not None
+            move(True, s, m, s.ptr, s.tiles[p], p, n)
+
+    def tile(p: int, n: int, next_n: int | None) -> None:
+        b.emit("wait", flag=ctx.flag(Flag.LOAD, p))
+        if next_n:
+            issue_loads(1 - p, next_n)
+        b.emit("wait", flag=ctx.flag(Flag.STORE, p))
+        for m in members:
+            b.new_block("tiled_member")  # each member's register pressure its own, as in `lower_chain`
+            streams = m.streams
+            for s in streams[:-1]:
+                if s.expanded is not None:
+                    assert s.tiles is not None
+                    _broadcast_rows(b, s.tiles[p], s.expanded, n, m.P, s.view.dtype in ("i32", "i1"))
+            if m.kernel.reduction:
+                _reduce_tile(ctx, m.kernel.body, streams, p, outs[id(m)][p], n, m.C, m.P, m.kernel.init)
+            else:
+                _map_tile(ctx, m.kernel.body, streams, p, outs[id(m)][p], n, m.P)
+        for (m, tiles), ptr in zip(stores, store_ptrs, strict=True):
+            move(False, m.streams[-1], m, ptr, tiles[p], p, n)
+        b.new_block("tile_next")  # a tile's code ends a block: its DMA issues before the next tile's waits
+
+    sizes = [min(T, rows - t0) for t0 in range(0, rows, T)]
+    issue_loads(0, sizes[0])
+    pairs = (len(sizes) - 1) // 2  # tiles 0 .. 2 * pairs - 1 are full and each has a next tile
+    if pairs:
+        b.counted_loop(pairs, lambda: (tile(0, T, T), tile(1, T, T)), "chain_tiles")
+    for i in range(2 * pairs, len(sizes)):
+        tile(i % 2, sizes[i], sizes[i + 1] if i + 1 < len(sizes) else None)
+
+
+def _chain_tile_rows(ctx: KernelContext, chain: KernelChain) -> int:
+    """The most rows per tile of a tiled chain (a multiple of 8, at most `max_tile_vmem_rows` vmem rows of
+    its widest row) whose tiles fit the free vmem: two of each load and stored output, one of each private
+    output and broadcast column."""
+    written: set[str] = set()
+    loaded: set[tuple] = set()
+    per_row, extra = 0, 0  # vmem rows per tile row, and rows per tile, summed over the regions
+    for j, m in enumerate(chain.members):
+        for s in m.reads():
+            if s.view.buffer not in written and _tile_key(s, m) not in loaded:
+                loaded.add(_tile_key(s, m))
+                per_row, extra = per_row + 2 * m.pitch(s)[0], extra + 2 * 8
+        for s in m.streams[:-1]:
+            if s.kind == "col":
+                per_row, extra = per_row + m.P, extra + 8
+        copies = 1 if j in chain.private else 2
+        per_row, extra = per_row + copies * m.pitch(m.streams[-1])[0], extra + copies * 8
+        written.add(m.streams[-1].view.buffer)
+    widest = max(m.P for m in chain.members)
+    t = min(chain.members[0].rows, max(8, max_tile_vmem_rows(ctx.config) // widest // 8 * 8))
+    # each region rounds up to whole chunks: a margin of 8 rows a region
+    regions = extra // 8
+    while t > 1 and t * per_row + extra + 8 * regions > ctx.vmem_free():
+        t = max(1, t // 2)
+    if t * per_row + extra + 8 * regions > ctx.vmem_free():
+        raise LoweringError(f"{ctx.kernel}: one row of a tiled chain does not fit vmem")
+    return t
+
+
 def _chain_loads(chain: KernelChain) -> list[tuple[Stream, ChainMember]]:
     """The streams a chain reads from HBM: those no earlier member's output tile holds."""
     written: set[str] = set()
@@ -1026,6 +1187,8 @@ def rows_to_preload(chain: KernelChain) -> list[Preload]:
     `KernelContext.take_resident`'s rows above a ceiling; QK-norm's heads of q and k and its weights after
     v_proj: 85,882 -> 85,144)."""
     out: dict[tuple, Preload] = {}
+    if chain.tiled:
+        return []
     for s, m in _chain_loads(chain):
         if _moved_once(s, m):
             out[(s.view.buffer, s.base, 1)] = Preload(s.view, s.base, 1, m.C, s.row_stride, m.P)

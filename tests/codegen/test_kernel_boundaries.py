@@ -817,6 +817,7 @@ def test_a_decode_softmax_over_a_2048_key_chunk_is_one_chain(monkeypatch: pytest
     np.testing.assert_array_equal(out.view(np.uint32), every.view(np.uint32))
     assert every_stored > 2 * stored and cycles <= every_cycles
     monkeypatch.setattr(isel_vector, "CHAIN_TILE_SHARE", 4 * isel_vector.CHAIN_TILE_SHARE)  # 256 rows: unchained
+    monkeypatch.setattr(isel_vector, "TILED_CHAINS", False)  # (not a tile loop either)
     unchained, many, unchained_cycles, _ = build()
     np.testing.assert_array_equal(out.view(np.uint32), unchained.view(np.uint32))
     assert kernels == 1 < many and cycles < unchained_cycles - 2 * get_config("large").dma_latency  # 7,429
