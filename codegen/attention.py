@@ -142,6 +142,7 @@ def attention(e: MlirEmitter, q: TValue, k: TValue, v: TValue, mask: TValue | No
         qm = e.reshape(qs if qs is q and q.dtype == qk_dtype else
                        e.elementwise([qs], lambda a, w: a[0], dtype=qk_dtype), (b * hkv, rep * n, d))
         block_mask = None if mask5 is None else _key_slice(e, mask5, 3, first, last)
+        last_keys = _last_keys(e, rows5, first + keys - length) if causal and kv_len is None else None
         tile = key_tile(e.config, b * hq * n, key_end)
         m = l_sum = o = None
         for start in range(0, key_end, tile):
@@ -150,14 +151,16 @@ def attention(e: MlirEmitter, q: TValue, k: TValue, v: TValue, mask: TValue | No
             operands: list[Any] = [e.reshape(scores, (*rows5, end - start))]
             if block_mask is not None:
                 operands.append(_key_slice(e, block_mask, 4, start, end))
-            if causal:  # key start + j is kept for query first + i when start + j <= first + i + S - L
+            if last_keys is not None:
+                operands.append(last_keys)
+            elif causal:  # key start + j is kept for query first + i when start + j <= first + i + S - L
                 operands.append(e.iota((n, end - start), lambda i, w, s=start: w.cmp("sle", i[1], w.op(
                     "arith.addi", i[0], w.const_int(first + keys - length - s), dtype="i32"), "i32"), "i1"))
             present = None if kv_len is None else _present(e, kv_len, start, end)
             if present is not None:
                 operands.append(present)
-            y = e.elementwise(operands, _masked(mask, causal, scale, present is not None), dtype="f32",
-                              keep_bool=True)
+            y = e.elementwise(operands, _masked(mask, causal, scale, present is not None,
+                                                None if last_keys is None else start), dtype="f32", keep_bool=True)
             m_tile = e.reduce_last(y, "max", True)
             m_new = m_tile if m is None else e.elementwise([m, m_tile],
                                                            lambda a, w: w.op("arith.maximumf", a[0], a[1]))
@@ -192,6 +195,18 @@ def attention(e: MlirEmitter, q: TValue, k: TValue, v: TValue, mask: TValue | No
     return over_keys(0, length) if len(blocks) == 1 else e.concat([over_keys(*blk) for blk in blocks], 2)
 
 
+def _last_keys(e: MlirEmitter, rows5: tuple[int, ...], offset: int) -> TValue:
+    """[B, KVH, rep, n, 1] f32: the last key a causal query row keeps (query i: i + offset), one value a score
+    row, so that y's operands merge its rows (an iota along the queries would not: its heads repeat it) and
+    the softmax's passes run as one tiled chain (`isel_vector.lower_tiled_chain`). f32 holds the key indices
+    exactly (fewer than 2^24); the copy keeps fusion from folding it back into y as an iota."""
+    if offset + rows5[3] >= 1 << 24:
+        raise UnsupportedOp(f"a causal attention over {offset + rows5[3]} keys (f32 key indices are exact below 2^24)")
+    last = e.iota((*rows5, 1), lambda i, w: w.cast(w.op("arith.addi", i[3], w.const_int(offset), dtype="i32"),
+                                                  "i32", "f32"), "f32")
+    return e.fusion_barrier(last)
+
+
 def _present(e: MlirEmitter, kv_len: TValue, start: int, end: int) -> TValue:
     """[end - start] i1: key start + j < kv_len (integer compare)."""
     return e.elementwise([kv_len], lambda a, w: w.cmp("slt", w.op("arith.addi", w.index(0), w.const_int(start),
@@ -199,15 +214,20 @@ def _present(e: MlirEmitter, kv_len: TValue, start: int, end: int) -> TValue:
                          dtype="i1", shape=(end - start,), result="i1")
 
 
-def _masked(mask: TValue | None, causal: bool, scale: float, limited: bool = False) -> Any:
-    """The body of y: [scores, mask?, causal keep?, key present?] -> scores * scale, masked."""
+def _masked(mask: TValue | None, causal: bool, scale: float, limited: bool = False,
+            key_start: int | None = None) -> Any:
+    """The body of y: [scores, mask?, causal keep? (or with `key_start` the row's last key), key present?] ->
+    scores * scale, masked. With key_start, key key_start + j is kept where it is at most the row's last."""
     def body(vals: list[str], w: BodyWriter) -> str:
         y = w.op("arith.mulf", vals[0], w.const(scale))
         rest = vals[1:]
         if mask is not None:
             mv, rest = rest[0], rest[1:]
             y = w.select(mv, y, w.const(-math.inf)) if mask.dtype == "i1" else w.op("arith.addf", y, mv)
-        if causal:
+        if causal and key_start is not None:
+            key = w.cast(w.op("arith.addi", w.index(4), w.const_int(key_start), dtype="i32"), "i32", "f32")
+            y, rest = w.select(w.cmp("ole", key, rest[0]), y, w.const(-math.inf)), rest[1:]
+        elif causal:
             y, rest = w.select(rest[0], y, w.const(-math.inf)), rest[1:]
         if limited:
             y = w.select(rest[0], y, w.const(-math.inf))

@@ -64,6 +64,7 @@ from codegen.isel_vector import (
     lower_generic,
     lower_tiled_chain,
     rows_to_preload,
+    tiled_runs,
 )
 from codegen.kernel_graph import (
     FillKernel,
@@ -118,15 +119,23 @@ class BufferPlacement:
     dtype: str
 
 
-def plan_memory(g: KernelGraph, extra_words: int = 0) -> tuple[dict[str, BufferPlacement], int]:
+def plan_memory(g: KernelGraph, extra_words: int = 0, together: Sequence[tuple[int, int]] = ()
+                ) -> tuple[dict[str, BufferPlacement], int]:
     """Arena offsets for temporaries by liveness (first-fit reuse); outputs live to the end. The arena
-    starts with the argument table (+ `extra_words`: runtime values and the layer loops' address tables)."""
+    starts with the argument table (+ `extra_words`: runtime values and the layer loops' address tables).
+    `together`: runs of kernels [first, last] that may run as one (tiled chains, whose tiles interleave the
+    members' loads and stores): a buffer any of them touches lives across the whole run."""
     last = len(g.kernels)
     live: dict[str, list[int]] = {}
     for i, k in enumerate(g.kernels):
         for v in views_of(k):
             span = live.setdefault(v.buffer, [i, i])
             span[0], span[1] = min(span[0], i), max(span[1], i)
+    for first, end in together:
+        for k in g.kernels[first:end + 1]:
+            for v in views_of(k):
+                span = live[v.buffer]
+                span[0], span[1] = min(span[0], first), max(span[1], end)
     for v in g.results:
         live.setdefault(v.buffer, [last, last])[1] = last
     placements: dict[str, BufferPlacement] = {}
@@ -273,7 +282,7 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
         # 274,564 cycles looped, 270,481 unrolled, with a header that waited): kept only where imem needs it
         loops = [lp for lp in loops if lp.repeats > 2]
     value_inputs = _value_inputs(graph)
-    placements, arena_bytes = _memory_plan(graph, loops)
+    placements, arena_bytes = _memory_plan(graph, loops, cfg)
     clock.lap("kernels_and_memory_plan")
     chains_undone: list[str] = []
     chains, compact, tried_crossing = True, False, False
@@ -449,9 +458,12 @@ def _value_inputs(graph: KernelGraph) -> list[int]:
                      if isinstance(k, GenericKernel) and k.valid_extent is not None})
 
 
-def _memory_plan(graph: KernelGraph, loops: list[Loop]) -> tuple[dict[str, BufferPlacement], int]:
-    """`plan_memory` with the argument table's entries: the value inputs and the loops' address tables."""
-    return plan_memory(graph, len(_value_inputs(graph)) + sum((lp.repeats + 1) * len(lp.slots[0]) for lp in loops))
+def _memory_plan(graph: KernelGraph, loops: list[Loop], cfg: HardwareConfig
+                 ) -> tuple[dict[str, BufferPlacement], int]:
+    """`plan_memory` with the argument table's entries (the value inputs and the loops' address tables), the
+    runs that may become tiled chains together (`isel_vector.tiled_runs`)."""
+    return plan_memory(graph, len(_value_inputs(graph)) + sum((lp.repeats + 1) * len(lp.slots[0]) for lp in loops),
+                       tiled_runs(graph.kernels, cfg))
 
 
 def _crossing_the_loops_edge(graph: KernelGraph, cfg: HardwareConfig, precision: str, loops: list[Loop],
@@ -470,7 +482,7 @@ def _crossing_the_loops_edge(graph: KernelGraph, cfg: HardwareConfig, precision:
     lp = loops[n]
 
     def selected(alternative: list[Loop]) -> tuple[list[Loop], dict[str, BufferPlacement], int, Any]:
-        placements, arena_bytes = _memory_plan(graph, alternative)
+        placements, arena_bytes = _memory_plan(graph, alternative, cfg)
         return alternative, placements, arena_bytes, _select(graph, placements, arena_bytes, cfg, precision,
                                                              alternative, chains)
 
@@ -487,7 +499,7 @@ def _crossing_the_loops_edge(graph: KernelGraph, cfg: HardwareConfig, precision:
 
 def _unrolled_fits(graph: KernelGraph, cfg: HardwareConfig, precision: str) -> bool:
     """Whether the program without layer loops is estimated to fit imem (with room: the estimate is rough)."""
-    placements, arena_bytes = _memory_plan(graph, [])
+    placements, arena_bytes = _memory_plan(graph, [], cfg)
     return _fits_imem(_select(graph, placements, arena_bytes, cfg, precision, [])[0], cfg)
 
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from codegen.builder import Builder
 from codegen.isel_common import Flag, KernelContext, Preload, Region, Resident, chunk_loop, region_rows, row_mem
-from codegen.kernel_graph import ESIZE, Access, FillKernel, GenericKernel, LoweringError, ScalarProgram, View
+from codegen.kernel_graph import ESIZE, Access, FillKernel, GenericKernel, Kernel, LoweringError, ScalarProgram, View
 from codegen.math_seqs import vdivide, vexp, vrecip, vrsqrt, vsqrt, vtanh
 from codegen.mir import ZERO, Reg
 from device_sim.config import HardwareConfig
@@ -889,6 +889,22 @@ def form_chains(kernels: list[tuple[object, int]], config: HardwareConfig, vmem_
             i = j
         else:
             i += 1
+    return out
+
+
+def tiled_runs(kernels: list[Kernel], config: HardwareConfig) -> list[tuple[int, int]]:
+    """The runs of kernels [first, last] that `form_chains` may lower as tiled chains, whatever their buffers'
+    placement: the memory plan keeps every buffer of such a run alive across it (`compiler.plan_memory`)."""
+    lanes, tile_rows = config.lanes, max(CHAIN_MIN_TILE_ROWS, config.vmem_rows // CHAIN_TILE_SHARE)
+    if not TILED_CHAINS:
+        return []
+    segmented: list[tuple[object, int]] = [(k, 0) for k in kernels]
+    out, i = [], 0
+    while i < len(kernels):
+        n = len(_tiled_run(segmented, i, lanes, tile_rows, lambda a, b: True))
+        if n >= 2:
+            out.append((i, i + n - 1))
+        i += max(n, 1)
     return out
 
 

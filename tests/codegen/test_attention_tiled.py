@@ -142,37 +142,50 @@ def test_bf16_edge_rows_on_large_match_the_ops_bf16_rule() -> None:
     np.testing.assert_allclose(out[finite], ref[finite], **TOL[BF16])
 
 
-def test_a_prefill_softmax_runs_as_one_tiled_chain_with_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_prefill_softmax_runs_as_one_tiled_chain_with_the_same_bits(masked: bool,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A causal bf16 prefill on `large` at a Llama head (hd 64, 8 query heads over 2 kv heads, 301 queries:
     two query blocks of 1,200 and 1,208 score rows, too many for one chain tile): each key tile's row max,
-    exponentials, row sum and bf16 copy run as one tile loop (`isel_vector.lower_tiled_chain`), which
-    moves the f32 scores through HBM once, not four times. Edge rows (fully masked, NaN, +inf, 3e38 and
-    huge additive masks, NaN and inf values) give the same bits as the members one by one and eager's
+    exponentials, row sum and bf16 copy run as one tile loop (`isel_vector.lower_tiled_chain`), with the
+    scaled and causally masked scores themselves where no mask is given (a [L, S] mask repeats over the
+    heads, so its rows do not merge with the scores'), which moves the f32 scores through HBM once, not
+    four or five times. Edge values (a NaN key, a key of 1e30, NaN and inf values; with the mask fully masked rows,
+    NaN, +inf, 3e38 and huge additive masks) give the same bits as the members one by one and eager's
     values; the program takes fewer cycles."""
     import codegen.isel_vector
 
     q, k, v = _qkv(1, 8, 2, 301, 301, 64, BF16)
-    mask = torch.zeros(1, 1, 301, 301)
-    mask[..., 0, :] = -math.inf
-    mask[..., 1, 1] = math.nan
-    mask[..., 150, 100] = math.inf
-    mask[..., 151, :] = _r(301, seed=4) * 1e30
-    mask[..., 152, 7] = 3e38
+    k[0, 0, 1, 3] = math.nan  # every row of kv head 0's queries from query 1 on
+    k[0, 1, 40, :] = 1e30  # scores of ~1e31: the rows of kv head 1 from query 40 on attend to key 40 alone
     v[0, 1, 7, 3] = math.nan
     v[0, 0, 9, 4] = math.inf
+    mask = None
+    if masked:
+        mask = torch.zeros(1, 1, 301, 301)
+        mask[..., 0, :] = -math.inf
+        mask[..., 150, 100] = math.inf
+        mask[..., 151, :] = _r(301, seed=4) * 1e30
+        mask[..., 152, 7] = 3e38
     args = (q, k, v, mask, True, 0.125)
     tiled, exe = run_attention(*args, config="large")
-    assert sum(kk.get("chain") == "tiled" for kk in exe.summary["kernels"]) == 2  # one a query block
+    chains = [kk["index"] for kk in exe.summary["kernels"] if kk.get("chain") == "tiled"]
+    assert len(chains) == 2  # one a query block
+    members = 4 if masked else 5
+    assert all(sum(kk.get("chained_into") == c for kk in exe.summary["kernels"]) == members - 1 for c in chains)
     monkeypatch.setattr(codegen.isel_vector, "TILED_CHAINS", False)
     alone, exe_alone = run_attention(*args, config="large")
     assert not any(kk.get("chain") == "tiled" for kk in exe_alone.summary["kernels"])
     np.testing.assert_array_equal(tiled.view(np.uint32), alone.view(np.uint32))
     ref = _ctpu().attention(*args, True).float().numpy()
     np.testing.assert_array_equal(np.isnan(tiled), np.isnan(ref))
-    assert (tiled[0, :, 0] == 0).all() and np.isnan(tiled[0, :, 1]).all() and np.isnan(tiled[0, :, 150]).all()
+    if masked:  # row 0 fully masked: 0; row 150's +inf: NaN
+        assert (tiled[0, :, 0] == 0).all() and np.isnan(tiled[0, :, 150]).all()
+    else:  # the NaN key: kv head 0's queries from query 1 on
+        assert np.isnan(tiled[0, :4, 1:]).all() and not np.isnan(tiled[0, 4:, :, :3]).any()
     finite = np.isfinite(ref)
     np.testing.assert_allclose(tiled[finite], ref[finite], **TOL[BF16])
-    xs = [x.float().numpy() for x in (q, k, v, mask)]
+    xs = [x.float().numpy() for x in (q, k, v, *([mask] if masked else []))]
     _, stats = run_fresh(exe, xs, SimulatorRunner("large"))
     _, stats_alone = run_fresh(exe_alone, xs, SimulatorRunner("large"))
     assert stats.cycles < 0.95 * stats_alone.cycles, (stats.cycles, stats_alone.cycles)
