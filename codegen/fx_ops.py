@@ -1108,18 +1108,24 @@ def _native_layer_norm(e: MlirEmitter, x: TValue, shape: Any, weight: Any, bias:
 
 def _rms_norm(e: MlirEmitter, x: TValue, weight: TValue | None, eps: float) -> TValue:
     """x rsqrt(mean(x^2) + eps) [* w]; a row whose sum of squares overflows is normalised from x SQ_SCALE
-    (eps SQ_SCALE^2 underflows to 0 there)."""
+    (eps SQ_SCALE^2 underflows to 0 there). The rsqrt is computed once a row, not once an element (two
+    rsqrt sequences an element held a 2048-token prefill's norm at ~53 bundles a vreg); the copy keeps
+    fusion from folding it back into the elementwise pass."""
     n = float(x.shape[-1])
+    q = _row_sum_squares(e, x, None)
+
+    def factor(v: list[str], w: BodyWriter) -> str:
+        plain = w.op("math.rsqrt", w.op("arith.addf", w.op("arith.divf", v[0], w.const(n)), w.const(eps)))
+        scaled = w.op("math.rsqrt", w.op("arith.divf", w.op("arith.negf", v[0]), w.const(n)))
+        return w.select(_scaled(v[0], w), scaled, plain)
 
     def normalise(v: list[str], w: BodyWriter) -> str:
-        xv, q = v[:2]
-        plain = w.op("arith.mulf", xv,
-                     w.op("math.rsqrt", w.op("arith.addf", w.op("arith.divf", q, w.const(n)), w.const(eps))))
-        scaled = w.op("arith.mulf", w.op("arith.mulf", xv, w.const(SQ_SCALE)),
-                      w.op("math.rsqrt", w.op("arith.divf", w.op("arith.negf", q), w.const(n))))
-        return _product([w.select(_scaled(q, w), scaled, plain), *v[2:]], w)
+        xv, q, r = v[:3]
+        from_x = w.select(_scaled(q, w), w.op("arith.mulf", xv, w.const(SQ_SCALE)), xv)
+        return _product([w.op("arith.mulf", from_x, r), *v[3:]], w)
 
-    ops = [x, _row_sum_squares(e, x, None)] + ([weight] if weight is not None else [])
+    r = e.fusion_barrier(e.elementwise([q], factor, dtype="f32"))
+    ops = [x, q, r] + ([weight] if weight is not None else [])
     return e.elementwise(ops, normalise, dtype=x.dtype)
 
 
