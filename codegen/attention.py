@@ -57,6 +57,9 @@ FUSED_TILES = 2
 # its queries)
 QUERY_BLOCK_ROWS = 128
 MAX_QUERY_BLOCKS = 8
+# a causal block of at least this many score rows compares each key with its row's last key (`_last_keys`), so
+# that y joins the softmax's tiled chain; a smaller one keeps the query x key iota (no copy kernel for it)
+LAST_KEYS_MIN_ROWS = 1024
 
 
 def key_tile(cfg: HardwareConfig, query_rows: int, keys: int) -> int:
@@ -142,7 +145,8 @@ def attention(e: MlirEmitter, q: TValue, k: TValue, v: TValue, mask: TValue | No
         qm = e.reshape(qs if qs is q and q.dtype == qk_dtype else
                        e.elementwise([qs], lambda a, w: a[0], dtype=qk_dtype), (b * hkv, rep * n, d))
         block_mask = None if mask5 is None else _key_slice(e, mask5, 3, first, last)
-        last_keys = _last_keys(e, rows5, first + keys - length) if causal and kv_len is None else None
+        last_keys = _last_keys(e, rows5, first + keys - length) \
+            if causal and kv_len is None and b * hq * n >= LAST_KEYS_MIN_ROWS else None
         tile = key_tile(e.config, b * hq * n, key_end)
         m = l_sum = o = None
         for start in range(0, key_end, tile):
@@ -199,12 +203,16 @@ def _last_keys(e: MlirEmitter, rows5: tuple[int, ...], offset: int) -> TValue:
     """[B, KVH, rep, n, 1] f32: the last key a causal query row keeps (query i: i + offset), one value a score
     row, so that y's operands merge its rows (an iota along the queries would not: its heads repeat it) and
     the softmax's passes run as one tiled chain (`isel_vector.lower_tiled_chain`). f32 holds the key indices
-    exactly (fewer than 2^24); the copy keeps fusion from folding it back into y as an iota."""
+    exactly (fewer than 2^24); the copy keeps fusion from folding it back into y as an iota, and every layer
+    takes the same one (`MlirEmitter.reused`: a copy a layer made the layers unlike)."""
     if offset + rows5[3] >= 1 << 24:
         raise UnsupportedOp(f"a causal attention over {offset + rows5[3]} keys (f32 key indices are exact below 2^24)")
-    last = e.iota((*rows5, 1), lambda i, w: w.cast(w.op("arith.addi", i[3], w.const_int(offset), dtype="i32"),
-                                                  "i32", "f32"), "f32")
-    return e.fusion_barrier(last)
+    key = ("attention.last_keys", rows5, offset)
+    if key not in e.reused:
+        last = e.iota((*rows5, 1), lambda i, w: w.cast(w.op("arith.addi", i[3], w.const_int(offset), dtype="i32"),
+                                                      "i32", "f32"), "f32")
+        e.reused[key] = e.fusion_barrier(last)
+    return e.reused[key]
 
 
 def _present(e: MlirEmitter, kv_len: TValue, start: int, end: int) -> TValue:

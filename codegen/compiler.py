@@ -603,7 +603,7 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
     free_rows = cfg.vmem_rows - ctx.base_row
     emitted = _emitted_kernels(graph, loops)
     if chains:  # runs of small generics lowered as one kernel (isel_vector.KernelChain)
-        emitted = form_chains(emitted, cfg, free_rows // 2, lambda a, b: _apart(placements, a, b))
+        emitted = form_chains(emitted, cfg, free_rows // 2, lambda a, b: _apart(placements, loops, a, b))
         touched: dict[str, set[int]] = {}  # buffer -> the kernels that read or write it
         for i, k in enumerate(graph.kernels):
             for v in views_of(k):
@@ -683,10 +683,16 @@ def _select(graph: KernelGraph, placements: dict[str, BufferPlacement], arena_by
     return funcs, per_kernel, ctx.scratch_peak, entries, planned
 
 
-def _apart(placements: dict[str, BufferPlacement], a: str, b: str) -> bool:
+def _apart(placements: dict[str, BufferPlacement], loops: list[Loop], a: str, b: str) -> bool:
     """Whether buffers a and b never share HBM bytes: an input and a temporary, or temporaries whose arena
-    ranges are disjoint. Not known (so not) for two inputs (views of one tensor may alias) or a loop body's
-    slots, which name a buffer a repetition."""
+    ranges are disjoint; two slots of a loop's body where their buffers are so in every repetition (of every
+    loop that has both slots: a conservative answer for the loop the body is). Not known (so not) for two
+    inputs (views of one tensor may alias) or the next repetition's slots."""
+    slot = slot_name(0)[:-1]
+    if a.startswith(slot) and b.startswith(slot):
+        ja, jb = int(a[len(slot):]), int(b[len(slot):])
+        pairs = [(row[ja], row[jb]) for lp in loops for row in lp.slots if max(ja, jb) < len(row)]
+        return bool(pairs) and all(_apart(placements, [], x, y) for x, y in pairs)
     pa, pb = placements.get(a), placements.get(b)
     if pa is None or pb is None or a == b or pa.kind == pb.kind == "input":
         return False

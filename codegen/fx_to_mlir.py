@@ -206,6 +206,9 @@ class MlirEmitter:
         self._n = 0
         self.arguments: list[TValue] = []  # the function's arguments: the only values `copy_` may write
         self.mutations: list[tuple[int, TValue]] = []  # (argument index, its new value), from copy_ nodes
+        # values later ops take as they are, by key (attention's causal last keys, the same in every layer: one
+        # copy, which the layer loop's invariant kernels run once before the layers)
+        self.reused: dict[tuple[object, ...], TValue] = {}
 
     def fresh(self) -> str:
         self._n += 1
