@@ -1108,11 +1108,14 @@ def _native_layer_norm(e: MlirEmitter, x: TValue, shape: Any, weight: Any, bias:
 
 def _rms_norm(e: MlirEmitter, x: TValue, weight: TValue | None, eps: float) -> TValue:
     """x rsqrt(mean(x^2) + eps) [* w]; a row whose sum of squares overflows is normalised from x SQ_SCALE
-    (eps SQ_SCALE^2 underflows to 0 there). The rsqrt is computed once a row, not once an element (two
-    rsqrt sequences an element held a 2048-token prefill's norm at ~53 bundles a vreg); the copy keeps
-    fusion from folding it back into the elementwise pass."""
+    (eps SQ_SCALE^2 underflows to 0 there). Over many rows of several vmem rows each the rsqrt is computed
+    once a row, not once an element (two rsqrt sequences an element held a 2048-token prefill's norm at ~53
+    bundles a vreg), behind a copy that keeps fusion from folding it back into the elementwise pass; a
+    decode step's few rows keep it inline (a generic more in its norm chain cost more than it saved)."""
     n = float(x.shape[-1])
     q = _row_sum_squares(e, x, None)
+    if math.prod(x.shape[:-1]) < RMS_FACTOR_MIN_ROWS or x.shape[-1] <= e.config.lanes:
+        return _rms_norm_inline(e, x, q, weight, eps)
 
     def factor(v: list[str], w: BodyWriter) -> str:
         plain = w.op("math.rsqrt", w.op("arith.addf", w.op("arith.divf", v[0], w.const(n)), w.const(eps)))
@@ -1127,6 +1130,24 @@ def _rms_norm(e: MlirEmitter, x: TValue, weight: TValue | None, eps: float) -> T
     r = e.fusion_barrier(e.elementwise([q], factor, dtype="f32"))
     ops = [x, q, r] + ([weight] if weight is not None else [])
     return e.elementwise(ops, normalise, dtype=x.dtype)
+
+
+RMS_FACTOR_MIN_ROWS = 8  # rows from which an RMS norm computes its factor once a row (`_rms_norm`)
+
+
+def _rms_norm_inline(e: MlirEmitter, x: TValue, q: TValue, weight: TValue | None, eps: float) -> TValue:
+    """`_rms_norm` with the factor computed in the elementwise pass (the same bits)."""
+    n = float(x.shape[-1])
+
+    def normalise(v: list[str], w: BodyWriter) -> str:
+        xv, q = v[:2]
+        plain = w.op("arith.mulf", xv,
+                     w.op("math.rsqrt", w.op("arith.addf", w.op("arith.divf", q, w.const(n)), w.const(eps))))
+        scaled = w.op("arith.mulf", w.op("arith.mulf", xv, w.const(SQ_SCALE)),
+                      w.op("math.rsqrt", w.op("arith.divf", w.op("arith.negf", q), w.const(n))))
+        return _product([w.select(_scaled(q, w), scaled, plain), *v[2:]], w)
+
+    return e.elementwise([x, q] + ([weight] if weight is not None else []), normalise, dtype=x.dtype)
 
 
 def _product(v: list[str], w: BodyWriter) -> str:
