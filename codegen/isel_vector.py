@@ -765,6 +765,10 @@ CHAIN_MAX_MEMBERS = 16
 # runs of generics too large for one tile, over the same rows, run as one tile loop (`lower_tiled_chain`: a
 # prefill softmax's passes over a key tile of scores)
 TILED_CHAINS = True
+# a tiled chain's first member takes at least this share of vmem (`large`: 4,096 rows, a 2048-token prefill's
+# key tile 8,192 score rows of 1,536 keys): a smaller run's few tiles pay the loop's fill and drain, and a
+# dynamic-shape bucket's members, which compute only their valid rows, are not chained
+TILED_MIN_SHARE = 8
 
 
 @dataclass
@@ -880,7 +884,9 @@ def form_chains(kernels: list[tuple[object, int]], config: HardwareConfig, vmem_
         tiled = len(members) < 2 and apart is not None and TILED_CHAINS
         if tiled:
             assert apart is not None
-            members = _tiled_run(kernels, i, lanes, tile_rows, apart)
+            members = _tiled_run(kernels, i, lanes, _tiled_min_rows(config), apart)
+            while len(members) >= 2 and _tiles_vmem(members, frozenset(), 8) > vmem_rows:
+                members = members[:-1]  # tiles of 8 rows must fit (every output stored: the most they take)
             j = i + len(members)
         if len(members) >= 2:
             chain = KernelChain(i, members, tiled=tiled)
@@ -895,20 +901,24 @@ def form_chains(kernels: list[tuple[object, int]], config: HardwareConfig, vmem_
 def tiled_runs(kernels: list[Kernel], config: HardwareConfig) -> list[tuple[int, int]]:
     """The runs of kernels [first, last] that `form_chains` may lower as tiled chains, whatever their buffers'
     placement: the memory plan keeps every buffer of such a run alive across it (`compiler.plan_memory`)."""
-    lanes, tile_rows = config.lanes, max(CHAIN_MIN_TILE_ROWS, config.vmem_rows // CHAIN_TILE_SHARE)
     if not TILED_CHAINS:
         return []
     segmented: list[tuple[object, int]] = [(k, 0) for k in kernels]
     out, i = [], 0
     while i < len(kernels):
-        n = len(_tiled_run(segmented, i, lanes, tile_rows, lambda a, b: True))
+        n = len(_tiled_run(segmented, i, config.lanes, _tiled_min_rows(config), lambda a, b: True))
         if n >= 2:
             out.append((i, i + n - 1))
         i += max(n, 1)
     return out
 
 
-def _tiled_run(kernels: list[tuple[object, int]], i: int, lanes: int, tile_rows: int,
+def _tiled_min_rows(config: HardwareConfig) -> int:
+    """vmem rows a tiled chain's first member must take (more than one chain tile: `TILED_MIN_SHARE`)."""
+    return max(CHAIN_MIN_TILE_ROWS, config.vmem_rows // CHAIN_TILE_SHARE, config.vmem_rows // TILED_MIN_SHARE)
+
+
+def _tiled_run(kernels: list[tuple[object, int]], i: int, lanes: int, min_rows: int,
                apart: Callable[[str, str], bool]) -> list[ChainMember]:
     """The generics from kernels[i] on that run as one tile loop over their rows (`lower_tiled_chain`): each
     too large for one chain tile or reading a member's output, all of the same rows, every row valid. A run
@@ -928,7 +938,7 @@ def _tiled_run(kernels: list[tuple[object, int]], i: int, lanes: int, tile_rows:
         forwarded = [s for s in reads if s.view.buffer in written]
         if any(not _forwards(written[s.view.buffer], m, s) for s in forwarded):
             break
-        if not forwarded and m.rows * m.P <= tile_rows:
+        if not forwarded and m.rows * m.P <= min_rows:
             break  # small and independent of the run: not worth a tile loop of its own
         loads = [(s, m) for s in reads if s.view.buffer not in written]
         out = m.streams[-1]
@@ -1159,29 +1169,30 @@ def _chain_tile_rows(ctx: KernelContext, chain: KernelChain) -> int:
     """The most rows per tile of a tiled chain (a multiple of 8, at most `max_tile_vmem_rows` vmem rows of
     its widest row) whose tiles fit the free vmem: two of each load and stored output, one of each private
     output and broadcast column."""
+    widest = max(m.P for m in chain.members)
+    t = min(chain.members[0].rows, max(8, max_tile_vmem_rows(ctx.config) // widest // 8 * 8))
+    while t > 1 and _tiles_vmem(chain.members, chain.private, t) > ctx.vmem_free():
+        t = max(1, t // 2)
+    if _tiles_vmem(chain.members, chain.private, t) > ctx.vmem_free():
+        raise LoweringError(f"{ctx.kernel}: one row of a tiled chain does not fit vmem")
+    return t
+
+
+def _tiles_vmem(members: list[ChainMember], private: frozenset[int], t: int) -> int:
+    """vmem rows a tiled chain's tiles of t rows take (`lower_tiled_chain`): two of each load and stored
+    output, one of each private output and broadcast column, each region rounded up to whole chunks."""
     written: set[str] = set()
     loaded: set[tuple] = set()
-    per_row, extra = 0, 0  # vmem rows per tile row, and rows per tile, summed over the regions
-    for j, m in enumerate(chain.members):
+    sizes = []
+    for j, m in enumerate(members):
         for s in m.reads():
             if s.view.buffer not in written and _tile_key(s, m) not in loaded:
                 loaded.add(_tile_key(s, m))
-                per_row, extra = per_row + 2 * m.pitch(s)[0], extra + 2 * 8
-        for s in m.streams[:-1]:
-            if s.kind == "col":
-                per_row, extra = per_row + m.P, extra + 8
-        copies = 1 if j in chain.private else 2
-        per_row, extra = per_row + copies * m.pitch(m.streams[-1])[0], extra + copies * 8
+                sizes += 2 * [t * m.pitch(s)[0] + 8]
+        sizes += [t * m.P + 8 for s in m.streams[:-1] if s.kind == "col"]
+        sizes += (1 if j in private else 2) * [t * m.pitch(m.streams[-1])[0] + 8]
         written.add(m.streams[-1].view.buffer)
-    widest = max(m.P for m in chain.members)
-    t = min(chain.members[0].rows, max(8, max_tile_vmem_rows(ctx.config) // widest // 8 * 8))
-    # each region rounds up to whole chunks: a margin of 8 rows a region
-    regions = extra // 8
-    while t > 1 and t * per_row + extra + 8 * regions > ctx.vmem_free():
-        t = max(1, t // 2)
-    if t * per_row + extra + 8 * regions > ctx.vmem_free():
-        raise LoweringError(f"{ctx.kernel}: one row of a tiled chain does not fit vmem")
-    return t
+    return sum(region_rows(n) for n in sizes)
 
 
 def _chain_loads(chain: KernelChain) -> list[tuple[Stream, ChainMember]]:
