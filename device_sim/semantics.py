@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from device_sim import isa, numerics
+from device_sim import isa, numerics, sequences
 from device_sim.machine import Machine, Operands
 
 Semantics = Callable[[Machine, Operands, int], "int | None"]
@@ -179,6 +179,11 @@ semantics("vred.sum.l")(_reduce(1, "sum"))
 semantics("vred.max.l")(_reduce(1, "max"))
 semantics("vred.sum.s")(_reduce(0, "sum"))
 semantics("vred.max.s")(_reduce(0, "max"))
+
+
+@semantics("vexp.f")
+def _vexp(m: Machine, op: Operands, t: int) -> None:
+    m.write_v(op.d, sequences.exp_unit_bits(m.vu[op.a]), t + op.lat)
 
 
 # ---- vector memory -------------------------------------------------------------------------------

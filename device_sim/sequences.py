@@ -1,8 +1,9 @@
 """Transcendental and normalisation sequences in CTPU vector ops, and their numpy-float32 models.
 
-The CTPU has no divide, exp or rsqrt (docs/architecture.md, "Vector unit"): the compiler emits them as
-sequences of single-rounding vector ops. This module writes each sequence ONCE, as a list of `VOp`s (a
-CTPU vector mnemonic over named values), built with a `SeqBuilder`. The same list is
+The CTPU has no divide or rsqrt (docs/architecture.md, "Vector unit"): the compiler emits them as
+sequences of single-rounding vector ops. Exp has a unit of its own (`vexp.f`), which chains such steps in
+hardware. This module writes each sequence ONCE, as a list of `VOp`s (a CTPU vector mnemonic over named
+values), built with a `SeqBuilder`. The same list is
 
 - evaluated op by op in numpy (`evaluate`), which is the bit-exact reference model: every step is one
   fp32 RNE op or one int32 op, no FMA, exactly as `device_sim/semantics.py` defines the instruction;
@@ -14,9 +15,10 @@ sequence uses a cross-lane (`vred.*.l`) or cross-sublane (`vred.*.s`) reduction.
 
 Sequences (ulp figures are measured by tests/device_sim/test_sequences.py and listed in docs/programs.md):
 
-- `exp`: clamp to [-104, 89], n = round(x log2e) by the 1.5*2^23 magic add, r = x - n ln2 in two
-  Cody-Waite parts, e^r = 1 + r + r^2 P(r) with P a degree-4 near-minimax polynomial (Horner), times 2^n
-  built on the exponent field in two halves (so subnormal results round once and overflow gives inf).
+- `exp`: one `vexp.f`. The exp unit's steps (`exp_unit_seq`, also generated into the RTL's `fp32_exp`):
+  clamp to [-104, 89], n = round(x log2e) by the 1.5*2^23 magic add, r = x - n ln2 in two Cody-Waite
+  parts, e^r = 1 + r + r^2 P(r) with P a degree-4 near-minimax polynomial (Horner), times 2^n built on
+  the exponent field in two halves (so subnormal results round once and overflow gives inf).
 - `reciprocal`, `divide`: 0x7ef311c3 - bits(|d|) estimate, two Newton steps y(2 - d y) and a corrective
   one y + y(1 - d y), specials by selects; d outside [2^-126, 2^126] is first scaled by an exact power of
   two s, and the result (1 or a, times y) scaled back by s, so the whole fp32 range is covered (a caller
@@ -148,7 +150,6 @@ _SEMANTICS: dict[str, Callable[..., np.ndarray]] = {
     "vred.sum.s": _red(-2, "sum"),
     "vred.max.s": _red(-2, "max"),
 }
-VECTOR_MNEMONICS = frozenset(_SEMANTICS)
 
 
 def evaluate(b: SeqBuilder, inputs: dict[str, np.ndarray], outputs: list[str]) -> list[np.ndarray]:
@@ -177,7 +178,14 @@ EXP_POLY = (0.001381461275741458, 0.008368710055947304, 0.04166838899254799, 0.1
 
 
 def exp_seq(b: SeqBuilder, x: str) -> str:
-    """e^x: 30 vector ops (2 clamp, 4 range reduction, 4 Cody-Waite, 12 polynomial, 8 scaling)."""
+    """e^x: one `vexp.f` on the exp unit."""
+    return b.op("vexp.f", x)
+
+
+def exp_unit_seq(b: SeqBuilder, x: str) -> str:
+    """What the exp unit computes, step by step: the definition of `vexp.f` (the simulator evaluates it,
+    the RTL's `fp32_exp` chains the same steps). 30 single-rounding steps: 2 clamp, 4 range reduction,
+    4 Cody-Waite, 12 polynomial, 8 scaling."""
     lo, hi = b.const("EXP_LO", EXP_LO), b.const("EXP_HI", EXP_HI)
     log2e, magic = b.const("LOG2E", float(np.float32(np.log2(np.e)))), b.const("MAGIC_ROUND", MAGIC_ROUND)
     ln2_hi, ln2_lo = b.const("LN2_HI", LN2_HI), b.const("LN2_LO", LN2_LO)
@@ -202,6 +210,17 @@ def exp_seq(b: SeqBuilder, x: str) -> str:
     e1 = b.op("vadd.i", b.op("vshl", n1, i23), one)  # (n1 << 23) + bits(1.0) = bits(2^n1)
     e2 = b.op("vadd.i", b.op("vshl", n2, i23), one)
     return b.op("vmul.f", b.op("vmul.f", y, e1), e2)
+
+
+def _exp_unit() -> Callable[[np.ndarray], np.ndarray]:
+    b = SeqBuilder()
+    out = exp_unit_seq(b, b.input("x"))
+    return lambda bits: evaluate(b, {"x": np.ascontiguousarray(bits).view(np.float32)}, [out])[0].view(np.uint32)
+
+
+exp_unit_bits = _exp_unit()  # vexp.f on fp32 bit patterns (uint32 in, uint32 out)
+_SEMANTICS["vexp.f"] = exp_unit_bits
+VECTOR_MNEMONICS = frozenset(_SEMANTICS)
 
 
 # ---- reciprocal and division ---------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Generate the SystemVerilog package `device_sim/rtl/ctpu_isa_pkg.sv` from `isa.py` and `config.py`.
+"""Generate the SystemVerilog package `device_sim/rtl/ctpu_isa_pkg.sv` from `isa.py`, `config.py` and the
+exp unit's steps (`sequences.exp_unit_seq`).
 
 The RTL imports every opcode, field position, latency, slot index and configuration parameter from this
 package, so an ISA change cannot silently diverge from the hardware: `tests/rtl/test_sv_package.py`
@@ -15,7 +16,7 @@ import re
 import sys
 from pathlib import Path
 
-from device_sim import isa
+from device_sim import isa, sequences
 from device_sim.config import CONFIGS, SUBLANES
 
 PACKAGE_PATH = Path(__file__).parent / "rtl" / "ctpu_isa_pkg.sv"
@@ -49,6 +50,33 @@ def _unit_name(u: isa.Unit) -> str:
     return "UNIT_" + u.name
 
 
+# The exp unit's steps (sequences.exp_unit_seq) as SystemVerilog: fp32 ops call ctpu_fp_pkg, int32 ops are
+# plain arithmetic on the bit patterns.
+_SV_STEPS: dict[str, str] = {
+    "vadd.f": "fp32_add({0}, {1})", "vsub.f": "fp32_sub({0}, {1})", "vmul.f": "fp32_mul({0}, {1})",
+    "vmax.f": "fp32_max({0}, {1})", "vmin.f": "fp32_min({0}, {1})",
+    "vadd.i": "{0} + {1}", "vsub.i": "{0} - {1}", "vshl": "{0} << {1}[4:0]",
+    "vsra": "32'($signed({0}) >>> {1}[4:0])",
+}
+
+
+def _exp_function() -> list[str]:
+    """`fp32_exp`: sequences.exp_unit_seq step by step, so the RTL's exp unit and the simulator's `vexp.f`
+    evaluate one list of single-rounding steps."""
+    b = sequences.SeqBuilder()
+    out = sequences.exp_unit_seq(b, b.input("x"))
+    lines = ["  // The exp unit (vexp.f): sequences.exp_unit_seq's steps, one fp32 or int32 op each.",
+             "  function automatic logic [31:0] fp32_exp(input logic [31:0] x);"]
+    lines += [f"    localparam logic [31:0] {name} = 32'h{bits:08x};" for name, bits in b.consts.items()]
+    lines.append("    logic [31:0] " + ", ".join(op.dst for op in b.ops) + ";")
+    for op in b.ops:
+        if op.mnemonic not in _SV_STEPS:
+            raise ValueError(f"the exp unit has no SystemVerilog for step {op.mnemonic}")
+        lines.append(f"    {op.dst} = {_SV_STEPS[op.mnemonic].format(*op.srcs)};")
+    lines += [f"    return {out};", "  endfunction"]
+    return lines
+
+
 def generate() -> str:
     """The package text (deterministic: depends only on the tables)."""
     out: list[str] = []
@@ -60,6 +88,7 @@ def generate() -> str:
     w("// Not every module uses every constant (e.g. the large configuration's): unused ones are expected.")
     w("/* verilator lint_off UNUSEDPARAM */")
     w("package ctpu_isa_pkg;")
+    w("  import ctpu_fp_pkg::*;  // the exp unit's steps")
     w("")
     w("  // ---- bundle and register files ----")
     w(f"  localparam int NUM_SLOTS = {isa.NUM_SLOTS};")
@@ -162,6 +191,8 @@ def generate() -> str:
     w("      default: return 0;")
     w("    endcase")
     w("  endfunction")
+    w("")
+    out.extend(_exp_function())
     w("")
     w("  // ---- trap codes (trap_code_o) ----")
     for i, (name, doc) in enumerate(TRAP_CODES):

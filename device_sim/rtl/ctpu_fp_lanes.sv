@@ -1,4 +1,4 @@
-// Test wrapper: the fp32/bf16 functions of ctpu_fp_pkg on LANES lanes at once (combinational), so a
+// Test wrapper: the fp32/bf16 functions of ctpu_fp_pkg (and the exp unit's) on LANES lanes at once (combinational), so a
 // cocotb bench checks many operand pairs per Python call. Not part of the core.
 `default_nettype none
 
@@ -23,6 +23,7 @@ module ctpu_fp_lanes #(
   localparam logic [3:0] FP_OP_LT = 4'd8;
   localparam logic [3:0] FP_OP_EQ = 4'd9;
   localparam logic [3:0] FP_OP_BF16 = 4'd10;  // bf16 bits in [15:0]
+  localparam logic [3:0] FP_OP_EXP = 4'd11;  // the exp unit (vexp.f)
 
   always_comb begin
     for (int l = 0; l < LANES; l++) begin
@@ -41,6 +42,7 @@ module ctpu_fp_lanes #(
         FP_OP_LT: y = {31'd0, fp32_lt(a, b)};
         FP_OP_EQ: y = {31'd0, fp32_eq(a, b)};
         FP_OP_BF16: y = {16'd0, fp32_to_bf16(a)};
+        FP_OP_EXP: y = ctpu_isa_pkg::fp32_exp(a);
         default: y = 32'd0;
       endcase
       y_o[l*32 +: 32] = y;

@@ -5,6 +5,7 @@
 // Not every module uses every constant (e.g. the large configuration's): unused ones are expected.
 /* verilator lint_off UNUSEDPARAM */
 package ctpu_isa_pkg;
+  import ctpu_fp_pkg::*;  // the exp unit's steps
 
   // ---- bundle and register files ----
   localparam int NUM_SLOTS = 9;
@@ -137,6 +138,7 @@ package ctpu_isa_pkg;
   localparam logic [7:0] OP_VRED_MAX_L  = 8'h61;  // each row of vd = max of that row of va across lanes
   localparam logic [7:0] OP_VRED_SUM_S  = 8'h62;  // each column of vd = tree-sum of that column of va across sublanes
   localparam logic [7:0] OP_VRED_MAX_S  = 8'h63;  // each column of vd = max of that column of va across sublanes
+  localparam logic [7:0] OP_VEXP_F      = 8'h64;  // vd = e^va (fp32): the exp unit computes sequences.exp_unit_seq's 30 single-rounding steps (<= 1 ulp)
   localparam logic [7:0] OP_VLD         = 8'h80;  // vd = vmem rows [sa+imm, sa+imm+S)
   localparam logic [7:0] OP_VLD_ROW     = 8'h81;  // every row of vd = vmem row sa+imm (broadcast down the sublanes)
   localparam logic [7:0] OP_VST         = 8'h88;  // vmem rows [sa+imm, sa+imm+S) = vd
@@ -217,6 +219,7 @@ package ctpu_isa_pkg;
       OP_VRED_MAX_L,
       OP_VRED_SUM_S,
       OP_VRED_MAX_S,
+      OP_VEXP_F,
       OP_VLD,
       OP_VLD_ROW,
       OP_VST,
@@ -297,7 +300,8 @@ package ctpu_isa_pkg;
       OP_VRED_SUM_L,
       OP_VRED_MAX_L,
       OP_VRED_SUM_S,
-      OP_VRED_MAX_S: return UNIT_VECTOR;
+      OP_VRED_MAX_S,
+      OP_VEXP_F: return UNIT_VECTOR;
       OP_VLD,
       OP_VLD_ROW: return UNIT_VLOAD;
       OP_VST: return UNIT_VSTORE;
@@ -388,7 +392,8 @@ package ctpu_isa_pkg;
       OP_VRED_SUM_L,
       OP_VRED_MAX_L,
       OP_VRED_SUM_S,
-      OP_VRED_MAX_S: return 32'hffffc000;
+      OP_VRED_MAX_S,
+      OP_VEXP_F: return 32'hffffc000;
       OP_VSEL: return 32'hfffffff0;
       OP_MXU_LW,
       OP_MXU_LWT,
@@ -471,9 +476,60 @@ package ctpu_isa_pkg;
       OP_VRED_SUM_L,
       OP_VRED_MAX_L,
       OP_VRED_SUM_S,
-      OP_VRED_MAX_S: return 4;
+      OP_VRED_MAX_S,
+      OP_VEXP_F: return 4;
       default: return 0;
     endcase
+  endfunction
+
+  // The exp unit (vexp.f): sequences.exp_unit_seq's steps, one fp32 or int32 op each.
+  function automatic logic [31:0] fp32_exp(input logic [31:0] x);
+    localparam logic [31:0] EXP_LO = 32'hc2d00000;
+    localparam logic [31:0] EXP_HI = 32'h42b20000;
+    localparam logic [31:0] LOG2E = 32'h3fb8aa3b;
+    localparam logic [31:0] MAGIC_ROUND = 32'h4b400000;
+    localparam logic [31:0] LN2_HI = 32'h3f318000;
+    localparam logic [31:0] LN2_LO = 32'hb95e8083;
+    localparam logic [31:0] ONE = 32'h3f800000;
+    localparam logic [31:0] I1 = 32'h00000001;
+    localparam logic [31:0] I23 = 32'h00000017;
+    localparam logic [31:0] EXP_C4 = 32'h3ab51226;
+    localparam logic [31:0] EXP_C3 = 32'h3c091cea;
+    localparam logic [31:0] EXP_C2 = 32'h3d2aac79;
+    localparam logic [31:0] EXP_C1 = 32'h3e2aaa49;
+    localparam logic [31:0] EXP_C0 = 32'h3efffffe;
+    logic [31:0] t1, t2, t3, t4, t5, t6, t7, t8, t9, t10, t11, t12, t13, t14, t15, t16, t17, t18, t19, t20, t21, t22, t23, t24, t25, t26, t27, t28, t29, t30;
+    t1 = fp32_max(x, EXP_LO);
+    t2 = fp32_min(t1, EXP_HI);
+    t3 = fp32_mul(t2, LOG2E);
+    t4 = fp32_add(t3, MAGIC_ROUND);
+    t5 = fp32_sub(t4, MAGIC_ROUND);
+    t6 = t4 - MAGIC_ROUND;
+    t7 = fp32_mul(t5, LN2_HI);
+    t8 = fp32_sub(t2, t7);
+    t9 = fp32_mul(t5, LN2_LO);
+    t10 = fp32_sub(t8, t9);
+    t11 = fp32_mul(EXP_C4, t10);
+    t12 = fp32_add(t11, EXP_C3);
+    t13 = fp32_mul(t12, t10);
+    t14 = fp32_add(t13, EXP_C2);
+    t15 = fp32_mul(t14, t10);
+    t16 = fp32_add(t15, EXP_C1);
+    t17 = fp32_mul(t16, t10);
+    t18 = fp32_add(t17, EXP_C0);
+    t19 = fp32_mul(t10, t10);
+    t20 = fp32_mul(t18, t19);
+    t21 = fp32_add(t20, t10);
+    t22 = fp32_add(t21, ONE);
+    t23 = 32'($signed(t6) >>> I1[4:0]);
+    t24 = t6 - t23;
+    t25 = t23 << I23[4:0];
+    t26 = t25 + ONE;
+    t27 = t24 << I23[4:0];
+    t28 = t27 + ONE;
+    t29 = fp32_mul(t22, t26);
+    t30 = fp32_mul(t29, t28);
+    return t30;
   endfunction
 
   // ---- trap codes (trap_code_o) ----

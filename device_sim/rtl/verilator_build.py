@@ -24,8 +24,8 @@ BUILD_ROOT = REPO_ROOT / "build" / "rtl"
 
 # Core sources in dependency order (packages first).
 CORE_SOURCES = [
-    "ctpu_isa_pkg.sv",
     "ctpu_fp_pkg.sv",
+    "ctpu_isa_pkg.sv",  # imports ctpu_fp_pkg (the exp unit)
     "ctpu_scalar_alu.sv",
     "ctpu_valu.sv",
     "ctpu_vector_unit.sv",

@@ -142,3 +142,18 @@ def test_simulator_matches_divide_model() -> None:
     a, d = _values(64), RNG.permutation(_values(64))
     for x, y in zip(a.reshape(-1, 64), d.reshape(-1, 64), strict=True):
         assert np.array_equal(run_on_simulator(sequences.divide, x, y), sequences.divide(x, y).view(np.uint32))
+
+
+def test_exp_is_one_instruction_of_the_exp_unit() -> None:
+    """The compiler's exp is one `vexp.f`; the unit's 30 steps give its bits (and the RTL's fp32_exp)."""
+    b = sequences.SeqBuilder()
+    sequences.exp_seq(b, b.input("x"))
+    assert [op.mnemonic for op in b.ops] == ["vexp.f"]
+    unit = sequences.SeqBuilder()
+    out = sequences.exp_unit_seq(unit, unit.input("x"))
+    assert len(unit.ops) == 30
+    x = np.array([0.0, -0.0, 1.0, -1.0, 88.72, 88.73, -87.4, -103.9, -104.1, np.inf, -np.inf, np.nan, 1e-45,
+                  3e38, -3e38], dtype=np.float32)
+    steps = sequences.evaluate(unit, {"x": x}, [out])[0]
+    assert np.array_equal(sequences.exp(x).view(np.uint32), steps.view(np.uint32))
+    assert np.array_equal(sequences.exp_unit_bits(x.view(np.uint32)), steps.view(np.uint32))

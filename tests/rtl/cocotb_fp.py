@@ -1,4 +1,5 @@
-"""cocotb bench for ctpu_fp_lanes: the RTL fp32/bf16 functions against device_sim.numerics.
+"""cocotb bench for ctpu_fp_lanes: the RTL fp32/bf16 functions and the exp unit against device_sim.numerics
+and the exp unit's steps (device_sim.sequences).
 
 Driver: packs LANES operand pairs per call; monitor: reads y_o after the combinational settle; golden
 model: numpy float32 (IEEE RNE with subnormals) + device_sim.numerics; checker: bit-exact compare.
@@ -13,11 +14,11 @@ import cocotb
 import numpy as np
 from cocotb.triggers import Timer
 
-from device_sim import numerics
+from device_sim import numerics, sequences
 
 LANES = 64
 OPS = {"add": 0, "sub": 1, "mul": 2, "bf": 3, "f2i": 4, "i2f": 5, "max": 6, "min": 7, "lt": 8, "eq": 9,
-       "bf16": 10}
+       "bf16": 10, "exp": 11}
 
 SPECIALS = np.array([
     0x00000000, 0x80000000, 0x00000001, 0x80000001, 0x007fffff, 0x807fffff, 0x00800000, 0x80800000,
@@ -54,6 +55,8 @@ def golden(op: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
             return (fa == fb).astype(np.uint32)
         if op == "bf16":
             return numerics.f32_to_bf16_bits(fa).astype(np.uint32)
+        if op == "exp":
+            return sequences.exp_unit_bits(a)
     raise ValueError(op)
 
 
@@ -80,6 +83,10 @@ def operands(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
     pb = ((np.uint32(127 - 24) - e + rng.integers(0, 26, size=n).astype(np.uint32)) & 0xFF) << 23 | m[1]
     parts_a.append(pa)
     parts_b.append(pb)
+    # exp's domain, its subnormal results (below -87.3) and its overflow (above 88.7)
+    parts_a.append(np.concatenate([rng.uniform(-110, 95, n), rng.uniform(-104, -86, n // 4),
+                                   rng.uniform(88, 89.5, n // 4)]).astype(np.float32).view(np.uint32))
+    parts_b.append(np.zeros(parts_a[-1].size, np.uint32))
     a, b = np.concatenate(parts_a), np.concatenate(parts_b)
     pad = (-a.size) % LANES
     return np.concatenate([a, np.zeros(pad, np.uint32)]), np.concatenate([b, np.zeros(pad, np.uint32)])

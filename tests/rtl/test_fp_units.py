@@ -1,4 +1,4 @@
-"""The RTL's fp32 adder/multiplier, bf16 conversion, f2i/i2f and compares against device_sim.numerics."""
+"""The RTL's fp32 adder/multiplier, bf16 conversion, f2i/i2f, compares and exp unit against device_sim."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ pytestmark = pytest.mark.rtl
 
 
 def test_fp_lanes_bit_exact() -> None:
-    runner = vb.build("fp_lanes", "ctpu_fp_lanes", ["ctpu_fp_pkg.sv", "ctpu_fp_lanes.sv"])
+    runner = vb.build("fp_lanes", "ctpu_fp_lanes", ["ctpu_fp_pkg.sv", "ctpu_isa_pkg.sv", "ctpu_fp_lanes.sv"])
     results = vb.run_test(runner, "ctpu_fp_lanes", "tests.rtl.cocotb_fp")
     from cocotb_tools.check_results import get_results
 

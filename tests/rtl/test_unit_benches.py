@@ -27,7 +27,7 @@ def test_systolic_array_bench() -> None:
 @pytest.mark.slow  # CI time (42 s, its own Verilator build); in CI the DMA engine runs in the whole core:
 def test_dma_engine_bench() -> None:  # test_ordering.py (back-to-back accesses), test_programs.py, test_traps.py
     runner = vb.build("dma_engine", "ctpu_dma",
-                      ["ctpu_isa_pkg.sv", "ctpu_fp_pkg.sv", "ctpu_fifo_slots.sv", "ctpu_dma.sv"],
+                      ["ctpu_fp_pkg.sv", "ctpu_isa_pkg.sv", "ctpu_fifo_slots.sv", "ctpu_dma.sv"],
                       parameters={"LANES": 8, "VMEM_ROWS": 512, "HBM_BYTES": "64'd65536", "BPC": 32,
                                   "LATENCY": 32, "QUEUE": 8})
     _passes(vb.run_test(runner, "ctpu_dma", "tests.rtl.cocotb_dma"))
