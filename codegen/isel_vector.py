@@ -649,17 +649,18 @@ def _reduce_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream],
         return evaluate(b, body, {s.arg: _load(b, s, p, base, row) for s in streams[:-1]}, value)
 
     def row(t: Reg) -> None:
-        acc = b.vreg()
-        b.emit("vbcast", acc, (b.const(identity),))
-        if plain <= UNROLL_CHUNKS:
+        if plain <= UNROLL_CHUNKS:  # a new register a step: the pipeliner can overlap rows (it renames values,
+            acc = b.vconst_bits(identity)  # not a register written twice); the same ops, the same bits
             for j in range(plain):
-                b.emit(vop, acc, (acc, f_at(row_base, 8 * j)))
+                acc = b.vop(vop, acc, f_at(row_base, 8 * j))
         else:
+            acc = b.vreg()
+            b.emit("vbcast", acc, (b.const(identity),))
             chunk_loop(b, plain, lambda off: b.emit(vop, acc, (acc, f_at(off, 0))), "reduce_row", row_base)
         if tail:
             mask = b.vop("vcmp.lt.i", b.vop_imm("viota", 2), b.vconst_bits(tail))
             f = b.vop("vsel", mask, f_at(row_base, 8 * plain), b.vconst_bits(identity))
-            b.emit(vop, acc, (acc, f))
+            acc = b.vop(vop, acc, f)
         total = b.vop(red_s, b.vop(red_l, acc))
         _store(b, b.vop(vop, total, initial(t, one_row=True)), out, t)
         b.emit("addi", row_base, (row_base,), imm=P)

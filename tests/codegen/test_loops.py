@@ -173,15 +173,14 @@ def test_live_out_value_is_live_until_its_redefinition_lands() -> None:
     assert segments[0][0] == 0 and segments[0][1] >= 4, segments
 
 
-@pytest.mark.parametrize("placement", ["back", "pool"])
-def test_a_register_bound_loop_frees_the_registers_its_constants_hold(monkeypatch: pytest.MonkeyPatch,
-                                                                       placement: str) -> None:
-    """SwiGLU's silu(gate) * up in bf16 (a 1b-2l prefill's down_proj factor, 74 vector ops a vreg): with its
-    polynomial constants hoisted, 12 of the 28 pipeline registers stay taken across the loop and the II
-    was 79 where the slots allow 37. With them back inside (a vbcast per use) it is lower; with them in a
-    vmem pool (a vld per use, on the idle load slot) and its input loaded again for its late use, lower
-    still. The same bits as with the constants hoisted (NaN, inf, -0, subnormals included), at least 15%
-    (back) and 35% (pool) fewer cycles."""
+def test_a_register_bound_loop_frees_the_registers_its_constants_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """silu(a) * tanh(b) in bf16 on `large`: with its polynomial constants hoisted, they stay taken across
+    the loop and the registers, not the slots, bound the II. With them in a vmem pool (a vld per use, on the
+    idle load slot) and values loaded again for their late use, it runs in fewer cycles, with the same bits
+    as with the constants hoisted (NaN, inf, -0, subnormals included). Measured 29,842 against 38,954
+    cycles. (SwiGLU's silu(a) * b was this test's body until the exp unit made it slot-bound; no body found
+    since picks the other placement, constants back inside the loop, over the pool: `_constants_back` is
+    left without a case here.)"""
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -194,24 +193,23 @@ def test_a_register_bound_loop_frees_the_registers_its_constants_hold(monkeypatc
 
     a, b = torch.randn(64, 8192).to(torch.bfloat16), torch.randn(64, 8192).to(torch.bfloat16)
     a[0, :6] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 1e-39, -3e38])
-    b[1, :3] = torch.tensor([float("nan"), float("inf"), 0.0])
+    b[1, :4] = torch.tensor([float("nan"), float("inf"), 0.0, -0.0])
 
     def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return F.silu(a) * b
+        return F.silu(a) * torch.tanh(b)
 
     def run() -> tuple[np.ndarray, int, list[str]]:
         exe = compile_graph(trace(f, a, b), [a, b], "large")
         (out,), stats = run_fresh(exe, [a.float().numpy(), b.float().numpy()], SimulatorRunner("large"))
         return out, stats.cycles, exe.summary["pipelining"]
 
-    other = {"back": "_constant_pool", "pool": "_constants_back"}[placement]
-    monkeypatch.setattr(modulo, other, lambda *args: None)
     placed, cycles, log = run()
-    assert any({"back": "moved back", "pool": "vmem pool"}[placement] in line for line in log), log
+    assert any("vmem pool" in line and "registers bound the II" in line for line in log), log
     monkeypatch.setattr(modulo, "_constants_placed", lambda func, loop, pre, body, sched, *args: (body, sched))
     hoisted, hoisted_cycles = run()[:2]
     np.testing.assert_array_equal(placed.view(np.uint32), hoisted.view(np.uint32))
-    assert cycles < {"back": 0.85, "pool": 0.65}[placement] * hoisted_cycles, (cycles, hoisted_cycles)
+    torch.testing.assert_close(torch.from_numpy(placed), f(a, b).float(), rtol=1.6e-2, atol=1e-5, equal_nan=True)
+    assert cycles < 0.85 * hoisted_cycles, (cycles, hoisted_cycles)
 
 
 @pytest.mark.parametrize("count", [40, 41])

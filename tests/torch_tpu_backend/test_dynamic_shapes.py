@@ -285,7 +285,8 @@ def test_a_runtime_tile_computes_about_the_rows_it_holds() -> None:
     """A SwiGLU-like factor (silu(x) * x, [1, n, 8192] bf16, `large`) at 17 and 32 tokens of one bucket (32):
     one tile of 32 rows, whose software-pipelined loop runs a runtime trip count: the chunks of the valid
     rows, rounded up to whole kernel runs (`isel_vector._over_rows`), so 17 tokens cost about 17 rows' work,
-    not 32 (measured 10,333 against 18,013 cycles; 12,183 against 18,732 when it computed parts of 4 rows
+    not 32 (measured 4,628 against 7,268 cycles with the exp unit, whose cheaper rows leave the fixed costs a
+    larger share; before it 10,333 against 18,013; 12,183 against 18,732 when it computed parts of 4 rows
     while rows were left; 17,525 against 18,005 when every tile computed all its rows). inf, -inf, NaN, -0
     and a subnormal in the last valid row come out as eager's."""
     def factor(x: torch.Tensor) -> torch.Tensor:
@@ -295,7 +296,7 @@ def test_a_runtime_tile_computes_about_the_rows_it_holds() -> None:
     for n, x in inputs.items():
         x[0, n - 1, :5] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 1e-40])
     cycles = _cycles_in_one_bucket(factor, inputs, 1e-2)
-    assert cycles[17] < 0.62 * cycles[32], cycles
+    assert cycles[17] < 0.7 * cycles[32], cycles
 
 
 @pytest.mark.parametrize(("hidden", "short", "long", "ratio"), [(2048, 17, 32, 0.75), (256, 129, 256, 0.7)])
