@@ -8,6 +8,7 @@ written once.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,6 +33,16 @@ class _LoopFrame:
     steps: dict[Reg, int]  # induction register -> step (holds its start value at the preheader's end)
     bases: dict[tuple[Reg, int], Reg] = field(default_factory=dict)  # vmem base registers made for this loop
     companions: list[tuple[Reg, int]] = field(default_factory=list)  # induction bases to advance, with steps
+
+
+def _drop_unread_advances(loop: Block, ivs: dict[Reg, int]) -> None:
+    """Drop the advance of an induction register that a single-block loop reads nowhere else (its accesses
+    all went through companions): a scalar slot an iteration, which bounds short loops' II."""
+    def advance(ins: MInstr) -> bool:
+        return ins.op == "addi" and ins.dst in ivs and ins.uses == (ins.dst,)
+    reads = Counter(r for ins in loop.instrs for r in ins.uses)
+    unread = {ins.dst for ins in loop.instrs if advance(ins) and reads[ins.dst] == 1}
+    loop.instrs = [ins for ins in loop.instrs if not (advance(ins) and ins.dst in unread)]
 
 
 class Builder:
@@ -182,9 +193,9 @@ class Builder:
         """Run `body` `count` times (count >= 1) as a runtime loop: the body emits into one block that
         branches back to itself; the counter is a fresh register counting down. `ivs`: registers that hold
         their start value here and that the body advances by the given step (vmem bases: `vmem_address`
-        gives them companions). `wanted`: a register holding the runs needed at run time, 1 <= value <=
-        count: the loop runs at least that many and at most `count` (a software-pipelined loop rounds up to
-        whole kernel runs)."""
+        gives them companions); their values after the loop are unspecified. `wanted`: a register holding
+        the runs needed at run time, 1 <= value <= count: the loop runs at least that many and at most
+        `count` (a software-pipelined loop rounds up to whole kernel runs)."""
         counter = self.sreg()
         self.emit("li", counter, imm=count)
         if wanted is not None:
@@ -206,6 +217,8 @@ class Builder:
         self._loops.pop()
         for r, step in frame.companions:
             self.addi(r, step, r)
+        if self.block is loop:
+            _drop_unread_advances(loop, frame.steps)
         return loop
 
     def if_positive(self, x: Reg, body: Callable[[], None], hint: str = "if") -> None:
