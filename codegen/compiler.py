@@ -97,6 +97,7 @@ from codegen.layer_loop import (
     reads_next_window,
     rename_to_slots,
     sink_fills,
+    slot_index,
     slot_name,
 )
 from codegen.machine_code import MachineCode, compile_functions
@@ -688,9 +689,8 @@ def _apart(placements: dict[str, BufferPlacement], loops: list[Loop], a: str, b:
     ranges are disjoint; two slots of a loop's body where their buffers are so in every repetition (of every
     loop that has both slots: a conservative answer for the loop the body is). Not known (so not) for two
     inputs (views of one tensor may alias) or the next repetition's slots."""
-    slot = slot_name(0)[:-1]
-    if a.startswith(slot) and b.startswith(slot):
-        ja, jb = int(a[len(slot):]), int(b[len(slot):])
+    ja, jb = slot_index(a), slot_index(b)
+    if ja is not None and jb is not None:
         pairs = [(row[ja], row[jb]) for lp in loops for row in lp.slots if max(ja, jb) < len(row)]
         return bool(pairs) and all(_apart(placements, [], x, y) for x, y in pairs)
     pa, pb = placements.get(a), placements.get(b)

@@ -1111,8 +1111,9 @@ def _rms_norm(e: MlirEmitter, x: TValue, weight: TValue | None, eps: float) -> T
     (eps SQ_SCALE^2 underflows to 0 there). Over many rows of several vmem rows each the rsqrt is computed
     once a row, not once an element (two rsqrt sequences an element held a 2048-token prefill's norm at ~53
     bundles a vreg), behind a copy that keeps fusion from folding it back into the elementwise pass; a
-    decode step's few rows keep it inline (a generic more in its norm chain cost more than it saved), as do a
-    short prompt's (`RMS_FACTOR_MIN_ROWS`)."""
+    decode step's few rows keep it inline (a generic more in its norm chain cost more than it saved:
+    `RMS_FACTOR_MIN_ROWS`). In a dynamic-shape bucket the factor's generic, as the others, computes only
+    the valid rows (`compiler.bound_padded_rows`)."""
     n = float(x.shape[-1])
     q = _row_sum_squares(e, x, None)
     if math.prod(x.shape[:-1]) < RMS_FACTOR_MIN_ROWS or x.shape[-1] <= e.config.lanes:
@@ -1134,9 +1135,8 @@ def _rms_norm(e: MlirEmitter, x: TValue, weight: TValue | None, eps: float) -> T
 
 
 # rows from which an RMS norm computes its factor once a row (`_rms_norm`): a prefill's; not a decode step's
-# or a dynamic-shape bucket's few, whose elementwise pass computes only its valid rows where the factor's
-# generic would compute all
-RMS_FACTOR_MIN_ROWS = 512
+# one row a sequence (+44 cycles a step at 1024 positions with the factor's generic)
+RMS_FACTOR_MIN_ROWS = 8
 
 
 def _rms_norm_inline(e: MlirEmitter, x: TValue, q: TValue, weight: TValue | None, eps: float) -> TValue:

@@ -26,6 +26,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -446,13 +447,23 @@ def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buff
     def static_tile(p: int, size: tuple[int, int], next_size: tuple[int, int] | None) -> None:
         tile(p, size, lambda: issue_loads(1 - p, next_size, moved) if next_size else None, moved)
 
-    issue_loads(0, sizes[0], moved)
+    _double_buffered(b, sizes, lambda size: issue_loads(0, size, moved), static_tile, "tiles")
+
+
+Size = TypeVar("Size")  # a tile's size: its rows, or (rows of a DMA piece, pieces)
+
+
+def _double_buffered(b: Builder, sizes: list[Size], first_loads: Callable[[Size], None],
+                     tile: Callable[[int, Size, Size | None], None], hint: str) -> None:
+    """Tiles of `sizes` (all but the last full) in buffers 0 and 1 by turns: the first tile's loads, pairs
+    of full tiles in a counted loop, then the one or two left. `tile(p, size, next size or None)` computes
+    in buffer p and issues the next tile's loads into the other."""
+    first_loads(sizes[0])
     pairs = (len(sizes) - 1) // 2  # tiles 0 .. 2 * pairs - 1 are full and each has a next tile
     if pairs:
-        b.counted_loop(pairs, lambda: (static_tile(0, sizes[0], sizes[0]), static_tile(1, sizes[0], sizes[0])),
-                       "tiles")
+        b.counted_loop(pairs, lambda: (tile(0, sizes[0], sizes[0]), tile(1, sizes[0], sizes[0])), hint)
     for i in range(2 * pairs, len(sizes)):
-        static_tile(i % 2, sizes[i], sizes[i + 1] if i + 1 < len(sizes) else None)
+        tile(i % 2, sizes[i], sizes[i + 1] if i + 1 < len(sizes) else None)
 
 
 def _runtime_tiles(ctx: KernelContext, valid: tuple[int, int], rows: int, T: int,
@@ -1089,11 +1100,11 @@ def lower_chain(ctx: KernelContext, chain: KernelChain) -> None:
 
 def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
     """A chain whose members are too large for one tile (a prefill's softmax over a key tile of every query
-    row: the row max, the exponentials, their sum, their bf16 copy for P @ V) as `_tile_loop`'s loop of
-    double-buffered tiles of T rows, every member computing the tile in turn: a member reads an earlier
-    member's output where its tile holds it, so the chain moves each value through HBM at most once (the
-    exponentials' f32, which only the chain reads, never), where the members one by one loaded and stored
-    every intermediate."""
+    row: the row max, the exponentials, their sum, their bf16 copy for P @ V) as a loop of double-buffered
+    tiles of T rows (`_double_buffered`, as `_tile_loop`), every member computing the tile in turn: a member
+    reads an earlier member's output where its tile holds it, so the chain moves each value through HBM at
+    most once (the exponentials' f32, which only the chain reads, never), where the members one by one
+    loaded and stored every intermediate."""
     b = ctx.b
     members, rows = chain.members, chain.members[0].rows
     T = _chain_tile_rows(ctx, chain)
@@ -1157,13 +1168,8 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
             move(False, m.streams[-1], m, ptr, tiles[p], p, n)
         b.new_block("tile_next")  # a tile's code ends a block: its DMA issues before the next tile's waits
 
-    sizes = [min(T, rows - t0) for t0 in range(0, rows, T)]
-    issue_loads(0, sizes[0])
-    pairs = (len(sizes) - 1) // 2  # tiles 0 .. 2 * pairs - 1 are full and each has a next tile
-    if pairs:
-        b.counted_loop(pairs, lambda: (tile(0, T, T), tile(1, T, T)), "chain_tiles")
-    for i in range(2 * pairs, len(sizes)):
-        tile(i % 2, sizes[i], sizes[i + 1] if i + 1 < len(sizes) else None)
+    _double_buffered(b, [min(T, rows - t0) for t0 in range(0, rows, T)], lambda n: issue_loads(0, n), tile,
+                     "chain_tiles")
 
 
 def _chain_tile_rows(ctx: KernelContext, chain: KernelChain) -> int:

@@ -249,8 +249,16 @@ def replace_views(k: Kernel, new: Callable[[View], View]) -> Kernel:
     return dataclasses.replace(k, a=new(k.a), b=new(k.b), c=new(k.c))
 
 
+SLOT = "@slot"
+
+
 def slot_name(j: int) -> str:
-    return f"@slot{j}"
+    return f"{SLOT}{j}"
+
+
+def slot_index(buffer: str) -> int | None:
+    """j where `buffer` is `slot_name(j)`, else None."""
+    return int(buffer[len(SLOT):]) if buffer.startswith(SLOT) else None
 
 
 NEXT_SLOT = "@next"

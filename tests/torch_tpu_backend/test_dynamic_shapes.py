@@ -299,12 +299,14 @@ def test_a_runtime_tile_computes_about_the_rows_it_holds() -> None:
     assert cycles[17] < 0.7 * cycles[32], cycles
 
 
-@pytest.mark.parametrize(("hidden", "short", "long", "ratio"), [(2048, 17, 32, 0.75), (256, 129, 256, 0.7)])
+@pytest.mark.parametrize(("hidden", "short", "long", "ratio"), [(2048, 17, 32, 0.8), (256, 129, 256, 0.7)])
 def test_a_norm_computes_only_its_valid_rows(hidden: int, short: int, long: int, ratio: float) -> None:
     """Llama's RMS norm in bf16 ([1, n, hidden], `large`: f32 upcast, mean of squares, rsqrt, weight, bf16),
     whose generics run as one chain of small kernels (`isel_vector.lower_chain`), at two lengths of one
-    bucket: the chain moves and computes only the valid rows. Hidden 2048 at 17 and 32 tokens: 4,414
-    against 6,874 cycles (6,857 at both when it moved and computed every row of the bucket). Hidden 256 at
+    bucket: the chain moves and computes only the valid rows. Hidden 2048 at 17 and 32 tokens: 2,596
+    against 3,311 cycles with the rsqrt once a row (`fx_ops._rms_norm`; 2,885 at 17 when the factor's
+    generic computed every row), 4,414 against 6,874 with it inline (6,857 at both when it moved and
+    computed every row of the bucket). Hidden 256 at
     129 and 256 tokens, the bucket's size: the generics run over two dims of that size, rows and hidden, and
     the rows' is the one at the padded place of the output (`compiler._at_padded_place`): 7,023 against
     12,246 cycles (12,231 at both when such a generic ran whole). inf, -inf, NaN, -0, subnormals and the
