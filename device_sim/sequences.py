@@ -212,17 +212,6 @@ def exp_unit_seq(b: SeqBuilder, x: str) -> str:
     return b.op("vmul.f", b.op("vmul.f", y, e1), e2)
 
 
-def _exp_unit() -> Callable[[np.ndarray], np.ndarray]:
-    b = SeqBuilder()
-    out = exp_unit_seq(b, b.input("x"))
-    return lambda bits: evaluate(b, {"x": np.ascontiguousarray(bits).view(np.float32)}, [out])[0].view(np.uint32)
-
-
-exp_unit_bits = _exp_unit()  # vexp.f on fp32 bit patterns (uint32 in, uint32 out)
-_SEMANTICS["vexp.f"] = exp_unit_bits
-VECTOR_MNEMONICS = frozenset(_SEMANTICS)
-
-
 # ---- reciprocal and division ---------------------------------------------------------------------
 RCP_MAGIC = 0x7EF311C3
 RCP_NEWTON_STEPS = 3
@@ -346,6 +335,15 @@ def _unary(build: Callable[[SeqBuilder, str], str]) -> Callable[[np.ndarray], np
     return run
 
 
+_exp_unit = _unary(exp_unit_seq)
+
+
+def exp_unit_bits(bits: np.ndarray) -> np.ndarray:
+    """`vexp.f` on fp32 bit patterns (uint32 in, uint32 out): the exp unit's steps."""
+    return _exp_unit(np.ascontiguousarray(bits).view(np.float32)).view(np.uint32)
+
+
+_SEMANTICS["vexp.f"] = exp_unit_bits  # before any sequence that emits it is built
 exp = _unary(exp_seq)
 reciprocal = _unary(reciprocal_seq)
 rsqrt = _unary(rsqrt_seq)

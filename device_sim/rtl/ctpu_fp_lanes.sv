@@ -1,5 +1,5 @@
-// Test wrapper: the fp32/bf16 functions of ctpu_fp_pkg (and the exp unit's) on LANES lanes at once (combinational), so a
-// cocotb bench checks many operand pairs per Python call. Not part of the core.
+// Test wrapper: the fp32/bf16 functions of ctpu_fp_pkg (and the exp unit's) on LANES lanes at once
+// (combinational), so a cocotb bench checks many operand pairs per Python call. Not part of the core.
 `default_nettype none
 
 module ctpu_fp_lanes #(

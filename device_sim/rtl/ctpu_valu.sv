@@ -3,8 +3,9 @@
 // Exposed latencies (isa.py): an ALU/conversion/select/broadcast/iota result is computed at the end of
 // the issue cycle t into res_q and written to the vreg file at the end of t+1 (visible at t+2 =
 // LAT_VALU); a cross-lane reduction or an exp (the exp unit: ctpu_isa_pkg::fp32_exp on every lane) is
-// computed at the end of t and travels red_q[0..2], written at the end of t+3 (visible at t+4 = LAT_XLANE). The arithmetic sits inside `if (issue_i)`: a datapath whose
-// result register is enabled only on issue, which also means Verilator evaluates it only then.
+// computed at the end of t and travels red_q[0..2], written at the end of t+3 (visible at t+4 =
+// LAT_XLANE). The arithmetic sits inside `if (issue_i)`: a datapath whose result register is enabled only
+// on issue, which also means Verilator evaluates it only then.
 `default_nettype none
 
 module ctpu_valu
