@@ -299,7 +299,9 @@ def insert_spills(func: Function, spills: list[Reg], next_id: int) -> int:
         segs = intervals[r].segments if r in intervals else []
         k = next((k for k in range(len(rows)) if not occupied.get(k)), None)
         if k is None:
-            k = next((k for k in range(len(rows)) if not _overlap(occupied[k], segs)), None)
+            free = [k for k in range(len(rows)) if not _overlap(occupied[k], segs)]
+            start = segs[0][0] if segs else 0
+            k = min(free, key=lambda k: _last_end_before(occupied[k], start), default=None)
         if k is None:
             raise CapacityError(f"register allocation: the vmem spill area is full ({len(rows)} slots)")
         slot_of[r] = rows[k]
@@ -332,6 +334,11 @@ def insert_spills(func: Function, spills: list[Reg], next_id: int) -> int:
                 out.extend(_spill(new, slot_of[r], fresh))
         blk.instrs = out  # control instructions define nothing, so no spill store follows them
     return next_id
+
+
+def _last_end_before(segs: list[tuple[int, int]], pos: int) -> int:
+    """The end of the last of sorted `segs` that ends before `pos` (-1 when none)."""
+    return max((b for _, b in segs if b < pos), default=-1)
 
 
 def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> bool:
