@@ -560,7 +560,7 @@ class KernelContext:
             return
         op = ("dma.ld" if load else "dma.st") + (".bf16" if dtype == "bf16" else "")
         shape = b.const(rows << DMA_SHAPE_ROWS_SHIFT | cols) if rows_reg is None else self.dma_shape(rows_reg, cols)
-        vrow = b.const(region.row + row) if base == ZERO else b.offset_reg(base, region.row + row)
+        vrow = b.const(region.row + row) if base == ZERO else b.offset_reg(*b.vmem_address(base, region.row + row))
         f = flag + parity if in_flight else self.flag(flag, parity)
         b.emit(op, None, (hbm, vrow, shape, b.const(stride)), flag=f,
                mem=(row_mem(region, base, row, rows * p, write=load),))

@@ -4,25 +4,25 @@
 Gather, for chunks of T rows of the output (outer index i, D columns, P = ceil(D / N) vmem rows a row):
 1. the T ids are DMA'd into lane 0 of vmem rows 0..T-1 of an index region, one DMA per run of ids at a
    constant stride (one for contiguous ids; any layout);
-2. `vld` of 8 of those rows + `vext` of lane (i % 8) * N moves id i to a scalar register: the one path from
-   vector data to addresses; `mul` + `add` make the table row's HBM address;
+2. `vld` of 8 of those rows, vector ops make each row's table address (`_IndexLanes`), and `vext` of lane
+   (i % 8) * N moves it to a scalar register: the one path from vector data to addresses;
 3. one `dma.ld` per row brings table[id] (1 x D) into rows i*P .. of a data region, and one `dma.st` writes
    the T x D chunk to the dense output.
-Steps 2-3 run 8 rows an iteration of a runtime loop: code size does not grow with T (a prefill's 2048
-token embeddings, an MoE's expert-sorted rows).
-An id outside [0, rows) (torch raises IndexError) gets its address poisoned (`poison_unless`), so its DMA
+Steps 2-3 run 32 rows an iteration of a runtime loop (`_rows_by_eight`): code size does not grow with T
+(a prefill's 2048 token embeddings, an MoE's expert-sorted rows).
+An id outside [0, rows) (torch raises IndexError) gets its address poisoned (HBM_POISON), so its DMA
 traps on the HBM bound instead of reading another buffer.
 
 Scatter (in place, the KV cache update), for chunks of T rows of the updates (k index components each):
 1. one DMA brings the T index rows (k int32 lanes each) into vmem rows 0..T-1, one the T update rows;
-2. per row, `vext` moves each component to a scalar; `sltu` against the dim's size checks it (a negative
-   position was already wrapped by the emitter), `mul` + `add` make the destination row's HBM address;
-   an out-of-range row's address is poisoned, so its DMA traps on the HBM bound (nothing silent; the rows
+2. per 8 rows, vector ops make each row's HBM address from its components (`_IndexLanes`: a component
+   outside [0, size) poisons it; a negative position was already wrapped by the emitter), and one `vext`
+   a row moves it to a scalar. An out-of-range row's DMA traps on the HBM bound (nothing silent; the rows
    before it in the same launch are written);
 3. one `dma.st` per row writes it. bf16 rows of an even length move as 32-bit words, so every bit
    pattern (NaN payloads included) is copied exactly; rows are written in order, so a repeated index keeps
    the last row.
-Steps 2-3 run 8 rows an iteration of a runtime loop, as the gather's (a prefill's KV cache update).
+Steps 2-3 run in a runtime loop, as the gather's (a prefill's KV cache update).
 
 Iota: `viota` (sublane * N + lane) plus the chunk base, stored to vmem, one DMA out (a 1 x n row).
 """
@@ -69,43 +69,42 @@ def _gather_chunk(ctx: KernelContext, k: GatherKernel, id_at: list[int], ids_reg
                 Flag.INDEX)
     b.emit("wait", flag=ctx.flag(Flag.INDEX))
     table_base = ctx.hbm_addr(k.table, k.table.offset)
-    stride_reg, table_rows = b.const(k.table.strides[0] * ESIZE[k.table.dtype]), b.const(k.table.shape[0])
+    lanes = _IndexLanes(b, 1, table_base, k.table.shape[:1], [k.table.strides[0] * ESIZE[k.table.dtype]])
 
     def gather_rows(first: int, count: int, at: Reg, data_at: Reg) -> None:
         """Rows first .. first + count (<= 8), `at` rows further (a loop's offset; `data_at` = at * P)."""
-        v = b.vld(at, ids_region.row + first, row_mem(ids_region, at, first, 8))
+        addresses = lanes.addresses(b.vld(at, ids_region.row + first, row_mem(ids_region, at, first, 8)))
         for j in range(count):
-            row_id, valid, offset, addr = b.sreg(), b.sreg(), b.sreg(), b.sreg()
-            b.emit("vext", row_id, (v,), imm=j * ctx.lanes)
-            b.emit("sltu", valid, (row_id, table_rows))  # 0 <= id < rows (a negative id is a huge unsigned)
-            b.emit("mul", offset, (row_id, stride_reg))
-            b.emit("add", addr, (offset, table_base))
-            ctx.dma(True, k.table.dtype, poison_unless(b, addr, valid), data_region, (first + j) * p, 1, cols, cols,
-                    Flag.ROWS, base=data_at)
+            addr = b.sreg()
+            b.emit("vext", addr, (addresses,), imm=j * ctx.lanes)
+            ctx.dma(True, k.table.dtype, addr, data_region, (first + j) * p, 1, cols, cols, Flag.ROWS, base=data_at)
 
-    _eight_rows_at_a_time(b, n, p, gather_rows, "gather")
+    _rows_by_eight(b, n, p, gather_rows, "gather")
     b.emit("wait", flag=ctx.flag(Flag.ROWS))
 
 
-def _eight_rows_at_a_time(b: Builder, n: int, p: int, rows: Callable[[int, int, Reg, Reg], None], hint: str) -> None:
+def _rows_by_eight(b: Builder, n: int, p: int, rows: Callable[[int, int, Reg, Reg], None], hint: str) -> None:
     """rows(first, count, at, data_at) for the n rows of a chunk, 8 at a time, in order: a runtime loop (`at`:
-    its row offset, `data_at` = at * P) when there are more than two groups, so code size does not grow
-    with n; constant addresses otherwise."""
-    groups = n // 8
-    if groups <= 2:  # short: constant addresses
-        for g in range(groups):
-            rows(8 * g, 8, ZERO, ZERO)
-    else:
+    its row offset, `data_at` = at * P) of GROUPS_PER_RUN groups a run, so code size does not grow with n
+    (the groups of a run overlap: a lone group's address chain and its DMAs left the bundles mostly
+    empty); the rows after the last whole run at constant addresses."""
+    run = 8 * GROUPS_PER_RUN
+    runs = n // run
+    if runs:
         data_at = b.sreg()
         b.emit("addi", data_at, (ZERO,), imm=0)
 
-        def eight_rows(at: Reg) -> None:
-            rows(0, 8, at, data_at)
-            b.emit("addi", data_at, (data_at,), imm=8 * p)
+        def one_run(at: Reg) -> None:
+            for g in range(GROUPS_PER_RUN):
+                rows(8 * g, 8, at, data_at)
+            b.emit("addi", data_at, (data_at,), imm=run * p)
 
-        chunk_loop(b, groups, eight_rows, hint, ivs={data_at: 8 * p})
-    if n % 8:
-        rows(8 * groups, n % 8, ZERO, ZERO)
+        chunk_loop(b, runs, one_run, hint, step=run, ivs={data_at: run * p})
+    for first in range(runs * run, n, 8):  # the rest: constant addresses
+        rows(first, min(8, n - first), ZERO, ZERO)
+
+
+GROUPS_PER_RUN = 4
 
 
 def _runs(offsets: list[int]) -> list[tuple[int, int, int]]:
@@ -143,43 +142,68 @@ def lower_scatter(ctx: KernelContext, k: ScatterKernel) -> None:
         ctx.dma(True, dtype, upd_addr, data_region, 0, n, cols, k.updates.strides[0] // unit, Flag.ROWS)
         b.emit("wait", flag=ctx.flag(Flag.INDEX))
         b.emit("wait", flag=ctx.flag(Flag.ROWS))
-        sizes = [b.const(k.dest.shape[j]) for j in range(depth)]
-        strides = [b.const(k.dest.strides[j] * esize) for j in range(depth)]
+        lanes = _IndexLanes(b, depth, dest_base, k.dest.shape, [s * esize for s in k.dest.strides])
 
-        def scatter_rows(first: int, count: int, at: Reg, data_at: Reg, sizes: list[Reg] = sizes,
-                         strides: list[Reg] = strides) -> None:
+        def scatter_rows(first: int, count: int, at: Reg, data_at: Reg, lanes: _IndexLanes = lanes) -> None:
             v = b.vld(at, idx_region.row + first, row_mem(idx_region, at, first, 8))
+            addresses = lanes.addresses(v)
             for i in range(count):
-                addr, valid = dest_base, None
-                for j in range(depth):
-                    ix = b.sreg()
-                    b.emit("vext", ix, (v,), imm=i * n_lanes + j)
-                    ok = b.sreg()
-                    b.emit("sltu", ok, (ix, sizes[j]))  # 0 <= ix < size (a negative ix is a huge unsigned)
-                    if valid is not None:
-                        b.emit("and", ok, (ok, valid))
-                    valid = ok
-                    off, nxt = b.sreg(), b.sreg()
-                    b.emit("mul", off, (ix, strides[j]))
-                    b.emit("add", nxt, (addr, off))
-                    addr = nxt
-                assert valid is not None
-                ctx.dma(False, dtype, poison_unless(b, addr, valid), data_region, (first + i) * p, 1, cols, cols,
-                        Flag.OUT, base=data_at)
+                addr = b.sreg()
+                b.emit("vext", addr, (addresses,), imm=i * n_lanes)
+                ctx.dma(False, dtype, addr, data_region, (first + i) * p, 1, cols, cols, Flag.OUT, base=data_at)
 
-        _eight_rows_at_a_time(b, n, p, scatter_rows, "scatter")  # in order: a repeated index keeps the last row
+        _rows_by_eight(b, n, p, scatter_rows, "scatter")  # in order: a repeated index keeps the last row
         if c0 + chunk < rows:  # as in lower_gather
             b.emit("wait", flag=ctx.flag(Flag.OUT))
 
 
-def poison_unless(b: Builder, addr: Reg, valid: Reg) -> Reg:
-    """`addr` when `valid` (1), else an address at the top of the 32-bit space, where no configuration maps
-    HBM (device_sim.config.HBM_POISON), with `addr`'s alignment: a DMA to it traps on the HBM bound."""
-    mask, high, out = b.sreg(), b.sreg(), b.sreg()
-    b.emit("addi", mask, (valid,), imm=-1)  # 0 when valid, all ones when not
-    b.emit("andi", high, (mask,), imm=HBM_POISON)
-    b.emit("or", out, (addr, high))
-    return out
+class _IndexLanes:
+    """Eight index rows' destination addresses, computed in the vector unit. A vmem row of indices holds
+    component j in lane j: one `vmul.i` by the strides (lane j: the dim's stride in bytes; lane 0 adds the
+    destination's base) makes each lane's address term, and lane sums make the row's address, in every lane
+    of its row. `vred.sum.l` adds fp32, exact below 2^24: the terms are summed in pieces of bits whose sums
+    stay below 2^22 (two pieces for up to 4 components). A component outside [0, size) turns its lane's top
+    piece into 2^23, which poisons the row's address (HBM_POISON's bits or-ed in: its DMA traps on
+    the HBM bound, as a gather's). A row then costs one `vext` beside its DMA; a per-component scalar
+    check, multiply and add spilled at 18 bundles a row."""
+
+    def __init__(self, b: Builder, depth: int, base: Reg, shape: tuple[int, ...], stride_bytes: list[int]) -> None:
+        self.b = b
+        lane = b.vop_imm("viota", 0)
+        # lanes >= depth: stride 0 and a limit no component exceeds (a vmem row's other lanes are stale)
+        stride, limit = b.vconst_bits(0), b.vconst_bits(0x7FFFFFFF)
+        for j in range(depth):
+            at = b.vop("vcmp.eq.i", lane, b.vconst_bits(j))
+            stride = b.vop("vsel", at, b.vconst_bits(stride_bytes[j]), stride)
+            limit = b.vop("vsel", at, b.vconst_bits((shape[j] - 1) ^ _SIGN), limit)
+        self.stride, self.limit = stride, limit
+        self.piece_bits = 22 - (depth - 1).bit_length()  # depth pieces sum below 2^22: exact in fp32
+        self.base = b.vop("vsel", b.vop("vcmp.eq.i", lane, b.vconst_bits(0)), b.vop("vbcast", base), b.vconst_bits(0))
+
+    def addresses(self, v: Reg) -> Reg:
+        """Row i's destination address (poisoned when out of range) in every lane of row i, for the index
+        rows in `v`."""
+        b = self.b
+        terms = b.vop("vadd.i", b.vop("vmul.i", v, self.stride), self.base)
+        # ix outside [0, size) as unsigned: a signed compare of both sides with the sign bit flipped
+        bad = b.vop("vcmp.lt.i", self.limit, b.vop("vxor", v, b.vconst_bits(_SIGN)))
+        address, top = None, None
+        for shift in range(0, 32, self.piece_bits):
+            piece = b.vop("vshr", terms, b.vconst_bits(shift)) if shift else terms
+            if shift + self.piece_bits < 32:
+                piece = b.vop("vand", piece, b.vconst_bits((1 << self.piece_bits) - 1))
+            else:  # the top piece: a bad lane's is the marker
+                piece = b.vop("vsel", bad, b.vconst_bits(_BAD), piece)
+            top = b.vop("vcvt.f2i", b.vop("vred.sum.l", b.vop("vcvt.i2f", piece)))
+            part = b.vop("vshl", top, b.vconst_bits(shift)) if shift else top
+            address = part if address is None else b.vop("vadd.i", address, part)
+        assert address is not None and top is not None
+        poisoned = b.vop("vcmp.lt.i", b.vconst_bits(_BAD - 1), top)
+        return b.vop("vor", address, b.vop("vand", poisoned, b.vconst_bits(HBM_POISON)))
+
+
+_SIGN = -(1 << 31)
+_BAD = 1 << 23  # the top piece of a bad lane: above any sum of valid pieces (< 2^22)
 
 
 def _row_words(k: ScatterKernel) -> tuple[str, int, int]:
