@@ -289,10 +289,12 @@ def _read_op(op: ir.Operation, g: KernelGraph, views: dict[str, View], constants
 def _fold_transposed_weights(g: KernelGraph) -> None:
     """`x @ W.T` (nn.Linear's weight [out, in]; per batch, `q @ k.transpose(-1, -2)`) reaches the reader as
     a copy of W transposed into a dense temporary, read only as a matmul's B: the matmul reads W itself
-    instead, as a B view contiguous along K (isel_matmul loads its rows with `mxu.lwt`), and the copy goes.
-    Only when nothing writes W between the copy and the matmul, nothing else touches the temporary between
-    them, and what touches it next writes all of it (bufferization reuses one temporary for the copies of
-    weights of one shape: k_proj's and v_proj's, both 1024 x 1024, were copied on every call)."""
+    instead, as a B view contiguous along K (isel_matmul loads its rows with `mxu.lwt`), and the copy goes;
+    so do the matmuls right after it that read the same copy as B (CSE keeps one copy of a key tile for the
+    causal query blocks that share it). Only when nothing writes W between the copy and the matmuls, nothing
+    else touches the temporary between them, and what touches it next writes all of it (bufferization reuses
+    one temporary for the copies of weights of one shape: k_proj's and v_proj's, both 1024 x 1024, were
+    copied on every call)."""
     for mm in [k for k in g.kernels if isinstance(k, MatmulKernel)]:
         tmp = mm.b
         buf = g.buffers.get(tmp.buffer)
@@ -306,24 +308,40 @@ def _fold_transposed_weights(g: KernelGraph) -> None:
             continue
         copy = g.kernels[touching[at - 1]]
         if not isinstance(copy, GenericKernel) or copy.body.ops or copy.body.yields != copy.body.args[:1] \
-                or len(copy.inputs) != 1 or copy.reduction or copy.sizes != tmp.shape \
-                or copy.output.view != tmp or copy.output.iter_strides != tmp.strides:
-            continue
-        if at + 1 < len(touching):  # the copy's value must die at the matmul: the next user overwrites it all
-            after = g.kernels[touching[at + 1]]
+                or len(copy.inputs) != 1 or copy.reduction or copy.output.view.buffer != tmp.buffer \
+                or copy.output.view.offset != tmp.offset \
+                or _squeezed(copy.sizes, copy.output.iter_strides) != _squeezed(tmp.shape, tmp.strides):
+            continue  # (the copy may have dims of size 1 that the matmul's view does not: a batch of 1)
+        readers = at + 1  # the matmuls right after that read the same copy as B (query blocks sharing a key tile)
+        while readers < len(touching) and _reads_only_as_b(g.kernels[touching[readers]], tmp):
+            readers += 1
+        if readers < len(touching):  # the copy's value must die at the matmuls: the next user overwrites it all
+            after = g.kernels[touching[readers]]
             views = [v for v in views_of(after) if v.buffer == tmp.buffer]
             if not isinstance(after, GenericKernel) or views != [after.output.view] or not _whole(g, views[0]):
                 continue
         src = copy.inputs[0]
+        src_strides = iter([st for n, st in zip(copy.sizes, src.iter_strides, strict=True) if n != 1])
+        strides = tuple(0 if n == 1 else next(src_strides) for n in tmp.shape)
         K = tmp.shape[-2]
-        if src.view.dtype != tmp.dtype or (src.iter_strides[-2] != 1 and K > 1):
+        if src.view.dtype != tmp.dtype or (strides[-2] != 1 and K > 1):
             continue
-        if any(written_buffer(k) == src.view.buffer for k in g.kernels[touching[at - 1] + 1:touching[at]]):
+        if any(written_buffer(k) == src.view.buffer for k in g.kernels[touching[at - 1] + 1:touching[readers - 1]]):
             continue
-        mm.b = View(src.view.buffer, src.view.offset, tmp.shape, src.iter_strides, tmp.dtype)
+        for i in touching[at:readers]:
+            g.kernels[i].b = View(src.view.buffer, src.view.offset, tmp.shape, strides, tmp.dtype)
         g.kernels.pop(touching[at - 1])
-        if len(touching) == 2:
+        if readers == len(touching):
             del g.buffers[tmp.buffer]
+
+
+def _squeezed(sizes: tuple[int, ...], strides: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(size, stride) of the dims that are not of size 1: one layout, whatever unit dims a view adds."""
+    return [(n, st) for n, st in zip(sizes, strides, strict=True) if n != 1]
+
+
+def _reads_only_as_b(k: Kernel, tmp: View) -> bool:
+    return isinstance(k, MatmulKernel) and k.b == tmp and tmp.buffer not in (k.a.buffer, k.c.buffer)
 
 
 def _text(op: ir.Operation, state: ir.AsmState) -> str:

@@ -371,3 +371,26 @@ def test_a_2048_token_prefill_with_its_output_projection_compiles_as_one_program
     exe = compile_graph(trace(f, q, k, v, w), [q, k, v, w], "large")
     assert len(exe.program) <= get_config("large").imem_bundles
     assert exe.summary["kernels"][-1]["kind"] == "matmul"
+
+
+def test_query_blocks_that_share_a_key_tile_read_k_in_place() -> None:
+    """The 1B geometry's attention at 2048 tokens on `large` (32 heads over 8 KV heads, head dim 64): the
+    last causal query blocks see the same 1536 keys, and CSE keeps one transposed copy of that key tile for
+    the three q @ K^T matmuls that read it. The kernel reader folds it into all three (they read K in place,
+    through `mxu.lwt`), as it does for one: no kernel copies K (the copy moved a DMA pair a column, ~0.2M
+    cycles of the 3.38M). Compiled, not run (the same bits as with the copy: the attention alone, run on
+    the simulator, ~1.5 minutes)."""
+    import fx_passes.ops  # noqa: F401  (torch.ops.ctpu)
+
+    q, k, v = _qkv(1, 32, 8, 2048, 2048, 64, BF16)
+
+    def f(q, k, v):
+        return torch.ops.ctpu.attention(q, k, v, None, True, 0.125, True)
+
+    exe = compile_graph(trace(f, q, k, v), [q, k, v], "large")
+    lines = exe.stages["kernels.txt"].splitlines()
+    k_arg = "%arg1["
+    assert not [ln for ln in lines if "elementwise" in ln and f"({k_arg}" in ln]
+    scores = [ln for ln in lines if "matmul" in ln and f"@ {k_arg}" in ln]
+    assert len(scores) == sum("matmul" in ln for ln in lines) // 2  # every q @ K^T reads K itself
+    assert sum("[8, 64, 1536] strides [131072, 1, 64]" in ln for ln in scores) == 3
