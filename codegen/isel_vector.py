@@ -122,7 +122,29 @@ def _merge_rows(outer: list[int], strides: list[list[int]]) -> tuple[int, int, l
     return split, rows, [st[len(outer) - 1] if len(outer) > split else 0 for st in strides]
 
 
+def _flattened(k: GenericKernel, lanes: int) -> GenericKernel:
+    """An elementwise generic whose operands are all dense in one row-major layout, with rows narrower than
+    a vmem row, as the same elements [n / N, N]: a row of C elements takes a whole vmem row (one element a
+    row for attention's [.., L, 1] row values, whose 8,192 rows a 256-query block made a ~30K-cycle kernel
+    of a division). Not for reductions, a dynamic-shape bucket's bounded kernels, or an `n` that N does not
+    divide."""
+    n = math.prod(k.sizes)
+    if k.reduction or k.valid_extent is not None or not k.sizes or k.sizes[-1] >= lanes or n % lanes:
+        return k
+    dense = [math.prod(k.sizes[d + 1:]) for d in range(len(k.sizes))]
+    if any(any(st != want for size, st, want in zip(k.sizes, a.iter_strides, dense, strict=True) if size != 1)
+           for a in [*k.inputs, k.output]):
+        return k
+    shape = (n // lanes, lanes)
+
+    def flat(a: Access) -> Access:
+        return Access(View(a.view.buffer, a.view.offset, shape, (lanes, 1), a.view.dtype), (lanes, 1))
+
+    return dataclasses.replace(k, sizes=shape, inputs=[flat(a) for a in k.inputs], output=flat(k.output))
+
+
 def lower_generic(ctx: KernelContext, k: GenericKernel) -> None:
+    k = _flattened(k, ctx.lanes)
     sizes, strides, dims = _iteration(k)
     views = [o.view for o in [*k.inputs, k.output]]
     # transposed operands (stride along the row neither 0 nor 1) are copied into row order first
