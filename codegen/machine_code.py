@@ -186,18 +186,27 @@ def _compile(func: Function, next_id: int, pipeline: bool, verify: bool, cuts: d
     if pipeline:
         pipelined, log, next_id = pipeline_loops(func, next_id, cuts, compact)
     spilled = 0
-    for _ in range(MAX_SPILL_ROUNDS):
-        bundles = schedule_function(func)
-        assignment, spills = allocate(func, bundles)
-        if not spills:
-            break
-        spilled_set = set(spills)
-        loops = {p.label: max_live(p.body, p.sched, "v") for p in pipelined for b in func.blocks if b.bundles
-                 is not None and b.label in p.blocks and any(spilled_set & set(i.regs()) for i in b.instrs)}
-        if loops:
-            raise _PipelineSpill(loops)
-        spilled += len(spills)
-        next_id = insert_spills(func, spills, next_id + 1000)
+    before_spills: Function | None = None
+    for spread in (False, True):  # spill slots first-fit; where that does not converge, least recently freed
+        for _ in range(MAX_SPILL_ROUNDS):
+            bundles = schedule_function(func)
+            assignment, spills = allocate(func, bundles)
+            if not spills:
+                break
+            spilled_set = set(spills)
+            loops = {p.label: max_live(p.body, p.sched, "v") for p in pipelined for b in func.blocks if b.bundles
+                     is not None and b.label in p.blocks and any(spilled_set & set(i.regs()) for i in b.instrs)}
+            if loops:
+                raise _PipelineSpill(loops)
+            before_spills = before_spills or func.clone()
+            spilled += len(spills)
+            next_id = insert_spills(func, spills, next_id + 1000, spread)
+        else:
+            assert before_spills is not None
+            func, spilled = before_spills.clone(), 0
+            log.append("spill rounds did not converge with first-fit slots: again, slots least recently freed")
+            continue
+        break
     else:
         raise CapacityError("register allocation did not converge")
     if verify:

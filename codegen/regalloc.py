@@ -277,12 +277,15 @@ def _slot_occupancy(func: Function, spills: list[Reg], rows: list[int]
     return occupied, {r: iv[r] for r in wanted if r in iv}
 
 
-def insert_spills(func: Function, spills: list[Reg], next_id: int) -> int:
+def insert_spills(func: Function, spills: list[Reg], next_id: int, spread: bool = False) -> int:
     """Rewrite `func` so every register in `spills` lives in a vmem spill slot, or, for a constant (one
     definition, by an instruction without register operands: `li`, `viota`), is defined again before each
     use instead. A value takes a slot no other value has used when there is one (a shared slot orders the
     two values' accesses in memory, which can hold the spill store back); else the first slot whose content
-    is dead (after its last fill) wherever the value is live, in program order. Slots in use are read off
+    is dead (after its last fill) wherever the value is live, in program order; with `spread`, of those the
+    one whose last use is longest past (the driver's second try: a slot's memory order, a fill before the
+    next value's store, ties the two values' accesses together, and first-fit reuse of slot 0 can hold them
+    so far from their values that every round spills the reloads again). Slots in use are read off
     `func`'s spill instructions, so rounds need no bookkeeping. Returns the next free register id."""
     defs: dict[Reg, list[MInstr]] = {}
     for blk in func.blocks:
@@ -301,7 +304,8 @@ def insert_spills(func: Function, spills: list[Reg], next_id: int) -> int:
         if k is None:
             free = [k for k in range(len(rows)) if not _overlap(occupied[k], segs)]
             start = segs[0][0] if segs else 0
-            k = min(free, key=lambda k: _last_end_before(occupied[k], start), default=None)
+            k = min(free, key=lambda k: _last_end_before(occupied[k], start), default=None) if spread else \
+                next(iter(free), None)
         if k is None:
             raise CapacityError(f"register allocation: the vmem spill area is full ({len(rows)} slots)")
         slot_of[r] = rows[k]

@@ -168,10 +168,11 @@ def test_a_program_too_large_for_imem_costs_little_back_end() -> None:
 
 def test_two_silu_tanh_products_in_bf16_allocate_on_large() -> None:
     """silu(a) * tanh(b) + tanh(a) * silu(b), bf16 [64, 8192] on `large`: one elementwise generic whose
-    straight-line body spills about 40 values. Spill slots were taken first-fit, so slot 0 was reused at once:
-    the memory order of one slot (a fill before the next value's store) held stores and reloads hundreds of
-    bundles from their values, and every round spilled the reloads again (no convergence in 32 rounds, since
-    the exp unit). Taken least recently freed, it allocates in a few rounds, with eager's values."""
+    straight-line body spills about 40 values. With spill slots taken first-fit, slot 0 is reused at once:
+    the memory order of one slot (a fill before the next value's store) holds stores and reloads hundreds of
+    bundles from their values, and every round spills the reloads again (no convergence in 32 rounds, since
+    the exp unit). The driver then spills again from the start with slots taken least recently freed, which
+    allocates in a few rounds, with eager's values."""
     import numpy as np
     import torch
     import torch.nn.functional as F
