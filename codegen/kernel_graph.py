@@ -331,7 +331,7 @@ def _fold_transposed_weights(g: KernelGraph) -> None:
         for i in touching[at:readers]:
             g.kernels[i].b = View(src.view.buffer, src.view.offset, tmp.shape, strides, tmp.dtype)
         g.kernels.pop(touching[at - 1])
-        if readers == len(touching):
+        if at == 1 and readers == len(touching):  # nothing else ever touched the temporary
             del g.buffers[tmp.buffer]
 
 
