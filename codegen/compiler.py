@@ -79,6 +79,7 @@ from codegen.kernel_graph import (
     View,
     describe,
     read_function,
+    row_major,
     views_of,
     written_buffer,
 )
@@ -236,12 +237,7 @@ def _exact_in(value: float, dtype: str) -> bool:
 
 
 def _dense(v: View) -> bool:
-    expected = 1
-    for size, stride in reversed(list(zip(v.shape, v.strides, strict=True))):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
+    return row_major(v.shape, v.strides)
 
 
 # A program has 0.67 - 0.70 bundles per machine instruction before scheduling (the tiny Llama's forward and

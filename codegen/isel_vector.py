@@ -32,7 +32,17 @@ import numpy as np
 
 from codegen.builder import Builder
 from codegen.isel_common import Flag, KernelContext, Preload, Region, Resident, chunk_loop, region_rows, row_mem
-from codegen.kernel_graph import ESIZE, Access, FillKernel, GenericKernel, Kernel, LoweringError, ScalarProgram, View
+from codegen.kernel_graph import (
+    ESIZE,
+    Access,
+    FillKernel,
+    GenericKernel,
+    Kernel,
+    LoweringError,
+    ScalarProgram,
+    View,
+    row_major,
+)
 from codegen.math_seqs import vdivide, vexp, vrecip, vrsqrt, vsqrt, vtanh
 from codegen.mir import ZERO, Reg
 from device_sim.config import HardwareConfig
@@ -131,9 +141,7 @@ def _flattened(k: GenericKernel, lanes: int) -> GenericKernel:
     n = math.prod(k.sizes)
     if k.reduction or k.valid_extent is not None or not k.sizes or k.sizes[-1] >= lanes or n % lanes:
         return k
-    dense = [math.prod(k.sizes[d + 1:]) for d in range(len(k.sizes))]
-    if any(any(st != want for size, st, want in zip(k.sizes, a.iter_strides, dense, strict=True) if size != 1)
-           for a in [*k.inputs, k.output]):
+    if not all(row_major(k.sizes, a.iter_strides) for a in [*k.inputs, k.output]):
         return k
     shape = (n // lanes, lanes)
 

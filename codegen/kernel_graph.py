@@ -380,8 +380,13 @@ def _scatter(op: ir.Operation, views: dict[str, View], state: ir.AsmState) -> Sc
 
 def _dense_rows(v: View, lead: int) -> bool:
     """Whether the dims of `v` from `lead` on are contiguous (row-major, stride 1 last)."""
+    return row_major(v.shape[lead:], v.strides[lead:])
+
+
+def row_major(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether `strides` lay `shape` out densely, row-major (stride 1 last; a dim of size 1 any stride)."""
     expected = 1
-    for size, stride in reversed(list(zip(v.shape[lead:], v.strides[lead:], strict=True))):
+    for size, stride in reversed(list(zip(shape, strides, strict=True))):
         if size != 1 and stride != expected:
             return False
         expected *= size

@@ -198,12 +198,13 @@ def _compile(func: Function, next_id: int, pipeline: bool, verify: bool, cuts: d
                      is not None and b.label in p.blocks and any(spilled_set & set(i.regs()) for i in b.instrs)}
             if loops:
                 raise _PipelineSpill(loops)
-            before_spills = before_spills or func.clone()
+            if before_spills is None:
+                before_spills = func.clone()
             spilled += len(spills)
             next_id = insert_spills(func, spills, next_id + 1000, spread)
         else:
             assert before_spills is not None
-            func, spilled = before_spills.clone(), 0
+            func, spilled = before_spills, 0
             log.append("spill rounds did not converge with first-fit slots: again, slots least recently freed")
             continue
         break

@@ -302,10 +302,12 @@ def insert_spills(func: Function, spills: list[Reg], next_id: int, spread: bool 
         segs = intervals[r].segments if r in intervals else []
         k = next((k for k in range(len(rows)) if not occupied.get(k)), None)
         if k is None:
-            free = [k for k in range(len(rows)) if not _overlap(occupied[k], segs)]
-            start = segs[0][0] if segs else 0
-            k = min(free, key=lambda k: _last_end_before(occupied[k], start), default=None) if spread else \
-                next(iter(free), None)
+            free = (k for k in range(len(rows)) if not _overlap(occupied[k], segs))
+            if spread:
+                start = segs[0][0] if segs else 0
+                k = min(free, key=lambda k: _last_end_before(occupied[k], start), default=None)
+            else:
+                k = next(free, None)
         if k is None:
             raise CapacityError(f"register allocation: the vmem spill area is full ({len(rows)} slots)")
         slot_of[r] = rows[k]
