@@ -28,7 +28,7 @@ import numpy as np
 from codegen.builder import Builder
 from codegen.mir import Reg
 from device_sim import sequences
-from device_sim.sequences import SeqBuilder
+from device_sim.sequences import SeqBuilder, model
 
 Build = Callable[..., str]
 F = np.float32
@@ -60,20 +60,6 @@ def emit(b: Builder, build: Build, *args: Reg) -> Reg:
     for op in seq.ops:
         values[op.dst] = b.vop(op.mnemonic, *(value(s) for s in op.srcs))
     return value(out)
-
-
-def model(build: Build, arity: int = 1) -> Callable[..., np.ndarray]:
-    """The bit-exact numpy model of a sequence: float32 arrays in, float32 array out (`.builder` is the
-    op list, e.g. to count its ops)."""
-    seq = SeqBuilder()
-    names = [seq.input(f"in{i}") for i in range(arity)]
-    out = build(seq, *names)
-
-    def run(*xs: np.ndarray) -> np.ndarray:
-        return sequences.evaluate(seq, dict(zip(names, xs, strict=True)), [out])[0]
-    run.__doc__ = build.__doc__
-    run.builder = seq  # type: ignore[attr-defined]
-    return run
 
 
 def poly(b: SeqBuilder, x: str, coeffs: tuple[float, ...], name: str) -> str:

@@ -197,7 +197,7 @@ def _ops(*spec: str) -> tuple[Operand, ...]:
 # Latencies, in cycles (issue -> visible). The compiler's scheduler reads them from here.
 LAT_SCALAR = 1
 LAT_VALU = 2
-LAT_XLANE = 4  # cross-lane / cross-sublane reductions, and the exp unit: the vector unit's long pipeline
+LAT_XLANE = 4  # cross-lane / cross-sublane reductions, the exp and reciprocal units: the long pipeline
 LAT_VLOAD = 2
 LAT_VSTORE = 1
 
@@ -271,6 +271,12 @@ for i, (mn, sem) in enumerate([
     _def(mn, 0x60 + i, Unit.VECTOR, FMT_R, _V, LAT_XLANE, sem, "d")
 _def("vexp.f", 0x64, Unit.VECTOR, FMT_R, _V, LAT_XLANE,
      "vd = e^va (fp32): the exp unit computes sequences.exp_unit_seq's 30 single-rounding steps (<= 1 ulp)", "d")
+_def("vrcp.f", 0x65, Unit.VECTOR, FMT_R, _V, LAT_XLANE,
+     "vd = 1 / va (fp32): the reciprocal unit computes sequences.rcp_unit_seq's 26 single-rounding steps"
+     " (<= 1.3 ulp)", "d")
+_def("vdiv.f", 0x66, Unit.VECTOR, FMT_R, _VV, LAT_XLANE,
+     "vd = va / vb (fp32): the reciprocal unit computes sequences.div_unit_seq's 27 single-rounding steps"
+     " (< 3 ulp)", "d")
 
 # ---- vector memory: one load and one store slot --------------------------------------------------
 _def("vld", 0x80, Unit.VLOAD, FMT_RI, _ops("d:v", "a:s", "imm:i"), LAT_VLOAD,

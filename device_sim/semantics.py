@@ -186,6 +186,16 @@ def _vexp(m: Machine, op: Operands, t: int) -> None:
     m.write_v(op.d, sequences.exp_unit_bits(m.vu[op.a]), t + op.lat)
 
 
+@semantics("vrcp.f")
+def _vrcp(m: Machine, op: Operands, t: int) -> None:
+    m.write_v(op.d, sequences.rcp_unit_bits(m.vu[op.a]), t + op.lat)
+
+
+@semantics("vdiv.f")
+def _vdiv(m: Machine, op: Operands, t: int) -> None:
+    m.write_v(op.d, sequences.div_unit_bits(m.vu[op.a], m.vu[op.b]), t + op.lat)
+
+
 # ---- vector memory -------------------------------------------------------------------------------
 @semantics("vld")
 def _vld(m: Machine, op: Operands, t: int) -> None:

@@ -1,9 +1,9 @@
 """Transcendental and normalisation sequences in CTPU vector ops, and their numpy-float32 models.
 
-The CTPU has no divide or rsqrt (docs/architecture.md, "Vector unit"): the compiler emits them as
-sequences of single-rounding vector ops. Exp has a unit of its own (`vexp.f`), which chains such steps in
-hardware. This module writes each sequence ONCE, as a list of `VOp`s (a CTPU vector mnemonic over named
-values), built with a `SeqBuilder`. The same list is
+The CTPU has no rsqrt (docs/architecture.md, "Vector unit"): the compiler emits it as a sequence of
+single-rounding vector ops. Exp (`vexp.f`), the reciprocal (`vrcp.f`) and division (`vdiv.f`) have units
+of their own, which chain such steps in hardware. This module writes each sequence ONCE, as a list of
+`VOp`s (a CTPU vector mnemonic over named values), built with a `SeqBuilder`. The same list is
 
 - evaluated op by op in numpy (`evaluate`), which is the bit-exact reference model: every step is one
   fp32 RNE op or one int32 op, no FMA, exactly as `device_sim/semantics.py` defines the instruction;
@@ -19,10 +19,11 @@ Sequences (ulp figures are measured by tests/device_sim/test_sequences.py and li
   clamp to [-104, 89], n = round(x log2e) by the 1.5*2^23 magic add, r = x - n ln2 in two Cody-Waite
   parts, e^r = 1 + r + r^2 P(r) with P a degree-4 near-minimax polynomial (Horner), times 2^n built on
   the exponent field in two halves (so subnormal results round once and overflow gives inf).
-- `reciprocal`, `divide`: 0x7ef311c3 - bits(|d|) estimate, two Newton steps y(2 - d y) and a corrective
-  one y + y(1 - d y), specials by selects; d outside [2^-126, 2^126] is first scaled by an exact power of
-  two s, and the result (1 or a, times y) scaled back by s, so the whole fp32 range is covered (a caller
-  that knows d is inside may skip the scaling: softmax_row).
+- `reciprocal`, `divide`: one `vrcp.f` / `vdiv.f`. The reciprocal unit's steps (`rcp_unit_seq`,
+  `div_unit_seq`, also generated into the RTL's `fp32_rcp` and `fp32_div`): 0x7ef311c3 - bits(|d|)
+  estimate, two Newton steps y(2 - d y) and a corrective one y + y(1 - d y), specials by selects; d
+  outside [2^-126, 2^126] is first scaled by an exact power of two s, and the result (1 or a, times y)
+  scaled back by s, so the whole fp32 range is covered.
 - `rsqrt`: 0x5f3759df - bits(x)/2 estimate (subnormal x pre-scaled by 2^24), two Newton steps
   y(1.5 - (x/2) y^2), then one corrective step y + y (0.5 - (x/2) y^2); specials by selects.
 - `softmax_row`, `rmsnorm_row`: one row held in one vreg (8 sublanes x N lanes).
@@ -219,26 +220,23 @@ RCP_TINY, RCP_BIG = 2.0**-126, 2.0**126  # the core's domain; outside it d is sc
 RCP_UP, RCP_DOWN = 2.0**24, 2.0**-4  # subnormal d * 2^24 >= 2^-125; |d| > 2^126 times 2^-4 is < 2^124
 
 
-def _reciprocal_core(b: SeqBuilder, d: str, full_range: bool = True) -> tuple[str, str | None]:
-    """(y, s) with y ~ 1/(d s), s a power of two that puts d s in the core's domain (None: s = 1).
+def _reciprocal_core(b: SeqBuilder, d: str) -> tuple[str, str]:
+    """(y, s) with y ~ 1/(d s), s a power of two that puts d s in the core's domain.
 
-    The core, 19 ops: 0x7ef311c3 - bits(|d|) estimate (relative error <= 12% for |d| in [2^-126, 2^126]),
-    two Newton steps y (2 - d y) and a corrective one y + y (1 - d y); ±0 -> ±inf and |d| > 2^126 -> ±0
-    by selects, NaN propagates. With `full_range` (6 more ops) subnormal d, whose estimate would be out of
-    Newton's reach, is first scaled up by 2^24, and |d| > 2^126, whose reciprocal is subnormal, down by
-    2^-4: exact scalings that leave only ±inf beyond 2^126. Without it d must be 0, ±inf, NaN or in
-    [2^-126, 2^126] in magnitude (a softmax row's sum, in [1, n], is).
+    Subnormal d, whose estimate would be out of Newton's reach, is first scaled up by 2^24, and |d| >
+    2^126, whose reciprocal is subnormal, down by 2^-4: exact scalings that leave only ±inf beyond 2^126.
+    Then 0x7ef311c3 - bits(|d|) estimate (relative error <= 12% for |d| in [2^-126, 2^126]), two Newton
+    steps y (2 - d y) and a corrective one y + y (1 - d y); ±0 -> ±inf and |d| > 2^126 -> ±0 by selects,
+    NaN propagates. 25 ops.
     """
     absmask, magic = b.const("ABS_MASK", 0x7FFFFFFF), b.const("RCP_MAGIC", RCP_MAGIC)
     two, zero = b.const("TWO", 2.0), b.const("ZERO", 0.0)
     inf, big = b.const("INF", 0x7F800000), b.const("RCP_BIG", RCP_BIG)
     one = b.const("ONE", 1.0)
-    s = None
-    if full_range:
-        ad = b.op("vand", d, absmask)
-        s = b.op("vsel", b.op("vcmp.lt.f", ad, b.const("RCP_TINY", RCP_TINY)), b.const("RCP_UP", RCP_UP), one)
-        s = b.op("vsel", b.op("vcmp.lt.f", big, ad), b.const("RCP_DOWN", RCP_DOWN), s)
-        d = b.op("vmul.f", d, s)  # exact; 0, ±inf and NaN stay themselves
+    ad = b.op("vand", d, absmask)
+    s = b.op("vsel", b.op("vcmp.lt.f", ad, b.const("RCP_TINY", RCP_TINY)), b.const("RCP_UP", RCP_UP), one)
+    s = b.op("vsel", b.op("vcmp.lt.f", big, ad), b.const("RCP_DOWN", RCP_DOWN), s)
+    d = b.op("vmul.f", d, s)  # exact; 0, ±inf and NaN stay themselves
     ad = b.op("vand", d, absmask)
     sign = b.op("vxor", d, ad)  # the sign bit alone: also ±0.0
     y = b.op("vor", b.op("vsub.i", magic, ad), sign)  # estimate with d's sign
@@ -250,22 +248,32 @@ def _reciprocal_core(b: SeqBuilder, d: str, full_range: bool = True) -> tuple[st
     return b.op("vsel", b.op("vcmp.lt.f", big, ad), sign, y), s
 
 
-def reciprocal_seq(b: SeqBuilder, d: str, full_range: bool = True) -> str:
-    """1/d: 26 vector ops, <= 1.3 ulp over the whole fp32 range (subnormal results and overflow to ±inf
-    included: one rounding, y * s); 1/±0 = ±inf, 1/±inf = ±0, NaN -> NaN. `full_range=False`: the 19-op
-    core alone, for d known to be 0, ±inf, NaN or of magnitude in [2^-126, 2^126]."""
-    y, s = _reciprocal_core(b, d, full_range)
-    return y if s is None else b.op("vmul.f", y, s)
+def rcp_unit_seq(b: SeqBuilder, d: str) -> str:
+    """What the reciprocal unit computes for `vrcp.f`, step by step (the simulator evaluates it, the RTL's
+    `fp32_rcp` chains the same steps): 1/d = y s, 26 single-rounding steps, <= 1.3 ulp over the whole fp32
+    range (subnormal results and overflow to ±inf included: one rounding, y * s); 1/±0 = ±inf,
+    1/±inf = ±0, NaN -> NaN."""
+    y, s = _reciprocal_core(b, d)
+    return b.op("vmul.f", y, s)
+
+
+def div_unit_seq(b: SeqBuilder, a: str, d: str) -> str:
+    """What the reciprocal unit computes for `vdiv.f` (the RTL's `fp32_div`): a / d = (a y) s with (y, s)
+    the scaled reciprocal of d, 27 steps, < 3 ulp over the whole fp32 range (measured 2.07). a y cannot
+    overflow unless the quotient does (s >= 1 when |d| is small, and |a / d| <= 4 when s < 1), and it
+    underflows only where the quotient does; IEEE specials: x/±0 = ±inf, 0/0 = inf/inf = NaN, x/±inf = ±0."""
+    y, s = _reciprocal_core(b, d)
+    return b.op("vmul.f", b.op("vmul.f", a, y), s)
+
+
+def reciprocal_seq(b: SeqBuilder, d: str) -> str:
+    """1/d: one `vrcp.f` on the reciprocal unit (`rcp_unit_seq`'s steps)."""
+    return b.op("vrcp.f", d)
 
 
 def divide_seq(b: SeqBuilder, a: str, d: str) -> str:
-    """a / d = (a y) s with (y, s) the scaled reciprocal of d: 27 vector ops, < 3 ulp over the whole fp32
-    range (measured 2.07). a y cannot overflow unless the quotient does (s >= 1 when |d| is small, and
-    |a / d| <= 4 when s < 1), and it underflows only where the quotient does; IEEE specials: x/±0 = ±inf,
-    0/0 = inf/inf = NaN, x/±inf = ±0."""
-    y, s = _reciprocal_core(b, d)
-    assert s is not None
-    return b.op("vmul.f", b.op("vmul.f", a, y), s)
+    """a / d: one `vdiv.f` on the reciprocal unit (`div_unit_seq`'s steps)."""
+    return b.op("vdiv.f", a, d)
 
 
 # ---- rsqrt ---------------------------------------------------------------------------------------
@@ -307,7 +315,7 @@ def softmax_row(b: SeqBuilder, x: str) -> str:
     with b.tagged("sum"):
         s = b.op("vred.sum.s", b.op("vred.sum.l", e))
     with b.tagged("rcp"):
-        r = reciprocal_seq(b, s, full_range=False)  # s in [1, n]: the core's domain
+        r = reciprocal_seq(b, s)
     with b.tagged("out"):
         return b.op("vmul.f", e, r)
 
@@ -324,43 +332,39 @@ def rmsnorm_row(b: SeqBuilder, x: str, w: str, inv_d: float, eps: float) -> str:
 
 
 # ---- numpy entry points --------------------------------------------------------------------------
-def _unary(build: Callable[[SeqBuilder, str], str]) -> Callable[[np.ndarray], np.ndarray]:
+def model(build: Callable[..., str], arity: int = 1) -> Callable[..., np.ndarray]:
+    """The bit-exact numpy model of a sequence: float32 arrays in, float32 array out (`.builder` is the
+    op list, e.g. to count its ops or to run it on the simulator)."""
     b = SeqBuilder()
-    out = build(b, b.input("x"))
+    names = [b.input(f"in{i}") for i in range(arity)]
+    out = build(b, *names)
 
-    def run(x: np.ndarray) -> np.ndarray:
-        return evaluate(b, {"x": x}, [out])[0]
+    def run(*xs: np.ndarray) -> np.ndarray:
+        return evaluate(b, dict(zip(names, xs, strict=True)), [out])[0]
     run.__doc__ = build.__doc__
     run.builder = b  # type: ignore[attr-defined]
     return run
 
 
-_exp_unit = _unary(exp_unit_seq)
+def _unit_bits(build: Callable[..., str], arity: int = 1) -> Callable[..., np.ndarray]:
+    """A unit's instruction on fp32 bit patterns (uint32 in, uint32 out): its steps, evaluated."""
+    steps = model(build, arity)
 
-
-def exp_unit_bits(bits: np.ndarray) -> np.ndarray:
-    """`vexp.f` on fp32 bit patterns (uint32 in, uint32 out): the exp unit's steps."""
-    return _exp_unit(np.ascontiguousarray(bits).view(np.float32)).view(np.uint32)
-
-
-_SEMANTICS["vexp.f"] = exp_unit_bits  # before any sequence that emits it is built
-exp = _unary(exp_seq)
-reciprocal = _unary(reciprocal_seq)
-rsqrt = _unary(rsqrt_seq)
-
-
-def _divide_model() -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
-    b = SeqBuilder()
-    out = divide_seq(b, b.input("a"), b.input("d"))
-
-    def run(a: np.ndarray, d: np.ndarray) -> np.ndarray:
-        return evaluate(b, {"a": a, "d": d}, [out])[0]
-    run.__doc__ = divide_seq.__doc__
-    run.builder = b  # type: ignore[attr-defined]
+    def run(*bits: np.ndarray) -> np.ndarray:
+        return steps(*(np.ascontiguousarray(x).view(np.float32) for x in bits)).view(np.uint32)
+    run.__doc__ = build.__doc__
     return run
 
 
-divide = _divide_model()
+exp_unit_bits = _unit_bits(exp_unit_seq)  # vexp.f
+rcp_unit_bits = _unit_bits(rcp_unit_seq)  # vrcp.f
+div_unit_bits = _unit_bits(div_unit_seq, 2)  # vdiv.f
+# before any sequence that emits them is built
+_SEMANTICS.update({"vexp.f": exp_unit_bits, "vrcp.f": rcp_unit_bits, "vdiv.f": div_unit_bits})
+exp = model(exp_seq)
+reciprocal = model(reciprocal_seq)
+rsqrt = model(rsqrt_seq)
+divide = model(divide_seq, 2)
 
 
 def rows_as_vregs(x: np.ndarray, lanes: int) -> np.ndarray:

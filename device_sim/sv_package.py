@@ -1,5 +1,5 @@
 """Generate the SystemVerilog package `device_sim/rtl/ctpu_isa_pkg.sv` from `isa.py`, `config.py` and the
-exp unit's steps (`sequences.exp_unit_seq`).
+exp and reciprocal units' steps (`sequences.exp_unit_seq`, `rcp_unit_seq`, `div_unit_seq`).
 
 The RTL imports every opcode, field position, latency, slot index and configuration parameter from this
 package, so an ISA change cannot silently diverge from the hardware: `tests/rtl/test_sv_package.py`
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from device_sim import isa, sequences
@@ -50,28 +51,38 @@ def _unit_name(u: isa.Unit) -> str:
     return "UNIT_" + u.name
 
 
-# The exp unit's steps (sequences.exp_unit_seq) as SystemVerilog: fp32 ops call ctpu_fp_pkg, int32 ops are
-# plain arithmetic on the bit patterns.
+# The units' steps (sequences.exp_unit_seq, ...) as SystemVerilog: fp32 ops call ctpu_fp_pkg, int32 and
+# bitwise ops are plain arithmetic on the bit patterns, a compare gives a lane mask of 32 equal bits.
 _SV_STEPS: dict[str, str] = {
     "vadd.f": "fp32_add({0}, {1})", "vsub.f": "fp32_sub({0}, {1})", "vmul.f": "fp32_mul({0}, {1})",
     "vmax.f": "fp32_max({0}, {1})", "vmin.f": "fp32_min({0}, {1})",
+    "vcmp.lt.f": "{{32{{fp32_lt({0}, {1})}}}}", "vcmp.eq.f": "{{32{{fp32_eq({0}, {1})}}}}",
     "vadd.i": "{0} + {1}", "vsub.i": "{0} - {1}", "vshl": "{0} << {1}[4:0]",
     "vsra": "32'($signed({0}) >>> {1}[4:0])",
+    "vand": "{0} & {1}", "vor": "{0} | {1}", "vxor": "{0} ^ {1}", "vsel": "({0} != 32'd0) ? {1} : {2}",
 }
 
+# name, instruction, steps, inputs: the functions the vector unit's long pipeline calls on every lane
+_LANE_UNITS = [
+    ("fp32_exp", "vexp.f", sequences.exp_unit_seq, ("x",)),
+    ("fp32_rcp", "vrcp.f", sequences.rcp_unit_seq, ("d",)),
+    ("fp32_div", "vdiv.f", sequences.div_unit_seq, ("a", "d")),
+]
 
-def _exp_function() -> list[str]:
-    """`fp32_exp`: sequences.exp_unit_seq step by step, so the RTL's exp unit and the simulator's `vexp.f`
+
+def _unit_function(name: str, mnemonic: str, build: Callable[..., str], inputs: tuple[str, ...]) -> list[str]:
+    """One unit's function: its sequence step by step, so the RTL's unit and the simulator's instruction
     evaluate one list of single-rounding steps."""
     b = sequences.SeqBuilder()
-    out = sequences.exp_unit_seq(b, b.input("x"))
-    lines = ["  // The exp unit (vexp.f): sequences.exp_unit_seq's steps, one fp32 or int32 op each.",
-             "  function automatic logic [31:0] fp32_exp(input logic [31:0] x);"]
-    lines += [f"    localparam logic [31:0] {name} = 32'h{bits:08x};" for name, bits in b.consts.items()]
+    out = build(b, *(b.input(i) for i in inputs))
+    args = ", ".join(f"input logic [31:0] {i}" for i in inputs)
+    lines = [f"  // {mnemonic}: sequences.{build.__name__}'s {len(b.ops)} steps, one fp32, int32 or bitwise op each.",
+             f"  function automatic logic [31:0] {name}({args});"]
+    lines += [f"    localparam logic [31:0] {c} = 32'h{bits:08x};" for c, bits in b.consts.items()]
     lines.append("    logic [31:0] " + ", ".join(op.dst for op in b.ops) + ";")
     for op in b.ops:
         if op.mnemonic not in _SV_STEPS:
-            raise ValueError(f"the exp unit has no SystemVerilog for step {op.mnemonic}")
+            raise ValueError(f"{mnemonic} has no SystemVerilog for step {op.mnemonic}")
         lines.append(f"    {op.dst} = {_SV_STEPS[op.mnemonic].format(*op.srcs)};")
     lines += [f"    return {out};", "  endfunction"]
     return lines
@@ -88,7 +99,7 @@ def generate() -> str:
     w("// Not every module uses every constant (e.g. the large configuration's): unused ones are expected.")
     w("/* verilator lint_off UNUSEDPARAM */")
     w("package ctpu_isa_pkg;")
-    w("  import ctpu_fp_pkg::*;  // the exp unit's steps")
+    w("  import ctpu_fp_pkg::*;  // the exp and reciprocal units' steps")
     w("")
     w("  // ---- bundle and register files ----")
     w(f"  localparam int NUM_SLOTS = {isa.NUM_SLOTS};")
@@ -192,7 +203,8 @@ def generate() -> str:
     w("    endcase")
     w("  endfunction")
     w("")
-    out.extend(_exp_function())
+    for unit in _LANE_UNITS:
+        out.extend(_unit_function(*unit))
     w("")
     w("  // ---- trap codes (trap_code_o) ----")
     for i, (name, doc) in enumerate(TRAP_CODES):

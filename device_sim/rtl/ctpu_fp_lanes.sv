@@ -1,4 +1,4 @@
-// Test wrapper: the fp32/bf16 functions of ctpu_fp_pkg (and the exp unit's) on LANES lanes at once
+// Test wrapper: the fp32/bf16 functions of ctpu_fp_pkg (and the exp and reciprocal units') on LANES lanes at once
 // (combinational), so a cocotb bench checks many operand pairs per Python call. Not part of the core.
 `default_nettype none
 
@@ -24,6 +24,8 @@ module ctpu_fp_lanes #(
   localparam logic [3:0] FP_OP_EQ = 4'd9;
   localparam logic [3:0] FP_OP_BF16 = 4'd10;  // bf16 bits in [15:0]
   localparam logic [3:0] FP_OP_EXP = 4'd11;  // the exp unit (vexp.f)
+  localparam logic [3:0] FP_OP_RCP = 4'd12;  // the reciprocal unit (vrcp.f)
+  localparam logic [3:0] FP_OP_DIV = 4'd13;  // the reciprocal unit (vdiv.f)
 
   always_comb begin
     for (int l = 0; l < LANES; l++) begin
@@ -43,6 +45,8 @@ module ctpu_fp_lanes #(
         FP_OP_EQ: y = {31'd0, fp32_eq(a, b)};
         FP_OP_BF16: y = {16'd0, fp32_to_bf16(a)};
         FP_OP_EXP: y = ctpu_isa_pkg::fp32_exp(a);
+        FP_OP_RCP: y = ctpu_isa_pkg::fp32_rcp(a);
+        FP_OP_DIV: y = ctpu_isa_pkg::fp32_div(a, b);
         default: y = 32'd0;
       endcase
       y_o[l*32 +: 32] = y;

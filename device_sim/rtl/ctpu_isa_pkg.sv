@@ -5,7 +5,7 @@
 // Not every module uses every constant (e.g. the large configuration's): unused ones are expected.
 /* verilator lint_off UNUSEDPARAM */
 package ctpu_isa_pkg;
-  import ctpu_fp_pkg::*;  // the exp unit's steps
+  import ctpu_fp_pkg::*;  // the exp and reciprocal units' steps
 
   // ---- bundle and register files ----
   localparam int NUM_SLOTS = 9;
@@ -139,6 +139,8 @@ package ctpu_isa_pkg;
   localparam logic [7:0] OP_VRED_SUM_S  = 8'h62;  // each column of vd = tree-sum of that column of va across sublanes
   localparam logic [7:0] OP_VRED_MAX_S  = 8'h63;  // each column of vd = max of that column of va across sublanes
   localparam logic [7:0] OP_VEXP_F      = 8'h64;  // vd = e^va (fp32): the exp unit computes sequences.exp_unit_seq's 30 single-rounding steps (<= 1 ulp)
+  localparam logic [7:0] OP_VRCP_F      = 8'h65;  // vd = 1 / va (fp32): the reciprocal unit computes sequences.rcp_unit_seq's 26 single-rounding steps (<= 1.3 ulp)
+  localparam logic [7:0] OP_VDIV_F      = 8'h66;  // vd = va / vb (fp32): the reciprocal unit computes sequences.div_unit_seq's 27 single-rounding steps (< 3 ulp)
   localparam logic [7:0] OP_VLD         = 8'h80;  // vd = vmem rows [sa+imm, sa+imm+S)
   localparam logic [7:0] OP_VLD_ROW     = 8'h81;  // every row of vd = vmem row sa+imm (broadcast down the sublanes)
   localparam logic [7:0] OP_VST         = 8'h88;  // vmem rows [sa+imm, sa+imm+S) = vd
@@ -220,6 +222,8 @@ package ctpu_isa_pkg;
       OP_VRED_SUM_S,
       OP_VRED_MAX_S,
       OP_VEXP_F,
+      OP_VRCP_F,
+      OP_VDIV_F,
       OP_VLD,
       OP_VLD_ROW,
       OP_VST,
@@ -301,7 +305,9 @@ package ctpu_isa_pkg;
       OP_VRED_MAX_L,
       OP_VRED_SUM_S,
       OP_VRED_MAX_S,
-      OP_VEXP_F: return UNIT_VECTOR;
+      OP_VEXP_F,
+      OP_VRCP_F,
+      OP_VDIV_F: return UNIT_VECTOR;
       OP_VLD,
       OP_VLD_ROW: return UNIT_VLOAD;
       OP_VST: return UNIT_VSTORE;
@@ -362,7 +368,8 @@ package ctpu_isa_pkg;
       OP_VSHR,
       OP_VSRA,
       OP_VCMP_EQ_I,
-      OP_VCMP_LT_I: return 32'hfffffe00;
+      OP_VCMP_LT_I,
+      OP_VDIV_F: return 32'hfffffe00;
       OP_ADDI,
       OP_ANDI,
       OP_ORI,
@@ -393,7 +400,8 @@ package ctpu_isa_pkg;
       OP_VRED_MAX_L,
       OP_VRED_SUM_S,
       OP_VRED_MAX_S,
-      OP_VEXP_F: return 32'hffffc000;
+      OP_VEXP_F,
+      OP_VRCP_F: return 32'hffffc000;
       OP_VSEL: return 32'hfffffff0;
       OP_MXU_LW,
       OP_MXU_LWT,
@@ -477,12 +485,14 @@ package ctpu_isa_pkg;
       OP_VRED_MAX_L,
       OP_VRED_SUM_S,
       OP_VRED_MAX_S,
-      OP_VEXP_F: return 4;
+      OP_VEXP_F,
+      OP_VRCP_F,
+      OP_VDIV_F: return 4;
       default: return 0;
     endcase
   endfunction
 
-  // The exp unit (vexp.f): sequences.exp_unit_seq's steps, one fp32 or int32 op each.
+  // vexp.f: sequences.exp_unit_seq's 30 steps, one fp32, int32 or bitwise op each.
   function automatic logic [31:0] fp32_exp(input logic [31:0] x);
     localparam logic [31:0] EXP_LO = 32'hc2d00000;
     localparam logic [31:0] EXP_HI = 32'h42b20000;
@@ -530,6 +540,89 @@ package ctpu_isa_pkg;
     t29 = fp32_mul(t22, t26);
     t30 = fp32_mul(t29, t28);
     return t30;
+  endfunction
+  // vrcp.f: sequences.rcp_unit_seq's 26 steps, one fp32, int32 or bitwise op each.
+  function automatic logic [31:0] fp32_rcp(input logic [31:0] d);
+    localparam logic [31:0] ABS_MASK = 32'h7fffffff;
+    localparam logic [31:0] RCP_MAGIC = 32'h7ef311c3;
+    localparam logic [31:0] TWO = 32'h40000000;
+    localparam logic [31:0] ZERO = 32'h00000000;
+    localparam logic [31:0] INF = 32'h7f800000;
+    localparam logic [31:0] RCP_BIG = 32'h7e800000;
+    localparam logic [31:0] ONE = 32'h3f800000;
+    localparam logic [31:0] RCP_TINY = 32'h00800000;
+    localparam logic [31:0] RCP_UP = 32'h4b800000;
+    localparam logic [31:0] RCP_DOWN = 32'h3d800000;
+    logic [31:0] t1, t2, t3, t4, t5, t6, t7, t8, t9, t10, t11, t12, t13, t14, t15, t16, t17, t18, t19, t20, t21, t22, t23, t24, t25, t26;
+    t1 = d & ABS_MASK;
+    t2 = {32{fp32_lt(t1, RCP_TINY)}};
+    t3 = (t2 != 32'd0) ? RCP_UP : ONE;
+    t4 = {32{fp32_lt(RCP_BIG, t1)}};
+    t5 = (t4 != 32'd0) ? RCP_DOWN : t3;
+    t6 = fp32_mul(d, t5);
+    t7 = t6 & ABS_MASK;
+    t8 = t6 ^ t7;
+    t9 = RCP_MAGIC - t7;
+    t10 = t9 | t8;
+    t11 = fp32_mul(t6, t10);
+    t12 = fp32_sub(TWO, t11);
+    t13 = fp32_mul(t10, t12);
+    t14 = fp32_mul(t6, t13);
+    t15 = fp32_sub(TWO, t14);
+    t16 = fp32_mul(t13, t15);
+    t17 = fp32_mul(t6, t16);
+    t18 = fp32_sub(ONE, t17);
+    t19 = fp32_mul(t16, t18);
+    t20 = fp32_add(t16, t19);
+    t21 = {32{fp32_eq(t7, ZERO)}};
+    t22 = INF | t8;
+    t23 = (t21 != 32'd0) ? t22 : t20;
+    t24 = {32{fp32_lt(RCP_BIG, t7)}};
+    t25 = (t24 != 32'd0) ? t8 : t23;
+    t26 = fp32_mul(t25, t5);
+    return t26;
+  endfunction
+  // vdiv.f: sequences.div_unit_seq's 27 steps, one fp32, int32 or bitwise op each.
+  function automatic logic [31:0] fp32_div(input logic [31:0] a, input logic [31:0] d);
+    localparam logic [31:0] ABS_MASK = 32'h7fffffff;
+    localparam logic [31:0] RCP_MAGIC = 32'h7ef311c3;
+    localparam logic [31:0] TWO = 32'h40000000;
+    localparam logic [31:0] ZERO = 32'h00000000;
+    localparam logic [31:0] INF = 32'h7f800000;
+    localparam logic [31:0] RCP_BIG = 32'h7e800000;
+    localparam logic [31:0] ONE = 32'h3f800000;
+    localparam logic [31:0] RCP_TINY = 32'h00800000;
+    localparam logic [31:0] RCP_UP = 32'h4b800000;
+    localparam logic [31:0] RCP_DOWN = 32'h3d800000;
+    logic [31:0] t1, t2, t3, t4, t5, t6, t7, t8, t9, t10, t11, t12, t13, t14, t15, t16, t17, t18, t19, t20, t21, t22, t23, t24, t25, t26, t27;
+    t1 = d & ABS_MASK;
+    t2 = {32{fp32_lt(t1, RCP_TINY)}};
+    t3 = (t2 != 32'd0) ? RCP_UP : ONE;
+    t4 = {32{fp32_lt(RCP_BIG, t1)}};
+    t5 = (t4 != 32'd0) ? RCP_DOWN : t3;
+    t6 = fp32_mul(d, t5);
+    t7 = t6 & ABS_MASK;
+    t8 = t6 ^ t7;
+    t9 = RCP_MAGIC - t7;
+    t10 = t9 | t8;
+    t11 = fp32_mul(t6, t10);
+    t12 = fp32_sub(TWO, t11);
+    t13 = fp32_mul(t10, t12);
+    t14 = fp32_mul(t6, t13);
+    t15 = fp32_sub(TWO, t14);
+    t16 = fp32_mul(t13, t15);
+    t17 = fp32_mul(t6, t16);
+    t18 = fp32_sub(ONE, t17);
+    t19 = fp32_mul(t16, t18);
+    t20 = fp32_add(t16, t19);
+    t21 = {32{fp32_eq(t7, ZERO)}};
+    t22 = INF | t8;
+    t23 = (t21 != 32'd0) ? t22 : t20;
+    t24 = {32{fp32_lt(RCP_BIG, t7)}};
+    t25 = (t24 != 32'd0) ? t8 : t23;
+    t26 = fp32_mul(a, t25);
+    t27 = fp32_mul(t26, t5);
+    return t27;
   endfunction
 
   // ---- trap codes (trap_code_o) ----

@@ -2,10 +2,11 @@
 //
 // Exposed latencies (isa.py): an ALU/conversion/select/broadcast/iota result is computed at the end of
 // the issue cycle t into res_q and written to the vreg file at the end of t+1 (visible at t+2 =
-// LAT_VALU); a cross-lane reduction or an exp (the exp unit: ctpu_isa_pkg::fp32_exp on every lane) is
-// computed at the end of t and travels red_q[0..2], written at the end of t+3 (visible at t+4 =
-// LAT_XLANE). The arithmetic sits inside `if (issue_i)`: a datapath whose result register is enabled only
-// on issue, which also means Verilator evaluates it only then.
+// LAT_VALU); a cross-lane reduction, an exp, a reciprocal or a division (the exp and reciprocal units:
+// ctpu_isa_pkg::fp32_exp, fp32_rcp, fp32_div on every lane) is computed at the end of t and travels
+// red_q[0..2], written at the end of t+3 (visible at t+4 = LAT_XLANE). The arithmetic sits inside
+// `if (issue_i)`: a datapath whose result register is enabled only on issue, which also means Verilator
+// evaluates it only then.
 `default_nettype none
 
 module ctpu_valu
@@ -46,10 +47,18 @@ module ctpu_valu
   logic [4:0]    red_d_q [3];
   logic [W-1:0]  red_q [3];
 
-  function automatic logic [W-1:0] exp_lanes(input logic [W-1:0] va);
+  // the exp and reciprocal units (vexp.f, vrcp.f, vdiv.f) on every lane
+  function automatic logic [W-1:0] unit_lanes(input logic [7:0] op, input logic [W-1:0] va,
+                                               input logic [W-1:0] vb);
     logic [W-1:0] out;
-    for (int i = 0; i < NW; i++) out[i*32 +: 32] = fp32_exp(va[i*32 +: 32]);
+    for (int i = 0; i < NW; i++)
+      out[i*32 +: 32] = (op == OP_VEXP_F) ? fp32_exp(va[i*32 +: 32])
+                      : (op == OP_VRCP_F) ? fp32_rcp(va[i*32 +: 32]) : fp32_div(va[i*32 +: 32], vb[i*32 +: 32]);
     return out;
+  endfunction
+
+  function automatic logic is_unit_op(input logic [7:0] op);
+    return op == OP_VEXP_F || op == OP_VRCP_F || op == OP_VDIV_F;
   endfunction
 
   function automatic logic [31:0] lane_op(input logic [7:0] op, input logic [31:0] a, input logic [31:0] b,
@@ -132,10 +141,10 @@ module ctpu_valu
       red_q[1] <= red_q[0];
       red_q[2] <= red_q[1];
       if (issue_i && op_i != OP_VEXT) begin  // vext writes an sreg: the core's vext pipeline
-        if (op_latency(op_i) == LAT_XLANE) begin  // the long pipeline: the reductions and the exp unit
+        if (op_latency(op_i) == LAT_XLANE) begin  // the long pipeline: the reductions, the exp and reciprocal units
           red_v_q[0] <= 1'b1;
           red_d_q[0] <= d_i;
-          red_q[0] <= (op_i == OP_VEXP_F) ? exp_lanes(va_i) : reduce(op_i, va_i);
+          red_q[0] <= is_unit_op(op_i) ? unit_lanes(op_i, va_i, vb_i) : reduce(op_i, va_i);
         end else begin
           res_v_q <= 1'b1;
           res_d_q <= d_i;

@@ -3,7 +3,7 @@
 //
 // All slots of a bundle read the vreg file combinationally in the issue cycle t (before any write of that
 // cycle, which happens at its end). Write ports, each landing at issue + latency:
-//   v0, v1 ALU results (LAT_VALU), v0, v1 reductions and exps (LAT_XLANE), vld (LAT_VLOAD).
+//   v0, v1 ALU results (LAT_VALU), v0, v1 reductions, exps, reciprocals and divisions (LAT_XLANE), vld (LAT_VLOAD).
 // Two results landing in one register in one cycle is a trap; since every latency is known at issue,
 // `conflict_o` flags it, per slot, for the issuing bundle (the core then traps instead of issuing).
 `default_nettype none
@@ -84,7 +84,7 @@ module ctpu_vector_unit
   // The simulator executes v0, v1, then vld and the slot whose result would land second traps, so each
   // slot is checked against what lands before it in that order: reductions issued at t - 2 (land2),
   // then the earlier slots of this bundle.
-  function automatic logic is_red(input logic [7:0] op);  // the long pipeline: reductions and exp
+  function automatic logic is_red(input logic [7:0] op);  // the long pipeline: reductions, exp and reciprocal units
     return op_latency(op) == LAT_XLANE;
   endfunction
 

@@ -173,14 +173,17 @@ def test_live_out_value_is_live_until_its_redefinition_lands() -> None:
     assert segments[0][0] == 0 and segments[0][1] >= 4, segments
 
 
-def test_a_register_bound_loop_frees_the_registers_its_constants_hold(monkeypatch: pytest.MonkeyPatch) -> None:
-    """silu(a) * tanh(b) in bf16 on `large`: with its polynomial constants hoisted, they stay taken across
-    the loop and the registers, not the slots, bound the II. With them in a vmem pool (a vld per use, on the
-    idle load slot) and values loaded again for their late use, it runs in fewer cycles, with the same bits
-    as with the constants hoisted (NaN, inf, -0, subnormals included). Measured 29,842 against 38,954
-    cycles. (SwiGLU's silu(a) * b was this test's body until the exp unit made it slot-bound; no body found
-    since picks the other placement, constants back inside the loop, over the pool: `_constants_back` is
-    left without a case here.)"""
+@pytest.mark.parametrize("body, placement, ratio", [("silu(a) * erf(b)", "vmem pool", 0.7),
+                                                     ("gelu(a) * tanh(b)", "hoisted instructions moved back", 0.9)])
+def test_a_register_bound_loop_frees_the_registers_its_constants_hold(
+        monkeypatch: pytest.MonkeyPatch, body: str, placement: str, ratio: float) -> None:
+    """A bf16 body on `large` with many polynomial constants: hoisted, they stay taken across the loop and
+    the registers, not the slots, bound the II. Placed otherwise it runs in fewer cycles, with the same bits
+    as with the constants hoisted (NaN, inf, -0, subnormals included): silu(a) * erf(b) keeps them in a vmem
+    pool (a vld per use, on the idle load slot; values loaded again for their late use), measured 19,616
+    against 35,916 cycles; gelu(a) * tanh(b) moves the constants' instructions back into the loop
+    (`_constants_back`), 34,407 against 43,052. (The pool's body was SwiGLU's silu(a) * b until the exp unit,
+    then silu(a) * tanh(b) until the reciprocal unit made each slot-bound.)"""
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -194,9 +197,11 @@ def test_a_register_bound_loop_frees_the_registers_its_constants_hold(monkeypatc
     a, b = torch.randn(64, 8192).to(torch.bfloat16), torch.randn(64, 8192).to(torch.bfloat16)
     a[0, :6] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 1e-39, -3e38])
     b[1, :4] = torch.tensor([float("nan"), float("inf"), 0.0, -0.0])
-
-    def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return F.silu(a) * torch.tanh(b)
+    bodies = {"silu(a) * erf(b)": lambda a, b: F.silu(a) * torch.erf(b),
+              "gelu(a) * tanh(b)": lambda a, b: F.gelu(a) * torch.tanh(b)}
+    f = bodies[body]
+    if body.startswith("gelu"):  # eager's CPU gelu(inf) is NaN, ours inf (tests/codegen/test_edge_values.py)
+        a[0, 0] = 1e30
 
     def run() -> tuple[np.ndarray, int, list[str]]:
         exe = compile_graph(trace(f, a, b), [a, b], "large")
@@ -204,12 +209,12 @@ def test_a_register_bound_loop_frees_the_registers_its_constants_hold(monkeypatc
         return out, stats.cycles, exe.summary["pipelining"]
 
     placed, cycles, log = run()
-    assert any("vmem pool" in line and "registers bound the II" in line for line in log), log
+    assert any(placement in line and "registers bound the II" in line for line in log), log
     monkeypatch.setattr(modulo, "_constants_placed", lambda func, loop, pre, body, sched, *args: (body, sched))
     hoisted, hoisted_cycles = run()[:2]
     np.testing.assert_array_equal(placed.view(np.uint32), hoisted.view(np.uint32))
     torch.testing.assert_close(torch.from_numpy(placed), f(a, b).float(), rtol=1.6e-2, atol=1e-5, equal_nan=True)
-    assert cycles < 0.85 * hoisted_cycles, (cycles, hoisted_cycles)
+    assert cycles < ratio * hoisted_cycles, (cycles, hoisted_cycles)
 
 
 @pytest.mark.parametrize("count", [40, 41])
@@ -252,15 +257,16 @@ def test_the_runtime_trip_count_divides_exactly(u: int) -> None:
 
 
 def test_a_program_over_imem_is_compiled_again_with_no_loop_larger_than_its_schedule() -> None:
-    """A decode step's masked softmax at 4096 keys (32 heads, `large`): its exp loop runs fastest with its
-    constants in a vmem pool, a deeper pipeline with more code. Where imem is one bundle short of that
-    program, the compiler compiles it again with every loop's code at most its given schedule's
-    (`compact_code`), and it fits: the same bits (edge values, masked keys); 1,120 -> 832 bundles, 7,727 ->
-    7,959 cycles."""
+    """silu(a) * erf(b) in bf16 on `large`: its loop runs fastest with its constants in a vmem pool, a
+    deeper pipeline with more code. Where imem is one bundle short of that program, the compiler compiles
+    it again with every loop's code at most its given schedule's (`compact_code`), and it fits: the same
+    bits (edge values included); 464 -> 384 bundles, 19,616 -> 35,916 cycles. (A decode softmax's division
+    was this test's pool until the reciprocal unit made it one instruction.)"""
     import dataclasses
 
     import numpy as np
     import torch
+    import torch.nn.functional as F
     from codegen_helpers import trace
 
     from codegen import compile_graph
@@ -269,17 +275,17 @@ def test_a_program_over_imem_is_compiled_again_with_no_loop_larger_than_its_sche
     from device_sim.runners import SimulatorRunner
 
     torch.manual_seed(5)
-    x = torch.randn(1, 32, 1, 4096) * 4
-    x[0, 3, 0, 100], x[0, 7, 0, 9], x[0, 9, 0, 5], x[0, 6, 0, 17] = float("inf"), float("nan"), 1e-40, -0.0
-    mask = torch.arange(4096) < 3001
+    a, b = torch.randn(64, 8192).to(torch.bfloat16), torch.randn(64, 8192).to(torch.bfloat16)
+    a[0, :6] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 1e-39, -3e38])
+    b[1, :4] = torch.tensor([float("nan"), float("inf"), 0.0, -0.0])
 
-    def softmax(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(torch.where(m, s * 0.125, float("-inf")), -1)
+    def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.silu(a) * torch.erf(b)
 
     def build(imem: int) -> tuple[np.ndarray, int, int, bool]:
         cfg = dataclasses.replace(get_config("large"), imem_bundles=imem)
-        exe = compile_graph(trace(softmax, x, mask), [x, mask], cfg)
-        (out,), stats = run_fresh(exe, [x.numpy(), mask.numpy()], SimulatorRunner("large"))
+        exe = compile_graph(trace(f, a, b), [a, b], cfg)
+        (out,), stats = run_fresh(exe, [a.float().numpy(), b.float().numpy()], SimulatorRunner("large"))
         return out, stats.cycles, exe.summary["bundles"], exe.summary["compact_code"]
 
     fast, cycles, bundles, compact = build(get_config("large").imem_bundles)
@@ -287,4 +293,4 @@ def test_a_program_over_imem_is_compiled_again_with_no_loop_larger_than_its_sche
     small, small_cycles, small_bundles, small_compact = build(bundles - 1)
     assert small_compact and small_bundles < bundles and small_cycles > cycles, (small_bundles, bundles)
     np.testing.assert_array_equal(small.view(np.uint32), fast.view(np.uint32))
-    np.testing.assert_allclose(fast, softmax(x, mask).numpy(), rtol=1e-5, atol=1e-7, equal_nan=True)
+    torch.testing.assert_close(torch.from_numpy(fast), f(a, b).float(), rtol=1.6e-2, atol=1e-5, equal_nan=True)

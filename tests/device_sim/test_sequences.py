@@ -157,3 +157,23 @@ def test_exp_is_one_instruction_of_the_exp_unit() -> None:
     steps = sequences.evaluate(unit, {"x": x}, [out])[0]
     assert np.array_equal(sequences.exp(x).view(np.uint32), steps.view(np.uint32))
     assert np.array_equal(sequences.exp_unit_bits(x.view(np.uint32)), steps.view(np.uint32))
+
+
+def test_reciprocal_and_divide_are_instructions_of_the_reciprocal_unit() -> None:
+    """The compiler's 1 / d and a / d are one `vrcp.f` / `vdiv.f`; the unit's 26 / 27 plain vector steps
+    give their bits (and the RTL's fp32_rcp / fp32_div), over subnormal, huge and special operands."""
+    for seq, mnemonic in ((sequences.reciprocal_seq, "vrcp.f"), (sequences.divide_seq, "vdiv.f")):
+        b = sequences.SeqBuilder()
+        seq(b, *(b.input(f"in{i}") for i in range(len(isa.BY_MNEMONIC[mnemonic].operands) - 1)))
+        assert [op.mnemonic for op in b.ops] == [mnemonic]
+    rcp_steps, div_steps = sequences.model(sequences.rcp_unit_seq), sequences.model(sequences.div_unit_seq, 2)
+    assert (len(rcp_steps.builder.ops), len(div_steps.builder.ops)) == (26, 27)
+    for steps in (rcp_steps, div_steps):
+        assert all(isa.BY_MNEMONIC[op.mnemonic].latency == isa.LAT_VALU for op in steps.builder.ops)
+    d = np.concatenate([SPECIALS, _normal_floats(200, 1, 0x7F800000), -_normal_floats(200, 1, 0x00800000)])
+    a = RNG.permutation(np.concatenate([SPECIALS, RNG.normal(0, 1e6, d.size - SPECIALS.size).astype(np.float32)]))
+    assert np.array_equal(sequences.reciprocal(d).view(np.uint32), rcp_steps(d).view(np.uint32))
+    assert np.array_equal(sequences.rcp_unit_bits(d.view(np.uint32)), rcp_steps(d).view(np.uint32))
+    assert np.array_equal(sequences.divide(a, d).view(np.uint32), div_steps(a, d).view(np.uint32))
+    assert np.array_equal(sequences.div_unit_bits(a.view(np.uint32), d.view(np.uint32)),
+                          div_steps(a, d).view(np.uint32))

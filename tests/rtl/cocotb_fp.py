@@ -1,5 +1,5 @@
-"""cocotb bench for ctpu_fp_lanes: the RTL fp32/bf16 functions and the exp unit against device_sim.numerics
-and the exp unit's steps (device_sim.sequences).
+"""cocotb bench for ctpu_fp_lanes: the RTL fp32/bf16 functions against device_sim.numerics, and the exp and
+reciprocal units against their steps (device_sim.sequences).
 
 Driver: packs LANES operand pairs per call; monitor: reads y_o after the combinational settle; golden
 model: numpy float32 (IEEE RNE with subnormals) + device_sim.numerics; checker: bit-exact compare.
@@ -18,7 +18,7 @@ from device_sim import numerics, sequences
 
 LANES = 64
 OPS = {"add": 0, "sub": 1, "mul": 2, "bf": 3, "f2i": 4, "i2f": 5, "max": 6, "min": 7, "lt": 8, "eq": 9,
-       "bf16": 10, "exp": 11}
+       "bf16": 10, "exp": 11, "rcp": 12, "div": 13}
 
 SPECIALS = np.array([
     0x00000000, 0x80000000, 0x00000001, 0x80000001, 0x007fffff, 0x807fffff, 0x00800000, 0x80800000,
@@ -57,6 +57,10 @@ def golden(op: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
             return numerics.f32_to_bf16_bits(fa).astype(np.uint32)
         if op == "exp":
             return sequences.exp_unit_bits(a)
+        if op == "rcp":
+            return sequences.rcp_unit_bits(a)
+        if op == "div":
+            return sequences.div_unit_bits(a, b)
     raise ValueError(op)
 
 

@@ -1,4 +1,4 @@
-"""The RTL's fp32 adder/multiplier, bf16 conversion, f2i/i2f, compares and exp unit against device_sim."""
+"""The RTL's fp32 adder/multiplier, bf16 conversion, f2i/i2f, compares, exp and reciprocal units against device_sim."""
 
 from __future__ import annotations
 
