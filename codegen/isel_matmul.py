@@ -618,13 +618,12 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
             _split(ctx, weights, kts * L, t.hi_full)
             if t.a_chunked:
                 _split(ctx, a_parts, kts * mt, t.hi_full)
-        if kc == 0 and wait_store:
-            b.emit("wait", flag=ctx.flag(Flag.STORE, pc))
         commands = [(qa, qb, a_tile0 + j, j) for qa, qb in t.passes for j in range(kts)]
         _mxu(ctx, t, a_parts, weights, t.c_tiles[pc], commands[:1], rows, first=True, overwrite=kc == 0, parity=p,
-             pieces=pieces if last and len(commands) == 1 else None)
-        if store_prev is not None:
-            _store_c(ctx, t, t.c_tiles[1 - pc], store_prev[0], rows, store_prev[1], c, 1 - pc)
+             pieces=pieces if last and len(commands) == 1 else None,
+             wait_before_mm=ctx.flag(Flag.STORE, pc) if kc == 0 and wait_store else None)
+        # the next step's loads go first: behind the previous C tile's store in the channel, a load would
+        # wait out the store's transfer and then its own latency while the MXU idles
         stream: _TileStream | None = None
         if load_next is not None:
             # buffers 1 - p were read by the previous step: its weight loads (and its mms, for A) are done
@@ -636,8 +635,16 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
                 k0 = kc_next * t.KC * L
                 stream = _TileStream(ctx, bm, at.addr(ctx, bm, k0), t.b_sets[1 - p][0], L, t.tiles(kc_next), ncols,
                                      min(t.KC * L, K - k0), Flag.LOAD, 1 - p)
+                if len(commands) == 1:  # no later command to pace the loads along
+                    stream.rest()
+                    stream = None
+                elif stream.remaining():
+                    stream.one()
+                    stream.issued += 1
             else:
                 load(*load_next, 1 - p)
+        if store_prev is not None:
+            _store_c(ctx, t, t.c_tiles[1 - pc], store_prev[0], rows, store_prev[1], c, 1 - pc)
         rest = commands[1:-1] if last and pieces else commands[1:]
         _mxu(ctx, t, a_parts, weights, t.c_tiles[pc], rest, rows, first=False, overwrite=False, parity=p,
              stream=stream)
@@ -1071,14 +1078,16 @@ def _chunks(ctx: KernelContext, chunks: int, chunk: Callable[..., None], hint: s
 def _mxu(ctx: KernelContext, t: _Tiling, a_parts: list[Region], weights: list[Region], c_tile: Region,
          commands: list[tuple[int, int, int, int]], rows: int, first: bool, overwrite: bool, parity: int,
          stream: _TileStream | None = None, pieces: list[tuple[int, int]] | None = None,
-         segments: tuple[int, Reg] | None = None) -> None:
+         segments: tuple[int, Reg] | None = None, wait_before_mm: int | None = None) -> None:
     """Issue lw(t) + mm(a)s for each (part of A, part of B, A's k-tile, the panel's k-tile); the first
     mm of an n-tile overwrites C (`overwrite`), the others accumulate. Runs of one pass longer than
     UNROLL_K_TILES become a counted loop with pointer registers. Weight loads complete on WEIGHTS
     (their panel is then free), mms on MXU, both of the step's parity. `stream`: one of its DMAs is
     issued with each command while it has any. `pieces` (one command): its mm by those row ranges, the
     same weights, piece j completing on MXU flag parity ^ (j % 2). `segments` (rows a segment, a register
-    of valid rows): each mm by segment, over the valid rows at its start, the same weights."""
+    of valid rows): each mm by segment, over the valid rows at its start, the same weights. `wait_before_mm`:
+    a flag the first mm waits on (C's tile still being stored) and its weight load does not, so the load
+    runs under the MXU's current stream."""
     b = ctx.b
     f, fw = ctx.flag(Flag.MXU, parity), ctx.flag(Flag.WEIGHTS, parity)
     lw = "mxu.lwt" if t.trans_b else "mxu.lw"
@@ -1114,6 +1123,8 @@ def _mxu(ctx: KernelContext, t: _Tiling, a_parts: list[Region], weights: list[Re
             continue
         w_row = weights[qb].row + kb * L
         b.emit(lw, None, (b.const(w_row),), flag=fw, mem=(weights[qb].mem(kb * L, kb * L + L),))
+        if wait_before_mm is not None and i == 0:
+            b.emit("wait", flag=wait_before_mm)
         op = "mxu.mms" if overwrite and i == 0 else "mxu.mmas"
         if pieces:
             assert len(commands) == 1

@@ -518,3 +518,30 @@ def test_a_function_that_does_not_take_a_preload_in_flight_waits_for_it_first(
     assert not starts_with_wait.match(first), first
     for other in (out_untaken, out_off):
         np.testing.assert_array_equal(out.view(np.uint32), other.view(np.uint32))
+
+
+def test_the_next_weight_tile_loads_ahead_of_the_last_c_tiles_store() -> None:
+    """Attention's q @ K^T shape, batched by KV head ([8, 1024, 64] @ [8, 64, 1536], bf16, `large`): in the
+    n-tile loop, the next key tile's DMA is issued before the previous C tile's store (behind the store's
+    transfer in the channel, it waited that out and then its own latency while the MXU idled), and a weight
+    load before the wait for the store of the C tile its stream overwrites (the load does not touch C).
+    110,769 cycles against 111,697 before (98,304 MXU rows); in f32, one 1B layer's q @ K^T 124,116 ->
+    122,780."""
+    torch.manual_seed(0)
+    q, k = torch.randn(8, 1024, 64).bfloat16(), torch.randn(8, 1536, 64).bfloat16()
+
+    def scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(q, k.transpose(1, 2))
+
+    cg = compile_graph(trace(scores, q, k), [q, k], "large")
+    (out,), stats = run_fresh(cg, [q.float().numpy(), k.float().numpy()], SimulatorRunner("large"))
+    np.testing.assert_allclose(out, scores(q, k).float().numpy(), rtol=1e-2, atol=6.3e-2)
+    lines = cg.stages["program.s"].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("ntile_"))
+    body = lines[start + 1:next(i for i in range(start, len(lines)) if "bnz" in lines[i])]
+
+    def first(text: str) -> int:
+        return next(i for i, line in enumerate(body) if text in line)
+    assert first("dma.ld") < first("dma.st"), body
+    assert first("mxu.lwt") < first("wait f2"), body
+    assert stats.cycles < 111_000
