@@ -220,8 +220,9 @@ RCP_TINY, RCP_BIG = 2.0**-126, 2.0**126  # the core's domain; outside it d is sc
 RCP_UP, RCP_DOWN = 2.0**24, 2.0**-4  # subnormal d * 2^24 >= 2^-125; |d| > 2^126 times 2^-4 is < 2^124
 
 
-def _reciprocal_core(b: SeqBuilder, d: str) -> tuple[str, str]:
-    """(y, s) with y ~ 1/(d s), s a power of two that puts d s in the core's domain.
+def reciprocal_core(b: SeqBuilder, d: str) -> tuple[str, str]:
+    """(y, s) with y ~ 1/(d s), s a power of two that puts d s in the core's domain: the reciprocal unit's
+    shared core, the first 25 steps of both `rcp_unit_seq` and `div_unit_seq` (the RTL's `fp32_rcp_core`).
 
     Subnormal d, whose estimate would be out of Newton's reach, is first scaled up by 2^24, and |d| >
     2^126, whose reciprocal is subnormal, down by 2^-4: exact scalings that leave only ±inf beyond 2^126.
@@ -253,7 +254,7 @@ def rcp_unit_seq(b: SeqBuilder, d: str) -> str:
     `fp32_rcp` chains the same steps): 1/d = y s, 26 single-rounding steps, <= 1.3 ulp over the whole fp32
     range (subnormal results and overflow to ±inf included: one rounding, y * s); 1/±0 = ±inf,
     1/±inf = ±0, NaN -> NaN."""
-    y, s = _reciprocal_core(b, d)
+    y, s = reciprocal_core(b, d)
     return b.op("vmul.f", y, s)
 
 
@@ -262,7 +263,7 @@ def div_unit_seq(b: SeqBuilder, a: str, d: str) -> str:
     the scaled reciprocal of d, 27 steps, < 3 ulp over the whole fp32 range (measured 2.07). a y cannot
     overflow unless the quotient does (s >= 1 when |d| is small, and |a / d| <= 4 when s < 1), and it
     underflows only where the quotient does; IEEE specials: x/±0 = ±inf, 0/0 = inf/inf = NaN, x/±inf = ±0."""
-    y, s = _reciprocal_core(b, d)
+    y, s = reciprocal_core(b, d)
     return b.op("vmul.f", b.op("vmul.f", a, y), s)
 
 

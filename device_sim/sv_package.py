@@ -62,30 +62,62 @@ _SV_STEPS: dict[str, str] = {
     "vand": "{0} & {1}", "vor": "{0} | {1}", "vxor": "{0} ^ {1}", "vsel": "({0} != 32'd0) ? {1} : {2}",
 }
 
-# name, instruction, steps, inputs: the functions the vector unit's long pipeline calls on every lane
+# name, instruction, steps, inputs, shared core: the functions the vector unit's long pipeline calls on
+# every lane. A unit's sequence that starts with its core's steps calls the core's function for them.
+_CORE = ("fp32_rcp_core", sequences.reciprocal_core, ("d",))
 _LANE_UNITS = [
-    ("fp32_exp", "vexp.f", sequences.exp_unit_seq, ("x",)),
-    ("fp32_rcp", "vrcp.f", sequences.rcp_unit_seq, ("d",)),
-    ("fp32_div", "vdiv.f", sequences.div_unit_seq, ("a", "d")),
+    ("fp32_exp", "vexp.f", sequences.exp_unit_seq, ("x",), None),
+    ("fp32_rcp", "vrcp.f", sequences.rcp_unit_seq, ("d",), _CORE),
+    ("fp32_div", "vdiv.f", sequences.div_unit_seq, ("a", "d"), _CORE),
 ]
 
 
-def _unit_function(name: str, mnemonic: str, build: Callable[..., str], inputs: tuple[str, ...]) -> list[str]:
+def _sv_steps(b: sequences.SeqBuilder, ops: list[sequences.VOp], what: str) -> tuple[list[str], list[str]]:
+    """(declarations, statements) of `ops` in SystemVerilog, the constants they read included."""
+    decls = [f"    localparam logic [31:0] {c} = 32'h{bits:08x};" for c, bits in b.consts.items()
+             if any(c in op.srcs for op in ops)]
+    decls.append("    logic [31:0] " + ", ".join(op.dst for op in ops) + ";")
+    stmts = []
+    for op in ops:
+        if op.mnemonic not in _SV_STEPS:
+            raise ValueError(f"{what} has no SystemVerilog for step {op.mnemonic}")
+        stmts.append(f"    {op.dst} = {_SV_STEPS[op.mnemonic].format(*op.srcs)};")
+    return decls, stmts
+
+
+def _core_function(name: str, build: Callable[..., tuple[str, ...]], inputs: tuple[str, ...]) -> list[str]:
+    """A shared core: its steps, its results packed first to last into one word per result."""
+    b = sequences.SeqBuilder()
+    outs = build(b, *(b.input(i) for i in inputs))
+    args = ", ".join(f"input logic [31:0] {i}" for i in inputs)
+    decls, stmts = _sv_steps(b, b.ops, name)
+    return [f"  // sequences.{build.__name__}'s {len(b.ops)} steps, shared by the units below.",
+            f"  function automatic logic [{32 * len(outs) - 1}:0] {name}({args});",
+            *decls, *stmts, f"    return {{{', '.join(outs)}}};", "  endfunction"]
+
+
+def _unit_function(name: str, mnemonic: str, build: Callable[..., str], inputs: tuple[str, ...],
+                   core: tuple[str, Callable[..., tuple[str, ...]], tuple[str, ...]] | None) -> list[str]:
     """One unit's function: its sequence step by step, so the RTL's unit and the simulator's instruction
-    evaluate one list of single-rounding steps."""
+    evaluate one list of single-rounding steps; the steps of its `core` (the same ops, first) by a call."""
     b = sequences.SeqBuilder()
     out = build(b, *(b.input(i) for i in inputs))
     args = ", ".join(f"input logic [31:0] {i}" for i in inputs)
     lines = [f"  // {mnemonic}: sequences.{build.__name__}'s {len(b.ops)} steps, one fp32, int32 or bitwise op each.",
              f"  function automatic logic [31:0] {name}({args});"]
-    lines += [f"    localparam logic [31:0] {c} = 32'h{bits:08x};" for c, bits in b.consts.items()]
-    lines.append("    logic [31:0] " + ", ".join(op.dst for op in b.ops) + ";")
-    for op in b.ops:
-        if op.mnemonic not in _SV_STEPS:
-            raise ValueError(f"{mnemonic} has no SystemVerilog for step {op.mnemonic}")
-        lines.append(f"    {op.dst} = {_SV_STEPS[op.mnemonic].format(*op.srcs)};")
-    lines += [f"    return {out};", "  endfunction"]
-    return lines
+    ops, call = b.ops, []
+    if core is not None:
+        core_name, core_build, core_inputs = core
+        c = sequences.SeqBuilder()
+        outs = core_build(c, *(c.input(i) for i in core_inputs))
+        if b.ops[:len(c.ops)] != c.ops:
+            raise ValueError(f"{mnemonic}'s steps do not start with {core_name}'s")
+        ops = b.ops[len(c.ops):]
+        lines += [f"    logic [{32 * len(outs) - 1}:0] core;", "    logic [31:0] " + ", ".join(outs) + ";"]
+        call = [f"    core = {core_name}({', '.join(core_inputs)});"]
+        call += [f"    {o} = core[{32 * (len(outs) - j) - 1}:{32 * (len(outs) - j - 1)}];" for j, o in enumerate(outs)]
+    decls, stmts = _sv_steps(b, ops, mnemonic)
+    return [*lines, *decls, *call, *stmts, f"    return {out};", "  endfunction"]
 
 
 def generate() -> str:
@@ -203,6 +235,7 @@ def generate() -> str:
     w("    endcase")
     w("  endfunction")
     w("")
+    out.extend(_core_function(*_CORE))
     for unit in _LANE_UNITS:
         out.extend(_unit_function(*unit))
     w("")
