@@ -16,6 +16,7 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from device_sim import isa, sequences
 from device_sim.config import CONFIGS, SUBLANES
@@ -85,11 +86,16 @@ def _sv_steps(b: sequences.SeqBuilder, ops: list[sequences.VOp], what: str) -> t
     return decls, stmts
 
 
+def _built(build: Callable[..., Any], inputs: tuple[str, ...]) -> tuple[sequences.SeqBuilder, Any, str]:
+    """(the builder, what `build` returned, the SystemVerilog argument list) of a sequence over `inputs`."""
+    b = sequences.SeqBuilder()
+    out = build(b, *(b.input(i) for i in inputs))
+    return b, out, ", ".join(f"input logic [31:0] {i}" for i in inputs)
+
+
 def _core_function(name: str, build: Callable[..., tuple[str, ...]], inputs: tuple[str, ...]) -> list[str]:
     """A shared core: its steps, its results packed first to last into one word per result."""
-    b = sequences.SeqBuilder()
-    outs = build(b, *(b.input(i) for i in inputs))
-    args = ", ".join(f"input logic [31:0] {i}" for i in inputs)
+    b, outs, args = _built(build, inputs)
     decls, stmts = _sv_steps(b, b.ops, name)
     return [f"  // sequences.{build.__name__}'s {len(b.ops)} steps, shared by the units below.",
             f"  function automatic logic [{32 * len(outs) - 1}:0] {name}({args});",
@@ -100,16 +106,13 @@ def _unit_function(name: str, mnemonic: str, build: Callable[..., str], inputs: 
                    core: tuple[str, Callable[..., tuple[str, ...]], tuple[str, ...]] | None) -> list[str]:
     """One unit's function: its sequence step by step, so the RTL's unit and the simulator's instruction
     evaluate one list of single-rounding steps; the steps of its `core` (the same ops, first) by a call."""
-    b = sequences.SeqBuilder()
-    out = build(b, *(b.input(i) for i in inputs))
-    args = ", ".join(f"input logic [31:0] {i}" for i in inputs)
+    b, out, args = _built(build, inputs)
     lines = [f"  // {mnemonic}: sequences.{build.__name__}'s {len(b.ops)} steps, one fp32, int32 or bitwise op each.",
              f"  function automatic logic [31:0] {name}({args});"]
     ops, call = b.ops, []
     if core is not None:
         core_name, core_build, core_inputs = core
-        c = sequences.SeqBuilder()
-        outs = core_build(c, *(c.input(i) for i in core_inputs))
+        c, outs, _ = _built(core_build, core_inputs)
         if b.ops[:len(c.ops)] != c.ops:
             raise ValueError(f"{mnemonic}'s steps do not start with {core_name}'s")
         ops = b.ops[len(c.ops):]
