@@ -606,9 +606,11 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
 
     def step(pc: int, kc: int, wait_store: bool, store_prev: tuple[Reg, int] | None,
              load_next: tuple[_At, int, int] | None, last: bool) -> None:
-        """Chunk kc of an n-tile of parity pc: split the panel, the first MXU command, the previous tile's
+        """Chunk kc of an n-tile of parity pc: split the panel, the first MXU commands, the previous tile's
         C store and the next step's loads (both overlap the MXU), the other commands; the m-tile's `last`
-        step issues its last command by `pieces` of rows, for the pieces' stores to overlap it."""
+        step issues its last command by `pieces` of rows, for the pieces' stores to overlap it, and so does
+        every n-tile of one command (`by_pieces`): its last piece after the previous tile's stores, so that a
+        wait on that piece's flag (OUT) is not also a wait on this tile's."""
         p = t.parity(pc, kc)
         b.emit("wait", flag=ctx.flag(Flag.LOAD, p))
         kts = t.tiles(kc)
@@ -619,8 +621,13 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
             if t.a_chunked:
                 _split(ctx, a_parts, kts * mt, t.hi_full)
         commands = [(qa, qb, a_tile0 + j, j) for qa, qb in t.passes for j in range(kts)]
-        _mxu(ctx, t, a_parts, weights, t.c_tiles[pc], commands[:1], rows, first=True, overwrite=kc == 0, parity=p,
-             pieces=pieces if last and len(commands) == 1 else None,
+        split = pieces if len(commands) == 1 and (last or by_pieces) else None
+        # the commands issued before the previous tile's store, which waits for that tile's drain (2N
+        # cycles): enough rows to keep the MXU streaming meanwhile (short m-tiles take several)
+        ends_by_pieces = last and bool(pieces) and len(commands) > 1
+        lead = max(1, min(len(commands) - ends_by_pieces, 1 + 2 * L // rows))
+        _mxu(ctx, t, a_parts, weights, t.c_tiles[pc], commands[:lead], rows, first=True, overwrite=kc == 0, parity=p,
+             pieces=split[:1] if by_pieces and split else split,
              wait_before_mm=ctx.flag(Flag.STORE, pc) if kc == 0 and wait_store else None)
         # the next step's loads go first: behind the previous C tile's store in the channel, a load would
         # wait out the store's transfer and then its own latency while the MXU idles
@@ -635,7 +642,7 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
                 k0 = kc_next * t.KC * L
                 stream = _TileStream(ctx, bm, at.addr(ctx, bm, k0), t.b_sets[1 - p][0], L, t.tiles(kc_next), ncols,
                                      min(t.KC * L, K - k0), Flag.LOAD, 1 - p)
-                if len(commands) == 1:  # no later command to pace the loads along
+                if len(commands) == lead:  # no later command to pace the loads along
                     stream.rest()
                     stream = None
                 elif stream.remaining():
@@ -644,11 +651,15 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
             else:
                 load(*load_next, 1 - p)
         if store_prev is not None:
-            _store_c(ctx, t, t.c_tiles[1 - pc], store_prev[0], rows, store_prev[1], c, 1 - pc)
-        rest = commands[1:-1] if last and pieces else commands[1:]
+            _store_c(ctx, t, t.c_tiles[1 - pc], store_prev[0], rows, store_prev[1], c, 1 - pc,
+                     pieces if by_pieces else None)
+        if by_pieces and split:
+            qa, _, ka, _ = commands[0]
+            _last_piece(ctx, a_parts[qa], ka * t.mt, t.c_tiles[pc], split, "mxu.mm" if kc == 0 else "mxu.mma")
+        rest = commands[lead:-1] if ends_by_pieces else commands[lead:]
         _mxu(ctx, t, a_parts, weights, t.c_tiles[pc], rest, rows, first=False, overwrite=False, parity=p,
              stream=stream)
-        if last and pieces and len(commands) > 1:
+        if ends_by_pieces:
             _mxu(ctx, t, a_parts, weights, t.c_tiles[pc], commands[-1:], rows, first=False, overwrite=False,
                  parity=p, stream=stream, pieces=pieces)
         if stream is not None:
@@ -670,6 +681,10 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
     group = _head_group(t, rows, L)
     head = min(t.NT, 2) if group else 0  # n-tiles the pipelined start computes
     pieces = _row_pieces(rows) if t.NT > head and t.rows_reg is None else []  # the last n-tile is a static one
+    # n-tiles of one MXU command each: every one by pieces, its C tile stored by pieces too, each piece's
+    # store as soon as its rows are done (a whole tile's store, issued after the tile's drain, took its
+    # transfer and the DMA latency: more than the other C tile's stream, which the MXU then waited out)
+    by_pieces = bool(pieces) and not head and t.nch == 1 and len(t.passes) * t.KT == 1
     if group:
         _pipelined_start(ctx, k, t, rows, a_at, [b_col(nt) for nt in range(head)],
                          b_col(head) if head < t.NT else None, (c_addr(0), cols(0)))
@@ -743,7 +758,8 @@ def _pipelined_start(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int,
     """The first one or two n-tiles of an m-tile, their loads pipelined with the MXU: n-tile 0 alone needs
     all of A's m-tile and a B panel, more DMA rows than MXU rows. So with two n-tiles (C tiles 0 and 1
     from panels 0 and 1) the MXU first runs k-tiles 0 .. h for both (two MXU rows per A row loaded), then
-    h .. KT for C tile 0, whose store and the load of panel 2 then overlap h .. KT for C tile 1. Loads are
+    h .. KT for C tile 0, whose store and the load of panel 2 (two of its k-tiles a command, transposed B)
+    then overlap h .. KT for C tile 1. Loads are
     issued in the order the commands need them, in groups of at least HEAD_GROUP_ROWS DMA rows on
     MATMUL_A (group parity), groups g + 1 and g + 2 in flight while the MXU works on group g's."""
     b, L = ctx.b, ctx.lanes
@@ -800,6 +816,7 @@ def _pipelined_start(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int,
     for g in range(issued):
         issue(g)
     waited = -1
+    panel, pending = tiles[0], []  # the next panel's k-tiles still to load, paced along C tile 1's last commands
 
     def wait_for(g: int) -> None:
         nonlocal waited, issued
@@ -818,7 +835,11 @@ def _pipelined_start(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int,
             issued = len(groups)
             if nxt is not None:
                 b.emit("wait", flag=ctx.flag(Flag.WEIGHTS, 0 if two else 1))
-                _load_panel(ctx, k, t, a_at, rows, *nxt, 0, 0 if two else 1)
+                if two and t.trans_b:  # two DMAs a command of C tile 1's: all at once, the instruction
+                    # stream waited on the DMA queue while the MXU ran out of commands
+                    panel, pending = nxt, list(range(KT))
+                else:
+                    _load_panel(ctx, k, t, a_at, rows, *nxt, 0, 0 if two else 1)
                 nxt = None
         if i == 0 and a_head < rows:  # rows 0 .. a_head as their A lands, then the rest with the same weights
             wait_for(max(group_of[(n, kt)], group_of[(A_ROWS, kt)]))
@@ -830,8 +851,15 @@ def _pipelined_start(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int,
         wait_for(needs(n, kt))
         _mxu(ctx, t, t.a_sets[0], t.b_sets[n], t.c_tiles[n], [(0, 0, kt, kt)], rows, first=True,
              overwrite=kt == 0, parity=n)
+        for j in pending[:2]:  # W's rows as they are (`_load_panel`); straight-line code: no pointer
+            # register advances across the commands (a register defined once can be spilled)
+            at, ncols = panel
+            ctx.dma(True, bm.dtype, at.addr(ctx, bm, j * L), t.b_sets[0][0], j * L, ncols, min(L, K - j * L),
+                    bm.strides[-1], Flag.LOAD, 0)
+        del pending[:2]
         if tail:  # C tile 0 is complete: its store overlaps C tile 1's last k-tiles
             _store_c(ctx, t, t.c_tiles[0], c0[0], rows, c0[1], c, 0)
+    assert not pending, pending  # C tile 1 has KT - KT // 2 commands after the tail: two DMAs each suffice
     if not two and nxt is not None:
         b.emit("wait", flag=ctx.flag(Flag.WEIGHTS, 1))
         _load_panel(ctx, k, t, a_at, rows, *nxt, 0, 1)
@@ -860,6 +888,7 @@ class _TileStream:
 
     def remaining(self) -> int:
         return self.full - self.issued
+
 
     def one(self) -> None:
         """Issue the next full tile (in a loop body too: it advances the pointer registers)."""
@@ -895,10 +924,10 @@ def _dma_tiles(ctx: KernelContext, v: View, hbm: Reg, region: Region, row_step: 
 def _store_c(ctx: KernelContext, t: _Tiling, tile: Region, addr: Reg, rows: int, cols: int, c: View,
              pc: int, pieces: list[tuple[int, int]] | None = None) -> None:
     """Store C tile pc once the MXU commands of its n-tile's last step are done (they run in order); by
-    `pieces` of rows (`_row_pieces`), each once its own command is done (piece j on flag parity ^ j % 2)."""
+    `pieces` of rows (`_row_pieces`), each once its own command is done (`_piece_flag`)."""
     p = t.parity(pc, t.nch - 1)
     for j, (lo, hi) in enumerate(pieces or [(0, rows)]):
-        ctx.b.emit("wait", flag=ctx.flag(Flag.MXU, p ^ j % 2))
+        ctx.b.emit("wait", flag=_piece_flag(ctx, p, j))
         ctx.dma(False, c.dtype, ctx.b.offset_reg(addr, lo * c.strides[-2] * _esize(c)), tile, lo, hi - lo, cols,
                 c.strides[-2], Flag.STORE, pc, rows_reg=None if pieces else t.rows_reg)
 
@@ -1019,12 +1048,26 @@ def _first_rows(ctx: KernelContext, rows: int, row_bytes: int) -> int:
 
 def _row_pieces(rows: int) -> list[tuple[int, int]]:
     """The row ranges of an m-tile's last MXU command and C store (none: one command, one store): all but
-    the last quarter, whose store overlaps the last quarter's MXU rows, then that quarter. Two pieces: they
-    complete on the two MXU flags (a wait on a flag waits for every command counted on it)."""
+    the last quarter, whose store overlaps the last quarter's MXU rows, then that quarter. Two pieces, on
+    flags of their own (`_piece_flag`: a wait on a flag waits for every command counted on it)."""
     if rows < SPLIT_MIN_ROWS:
         return []
     q = rows // 32 * 8
     return [(0, rows - q), (rows - q, rows)]
+
+
+def _piece_flag(ctx: KernelContext, parity: int, j: int) -> int:
+    """The flag piece j of a C tile's last command completes on: the first on its step's MXU flag, the last
+    on OUT, which matmuls use for nothing else, so the next n-tile's commands (on the other MXU flag) can
+    be issued before the wait for this tile's last piece."""
+    return ctx.flag(Flag.MXU, parity) if j == 0 else ctx.flag(Flag.OUT)
+
+
+def _last_piece(ctx: KernelContext, a: Region, a_row: int, c_tile: Region, pieces: list[tuple[int, int]],
+                op: str) -> None:
+    """The last piece of a command issued by pieces, with the weights its first piece swapped in."""
+    lo, hi = pieces[-1]
+    _mm_rows(ctx, a, a_row, c_tile, lo, hi, op, ctx.flag(Flag.OUT))
 
 
 def _mm_rows(ctx: KernelContext, a: Region, a_row: int, c_tile: Region, lo: int, hi: int, op: str, flag: int,
@@ -1084,7 +1127,7 @@ def _mxu(ctx: KernelContext, t: _Tiling, a_parts: list[Region], weights: list[Re
     UNROLL_K_TILES become a counted loop with pointer registers. Weight loads complete on WEIGHTS
     (their panel is then free), mms on MXU, both of the step's parity. `stream`: one of its DMAs is
     issued with each command while it has any. `pieces` (one command): its mm by those row ranges, the
-    same weights, piece j completing on MXU flag parity ^ (j % 2). `segments` (rows a segment, a register
+    same weights, piece j completing on `_piece_flag`. `segments` (rows a segment, a register
     of valid rows): each mm by segment, over the valid rows at its start, the same weights. `wait_before_mm`:
     a flag the first mm waits on (C's tile still being stored) and its weight load does not, so the load
     runs under the MXU's current stream."""
@@ -1103,21 +1146,27 @@ def _mxu(ctx: KernelContext, t: _Tiling, a_parts: list[Region], weights: list[Re
             b.emit("li", w_ptr, imm=weights[qb].row + kb * L)
             b.emit("li", a_ptr, imm=a_parts[qa].row + ka * mt)
 
-            def body(w_ptr: Reg = w_ptr, a_ptr: Reg = a_ptr, qa: int = qa, qb: int = qb, dma: bool = False) -> None:
+            def body(w_ptr: Reg = w_ptr, a_ptr: Reg = a_ptr, qa: int = qa, qb: int = qb, dmas: int = 0) -> None:
                 b.emit(lw, None, (w_ptr,), flag=fw, mem=(weights[qb].mem(),))
                 b.emit("mxu.mmas", None, (a_ptr, b.const(c_tile.row), t.rows_reg or b.const(rows)), flag=f,
                        mem=(a_parts[qa].mem(), c_tile.mem(0, rows, True)))
                 b.emit("addi", w_ptr, (w_ptr,), imm=L)
                 b.emit("addi", a_ptr, (a_ptr,), imm=mt)
-                if dma:
+                for _ in range(dmas):
                     stream.one()  # type: ignore[union-attr]
 
-            with_dma = min(len(run), stream.remaining()) if stream is not None else 0
-            if with_dma:
-                b.counted_loop(with_dma, lambda body=body: body(dma=True), "ktile")
-                stream.issued += with_dma  # type: ignore[union-attr]
-            if len(run) > with_dma:
-                b.counted_loop(len(run) - with_dma, body, "ktile")
+            # the stream's DMAs two a command while it has them (a k-tile's DMA moves fewer rows than its
+            # command streams), so the next panel lands well before this step ends: paced one a command,
+            # its last DMA's latency ran past the step's last command and the MXU waited for it
+            done = 0
+            for dmas in (2, 1):
+                runs = min(len(run) - done, stream.remaining() // dmas) if stream is not None else 0
+                if runs:
+                    b.counted_loop(runs, lambda body=body, dmas=dmas: body(dmas=dmas), "ktile")
+                    stream.issued += runs * dmas  # type: ignore[union-attr]
+                    done += runs
+            if len(run) > done:
+                b.counted_loop(len(run) - done, body, "ktile")
             n_rows, c_row = t.rows_reg or b.const(rows), b.const(c_tile.row)
             i += len(run)
             continue
@@ -1131,7 +1180,7 @@ def _mxu(ctx: KernelContext, t: _Tiling, a_parts: list[Region], weights: list[Re
             unswapped = op[:-1]  # mxu.mms -> mxu.mm, mxu.mmas -> mxu.mma
             for j, (lo, hi) in enumerate(pieces):  # the first swaps the weights in, the others reuse them
                 _mm_rows(ctx, a_parts[qa], ka * mt, c_tile, lo, hi, op if j == 0 else unswapped,
-                         ctx.flag(Flag.MXU, parity ^ j % 2))
+                         _piece_flag(ctx, parity, j))
         elif segments:
             seg, valid = segments
             for lo in range(0, rows, seg):  # the first swaps the weights in, the others reuse them
