@@ -53,7 +53,7 @@ class Flag(IntEnum):
     MXU = 8  # width 2: matmul passes done
     INDEX = 10  # gather ids / scatter index rows in
     ROWS = 11  # gathered rows in / scatter update rows in
-    OUT = 12  # gather / scatter / iota results out
+    OUT = 12  # gather / scatter / iota results out; a matmul C tile's last piece of rows (`isel_matmul._piece_flag`)
     WEIGHTS = 13  # width 2: matmul weight loads (`mxu.lw*`) done: their B panel may be overwritten
     HALF = 15  # the second half of a chain's rows in (`isel_vector.lower_chain`); a layer loop's next address row
 

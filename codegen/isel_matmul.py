@@ -141,6 +141,10 @@ def _lower_general(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool, M
         pa, pb, pc = b.sreg(), b.sreg(), b.sreg()
         for ptr, v in ((pa, a), (pb, bm), (pc, c)):
             b.emit("addi", ptr, (ctx.hbm_addr(v, v.offset),), imm=0)
+        if _prefetches_batches(ctx, t, m_tiles):
+            _batches_ahead(ctx, k, dataclasses.replace(t, a_sets=[t.a_sets[0], [ctx.region(KT * mt, "a0_")]]),
+                           B, m_tiles[0][1], pa, pb, pc)
+            return
 
         def batch_body() -> None:
             for m0, rows in m_tiles:
@@ -195,6 +199,40 @@ def _valid_m_tiles(ctx: KernelContext, k: MatmulKernel, t: _Tiling, B: int, batc
 
 
 RESIDENT_FLAGS = ((Flag.LOAD, 0), (Flag.LOAD, 1), (Flag.MATMUL_A, 0), (Flag.MATMUL_A, 1))  # a group of batches each
+
+
+def _prefetches_batches(ctx: KernelContext, t: _Tiling, m_tiles: list[tuple[int, int]]) -> bool:
+    """Whether a batch loop loads each batch's A and first B panel during the batch before it
+    (`_batches_ahead`): one m-tile a batch, A loaded whole in one part and not by a pipelined start (which
+    overlaps its own loads), and room for A's second buffer."""
+    return (len(m_tiles) == 1 and not t.a_chunked and len(t.a_sets[0]) == 1 and t.rows_reg is None
+            and not _head_group(t, m_tiles[0][1], ctx.lanes) and ctx.vmem_free() >= region_rows(t.KT * t.mt))
+
+
+def _batches_ahead(ctx: KernelContext, k: MatmulKernel, t: _Tiling, B: int, rows: int, pa: Reg, pb: Reg,
+                   pc: Reg) -> None:
+    """B batches of one m-tile each, A in two buffers (batch i in buffer i % 2): each batch but the last
+    loads the next one's A and first B panel behind its last MXU command, so that the next batch starts
+    on them at once instead of paying their DMA latency after its drain (~1,000 cycles a batch of attention's
+    q @ K^T). Batch 0 and the last are code of their own, the ones between a loop of two batches a run."""
+    b = ctx.b
+    a, bm, c = k.a, k.b, k.c
+
+    def batch(a_buf: int, prefetched: bool, has_next: bool) -> None:
+        ahead = (_At(pa, a.strides[0]), _At(pb, bm.strides[0])) if has_next else None
+        _m_tile(ctx, k, t, rows, _At(pa, 0), _At(pb, 0), _At(pc, 0), a_buf=a_buf, prefetched=prefetched,
+                ahead=ahead)
+        for ptr, v in ((pa, a), (pb, bm), (pc, c)):
+            if v.strides[0]:
+                b.addi(ptr, v.strides[0] * _esize(v), ptr)
+
+    batch(0, False, True)
+    pairs, odd = divmod(B - 2, 2)
+    if pairs:
+        b.counted_loop(pairs, lambda: (batch(1, True, True), batch(0, True, True)), "batches")
+    if odd:
+        batch(1, True, True)
+    batch((B - 1) % 2, True, False)
 
 
 def first_batch_weights(k: MatmulKernel, lanes: int) -> Preload | None:
@@ -585,9 +623,17 @@ def _esize(v: View) -> int:
     return 2 if v.dtype == "bf16" else 4
 
 
-def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _At, b_at: _At, c_at: _At) -> None:
+def _mxu_bound(ctx: KernelContext, rows: int, bm: View) -> bool:
+    """Whether an MXU command over `rows` rows outlasts the DMA of its weight tile (of B `bm`)."""
+    return rows * ctx.config.hbm_bytes_per_cycle >= ctx.lanes * ctx.lanes * _esize(bm)
+
+
+def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _At, b_at: _At, c_at: _At,
+            a_buf: int = 0, prefetched: bool = False, ahead: tuple[_At, _At] | None = None) -> None:
     """One m-tile (`rows` rows of A and C) against all of B: A loaded and split once (or per step when
-    chunked), B panels and C tiles double-buffered across the steps and n-tiles."""
+    chunked), B panels and C tiles double-buffered across the steps and n-tiles. A is in buffer `a_buf`;
+    `prefetched`: it and the first B panel were loaded by the m-tile before; `ahead`: the next m-tile's A
+    and B, whose A (into the other buffer) and first panel this one loads behind its last MXU command."""
     b = ctx.b
     a, bm, c = k.a, k.b, k.c
     L = ctx.lanes
@@ -615,7 +661,7 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
         b.emit("wait", flag=ctx.flag(Flag.LOAD, p))
         kts = t.tiles(kc)
         weights = t.b_sets[p]
-        a_parts, a_tile0 = (t.a_sets[p], 0) if t.a_chunked else (t.a_sets[0], kc * t.KC)
+        a_parts, a_tile0 = (t.a_sets[p], 0) if t.a_chunked else (t.a_sets[a_buf], kc * t.KC)
         if len(weights) > 1:
             _split(ctx, weights, kts * L, t.hi_full)
             if t.a_chunked:
@@ -623,9 +669,12 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
         commands = [(qa, qb, a_tile0 + j, j) for qa, qb in t.passes for j in range(kts)]
         split = pieces if len(commands) == 1 and (last or by_pieces) else None
         # the commands issued before the previous tile's store, which waits for that tile's drain (2N
-        # cycles): enough rows to keep the MXU streaming meanwhile (short m-tiles take several)
+        # cycles): enough rows to keep the MXU streaming meanwhile (short m-tiles take several), where
+        # the MXU binds (a command's rows outlast its weight tile's DMA): where HBM binds, the next
+        # panel's loads, issued after them, must not wait
         ends_by_pieces = last and bool(pieces) and len(commands) > 1
-        lead = max(1, min(len(commands) - ends_by_pieces, 1 + 2 * L // rows))
+        lead = max(1, min(len(commands) - ends_by_pieces, 1 + 2 * L // rows if _mxu_bound(ctx, rows, bm) else 1,
+                          ctx.config.mxu_queue))
         _mxu(ctx, t, a_parts, weights, t.c_tiles[pc], commands[:lead], rows, first=True, overwrite=kc == 0, parity=p,
              pieces=split[:1] if by_pieces and split else split,
              wait_before_mm=ctx.flag(Flag.STORE, pc) if kc == 0 and wait_store else None)
@@ -674,8 +723,8 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
     def b_col(nt: int) -> tuple[_At, int]:
         return b_at.plus(nt * col_elems), cols(nt)
 
-    def static_tile(nt: int) -> None:
-        n_tile(nt % 2, nt >= 2, (c_addr((nt - 1) * L), cols(nt - 1)) if nt >= 1 else None, b_col(nt),
+    def static_tile(nt: int) -> None:  # (a prefetched m-tile's loads went ahead of the last C stores)
+        n_tile(nt % 2, nt >= 2 or prefetched, (c_addr((nt - 1) * L), cols(nt - 1)) if nt >= 1 else None, b_col(nt),
                b_col(nt + 1) if nt + 1 < t.NT else None, last=nt == t.NT - 1)
 
     group = _head_group(t, rows, L)
@@ -688,11 +737,13 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
     if group:
         _pipelined_start(ctx, k, t, rows, a_at, [b_col(nt) for nt in range(head)],
                          b_col(head) if head < t.NT else None, (c_addr(0), cols(0)))
-    else:
+    elif not prefetched:
         load(*b_col(0), 0, 0)
     if not t.a_chunked and not group:
-        _dma_tiles(ctx, a, a_at.addr(ctx, a, 0), t.a_sets[0][0], mt, t.KT, rows, K, Flag.MATMUL_A, 0, t.rows_reg)
-        b.emit("wait", flag=ctx.flag(Flag.MATMUL_A))
+        if not prefetched:
+            _dma_tiles(ctx, a, a_at.addr(ctx, a, 0), t.a_sets[a_buf][0], mt, t.KT, rows, K, Flag.MATMUL_A, a_buf,
+                       t.rows_reg)
+        b.emit("wait", flag=ctx.flag(Flag.MATMUL_A, a_buf))
         if len(t.a_sets[0]) > 1:
             _split(ctx, t.a_sets[0], t.KT * mt, t.hi_full)
     # tiles 2 .. 2 * pairs + 1 run as a loop over pairs (buffers and flags alternate with constant names;
@@ -715,6 +766,12 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
         b.counted_loop(pairs, pair, "ntile")
     for nt in range(2 + 2 * pairs, NT):
         static_tile(nt)
+    if ahead is not None:  # every command is issued: the next m-tile's A, and its first panel once the
+        # weight loads that read that panel's buffer are done
+        _dma_tiles(ctx, a, ahead[0].addr(ctx, a, 0), t.a_sets[1 - a_buf][0], mt, t.KT, rows, K, Flag.MATMUL_A,
+                   1 - a_buf)
+        b.emit("wait", flag=ctx.flag(Flag.WEIGHTS, 0))
+        load(ahead[1], cols(0), 0, 0)
     last = (NT - 1) % 2
     _store_c(ctx, t, t.c_tiles[last], c_addr((NT - 1) * L), rows, cols(NT - 1), c, last, pieces)
 
@@ -835,8 +892,8 @@ def _pipelined_start(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int,
             issued = len(groups)
             if nxt is not None:
                 b.emit("wait", flag=ctx.flag(Flag.WEIGHTS, 0 if two else 1))
-                if two and t.trans_b:  # two DMAs a command of C tile 1's: all at once, the instruction
-                    # stream waited on the DMA queue while the MXU ran out of commands
+                if two and t.trans_b and _mxu_bound(ctx, rows, bm):  # two DMAs a command of C tile 1's: all
+                    # at once, the instruction stream waited on the DMA queue while the MXU ran out of commands
                     panel, pending = nxt, list(range(KT))
                 else:
                     _load_panel(ctx, k, t, a_at, rows, *nxt, 0, 0 if two else 1)
@@ -1155,11 +1212,11 @@ def _mxu(ctx: KernelContext, t: _Tiling, a_parts: list[Region], weights: list[Re
                 for _ in range(dmas):
                     stream.one()  # type: ignore[union-attr]
 
-            # the stream's DMAs two a command while it has them (a k-tile's DMA moves fewer rows than its
-            # command streams), so the next panel lands well before this step ends: paced one a command,
-            # its last DMA's latency ran past the step's last command and the MXU waited for it
+            # where the MXU binds, the stream's DMAs two a command while it has them, so the next panel
+            # lands well before this step ends: paced one a command, its last DMA's latency ran past the
+            # step's last command and the MXU waited for it
             done = 0
-            for dmas in (2, 1):
+            for dmas in (2, 1) if stream is not None and _mxu_bound(ctx, rows, stream.v) else (1,):
                 runs = min(len(run) - done, stream.remaining() // dmas) if stream is not None else 0
                 if runs:
                     b.counted_loop(runs, lambda body=body, dmas=dmas: body(dmas=dmas), "ktile")
