@@ -723,7 +723,8 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
     def b_col(nt: int) -> tuple[_At, int]:
         return b_at.plus(nt * col_elems), cols(nt)
 
-    def static_tile(nt: int) -> None:  # (a prefetched m-tile's loads went ahead of the last C stores)
+    def static_tile(nt: int) -> None:  # a prefetched m-tile's first two C tiles wait for their last stores:
+        # its loads went ahead of those in the DMA channel, which no longer orders them
         n_tile(nt % 2, nt >= 2 or prefetched, (c_addr((nt - 1) * L), cols(nt - 1)) if nt >= 1 else None, b_col(nt),
                b_col(nt + 1) if nt + 1 < t.NT else None, last=nt == t.NT - 1)
 
@@ -873,7 +874,7 @@ def _pipelined_start(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int,
     for g in range(issued):
         issue(g)
     waited = -1
-    panel, pending = tiles[0], []  # the next panel's k-tiles still to load, paced along C tile 1's last commands
+    pending: list[tuple[_At, int, int]] = []  # (B at, columns, k-tile) of the next panel still to load
 
     def wait_for(g: int) -> None:
         nonlocal waited, issued
@@ -894,7 +895,7 @@ def _pipelined_start(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int,
                 b.emit("wait", flag=ctx.flag(Flag.WEIGHTS, 0 if two else 1))
                 if two and t.trans_b and _mxu_bound(ctx, rows, bm):  # two DMAs a command of C tile 1's: all
                     # at once, the instruction stream waited on the DMA queue while the MXU ran out of commands
-                    panel, pending = nxt, list(range(KT))
+                    pending = [(*nxt, j) for j in range(KT)]
                 else:
                     _load_panel(ctx, k, t, a_at, rows, *nxt, 0, 0 if two else 1)
                 nxt = None
@@ -908,9 +909,8 @@ def _pipelined_start(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int,
         wait_for(needs(n, kt))
         _mxu(ctx, t, t.a_sets[0], t.b_sets[n], t.c_tiles[n], [(0, 0, kt, kt)], rows, first=True,
              overwrite=kt == 0, parity=n)
-        for j in pending[:2]:  # W's rows as they are (`_load_panel`); straight-line code: no pointer
-            # register advances across the commands (a register defined once can be spilled)
-            at, ncols = panel
+        for at, ncols, j in pending[:2]:  # W's rows as they are (`_load_panel`); straight-line code: no
+            # pointer register advances across the commands (a register defined once can be spilled)
             ctx.dma(True, bm.dtype, at.addr(ctx, bm, j * L), t.b_sets[0][0], j * L, ncols, min(L, K - j * L),
                     bm.strides[-1], Flag.LOAD, 0)
         del pending[:2]
@@ -945,7 +945,6 @@ class _TileStream:
 
     def remaining(self) -> int:
         return self.full - self.issued
-
 
     def one(self) -> None:
         """Issue the next full tile (in a loop body too: it advances the pointer registers)."""
