@@ -149,9 +149,7 @@ def _lower_general(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool, M
         def batch_body() -> None:
             for m0, rows in m_tiles:
                 _m_tile(ctx, k, t, rows, _At(pa, m0 * a.strides[-2]), _At(pb, 0), _At(pc, m0 * c.strides[-2]))
-            for ptr, v in ((pa, a), (pb, bm), (pc, c)):
-                if v.strides[0]:
-                    b.addi(ptr, v.strides[0] * _esize(v), ptr)
+            _next_batch(ctx, k, pa, pb, pc)
 
         b.counted_loop(B, batch_body, "batch")
         return
@@ -201,6 +199,13 @@ def _valid_m_tiles(ctx: KernelContext, k: MatmulKernel, t: _Tiling, B: int, batc
 RESIDENT_FLAGS = ((Flag.LOAD, 0), (Flag.LOAD, 1), (Flag.MATMUL_A, 0), (Flag.MATMUL_A, 1))  # a group of batches each
 
 
+def _next_batch(ctx: KernelContext, k: MatmulKernel, pa: Reg, pb: Reg, pc: Reg) -> None:
+    """Advance a batch loop's pointer registers at A, B and C to the next batch."""
+    for ptr, v in ((pa, k.a), (pb, k.b), (pc, k.c)):
+        if v.strides[0]:
+            ctx.b.addi(ptr, v.strides[0] * _esize(v), ptr)
+
+
 def _prefetches_batches(ctx: KernelContext, t: _Tiling, m_tiles: list[tuple[int, int]]) -> bool:
     """Whether a batch loop loads each batch's A and first B panel during the batch before it
     (`_batches_ahead`): one m-tile a batch, A loaded whole in one part and not by a pipelined start (which
@@ -216,15 +221,13 @@ def _batches_ahead(ctx: KernelContext, k: MatmulKernel, t: _Tiling, B: int, rows
     on them at once instead of paying their DMA latency after its drain (~1,000 cycles a batch of attention's
     q @ K^T). Batch 0 and the last are code of their own, the ones between a loop of two batches a run."""
     b = ctx.b
-    a, bm, c = k.a, k.b, k.c
+    a, bm = k.a, k.b
 
     def batch(a_buf: int, prefetched: bool, has_next: bool) -> None:
         ahead = (_At(pa, a.strides[0]), _At(pb, bm.strides[0])) if has_next else None
         _m_tile(ctx, k, t, rows, _At(pa, 0), _At(pb, 0), _At(pc, 0), a_buf=a_buf, prefetched=prefetched,
                 ahead=ahead)
-        for ptr, v in ((pa, a), (pb, bm), (pc, c)):
-            if v.strides[0]:
-                b.addi(ptr, v.strides[0] * _esize(v), ptr)
+        _next_batch(ctx, k, pa, pb, pc)
 
     batch(0, False, True)
     pairs, odd = divmod(B - 2, 2)
@@ -666,8 +669,7 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
             _split(ctx, weights, kts * L, t.hi_full)
             if t.a_chunked:
                 _split(ctx, a_parts, kts * mt, t.hi_full)
-        commands = [(qa, qb, a_tile0 + j, j) for qa, qb in t.passes for j in range(kts)]
-        split = pieces if len(commands) == 1 and (last or by_pieces) else None
+        commands = [(qa, qb, a_tile0 + j, j) for qa, qb in t.passes for j in range(kts)]  # by_pieces: one, kc 0
         # the commands issued before the previous tile's store, which waits for that tile's drain (2N
         # cycles): enough rows to keep the MXU streaming meanwhile (short m-tiles take several), where
         # the MXU binds (a command's rows outlast its weight tile's DMA): where HBM binds, the next
@@ -676,7 +678,7 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
         lead = max(1, min(len(commands) - ends_by_pieces, 1 + 2 * L // rows if _mxu_bound(ctx, rows, bm) else 1,
                           ctx.config.mxu_queue))
         _mxu(ctx, t, a_parts, weights, t.c_tiles[pc], commands[:lead], rows, first=True, overwrite=kc == 0, parity=p,
-             pieces=split[:1] if by_pieces and split else split,
+             pieces=pieces[:1] if by_pieces else pieces if last and len(commands) == 1 else None,
              wait_before_mm=ctx.flag(Flag.STORE, pc) if kc == 0 and wait_store else None)
         # the next step's loads go first: behind the previous C tile's store in the channel, a load would
         # wait out the store's transfer and then its own latency while the MXU idles
@@ -702,9 +704,9 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
         if store_prev is not None:
             _store_c(ctx, t, t.c_tiles[1 - pc], store_prev[0], rows, store_prev[1], c, 1 - pc,
                      pieces if by_pieces else None)
-        if by_pieces and split:
-            qa, _, ka, _ = commands[0]
-            _last_piece(ctx, a_parts[qa], ka * t.mt, t.c_tiles[pc], split, "mxu.mm" if kc == 0 else "mxu.mma")
+        if by_pieces:  # the last piece, with the weights the first swapped in
+            (qa, _, ka, _), (lo, hi) = commands[0], pieces[-1]
+            _mm_rows(ctx, a_parts[qa], ka * t.mt, t.c_tiles[pc], lo, hi, "mxu.mm", _piece_flag(ctx, p, 1))
         rest = commands[lead:-1] if ends_by_pieces else commands[lead:]
         _mxu(ctx, t, a_parts, weights, t.c_tiles[pc], rest, rows, first=False, overwrite=False, parity=p,
              stream=stream)
@@ -1117,13 +1119,6 @@ def _piece_flag(ctx: KernelContext, parity: int, j: int) -> int:
     on OUT, which matmuls use for nothing else, so the next n-tile's commands (on the other MXU flag) can
     be issued before the wait for this tile's last piece."""
     return ctx.flag(Flag.MXU, parity) if j == 0 else ctx.flag(Flag.OUT)
-
-
-def _last_piece(ctx: KernelContext, a: Region, a_row: int, c_tile: Region, pieces: list[tuple[int, int]],
-                op: str) -> None:
-    """The last piece of a command issued by pieces, with the weights its first piece swapped in."""
-    lo, hi = pieces[-1]
-    _mm_rows(ctx, a, a_row, c_tile, lo, hi, op, ctx.flag(Flag.OUT))
 
 
 def _mm_rows(ctx: KernelContext, a: Region, a_row: int, c_tile: Region, lo: int, hi: int, op: str, flag: int,
