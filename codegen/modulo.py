@@ -18,6 +18,11 @@ II gets u names (u = the largest number of overlapping lifetimes), used by itera
 Induction registers (`addi r, r, step` and otherwise only vmem base operands) are not ordered against their
 memory uses: the use's immediate is corrected by step times the number of increments it sees early or late.
 
+A loop whose slots bound its II at a fraction (3 scalar ops on 2 slots: 1.5 bundles an iteration, an II of 2)
+is first widened: its body becomes w consecutive iterations (`_widened`: values renamed per copy, each
+induction register advanced once by w steps), so an II of 3 runs two iterations. It is kept only when its
+schedule beats every II the original could reach, and the trip count is a static multiple of w.
+
 `verify_pipelined` re-checks the generated code against the body's sequential semantics on a trace of the
 whole pipelined loop: every read sees the producer of the sequential order, addresses match, vmem accesses
 keep their order, every value lands before the loop's exit, and bundles respect slot counts.
@@ -41,6 +46,7 @@ MEMORY_BASE_OPS = ("vld", "vld.row", "vst")
 # registers a pipelined kernel may keep live (the rest: values live around the loop, the allocator's slack)
 REGISTER_BUDGET = {"v": 28, "s": 20}
 POOL_SLOTS = 16  # spill slots a loop's constant pool may take; the register allocator keeps the others
+MAX_WIDTH = 4  # the most iterations a widened body holds
 
 
 @dataclass
@@ -424,6 +430,80 @@ def _resource_ii(body: list[MInstr]) -> int:
     return max(-(-c // SLOT_COUNT[u]) for u, c in units.items())
 
 
+def _slots_ii(body: list[MInstr], width: int) -> int:
+    """The resource II of `body` widened to `width` iterations: every instruction `width` times but the
+    induction increments (once), with the kernel's counter decrement and branch."""
+    ivs = _ivs(body)
+    units = Counter(i.unit for i in body for _ in range(1 if i.dst in ivs else width))
+    units[isa.Unit.SCALAR] += 1
+    units[isa.Unit.CTRL] += 1
+    return max(-(-c // SLOT_COUNT[u]) for u, c in units.items())
+
+
+def _widened(body: list[MInstr], width: int, fresh: Callable[[str], Reg]) -> list[MInstr]:
+    """`width` consecutive iterations of `body` as one body. Copy j defines fresh registers and reads copy
+    j - 1's (copy 0 reads the original names: the previous run's last copy); the last copy keeps the original
+    names, so what the loop carries or leaves behind is where it was. An induction register is advanced once,
+    by `width` steps, where the last copy advanced it; a vmem base it serves gets the steps the original would
+    have taken by then as an immediate."""
+    ivs = _ivs(body)
+    out: list[MInstr] = []
+    current: dict[Reg, Reg] = {}
+    for j in range(width):
+        last = j == width - 1
+        for k, ins in enumerate(body):
+            if ins.dst in ivs:
+                if last:
+                    out.append(dataclasses.replace(ins, imm=ivs[ins.dst][1] * width))
+                continue
+            imm = ins.imm
+            if ins.op in MEMORY_BASE_OPS and ins.uses[-1] in ivs:
+                at, step = ivs[ins.uses[-1]]
+                taken = j + (at < k)  # the increments the original order has applied
+                landed = width if last and at < k else 0  # the widened increment's, by then
+                imm = int(imm or 0) + step * (taken - landed)
+            operands = tuple(current.get(r, r) for r in ins.uses)
+            dst = ins.dst
+            if dst is not None and not dst.phys:
+                current[dst] = dst if last else fresh(dst.kind)
+                dst = current[dst]
+            out.append(dataclasses.replace(ins, dst=dst, uses=operands, imm=imm))
+    return out
+
+
+def _widen(func: Function, index: int, uses: Counter[Reg], budget: dict[str, int], fresh: Callable[[str], Reg],
+           log: list[str]) -> None:
+    """Widen the counted loop at `func.blocks[index]` in place when its slots bound it at a fraction of a
+    bundle and a widened body pipelines faster per iteration than any II the original could reach."""
+    loop = func.blocks[index]
+    assert loop.loop is not None
+    n, counter = loop.loop.trip_count, loop.loop.counter
+    body = loop.instrs[:-2]
+    if loop.loop.wanted is not None or any(i.is_async or i.is_control or i.op == "wait" or counter in i.regs()
+                                           for i in body):
+        return
+    best = _resource_ii(body)
+    width = min((w for w in range(2, MAX_WIDTH + 1) if n % w == 0 and _slots_ii(body, w) < best * w),
+                key=lambda w: (_slots_ii(body, w) / w, w), default=None)
+    if width is None:
+        return
+    wide = _widened(body, width, fresh)
+    sched = modulo_schedule(wide, _read_outside(loop.instrs, uses), budget)
+    if sched is None or sched.ii >= best * width or n // width < sched.stages - 1 + sched.unroll or \
+            any(max_live(wide, sched, kind) > limit for kind, limit in budget.items()):
+        return
+    init = [i for i in func.blocks[index - 1].instrs if i.op == "li" and i.dst == counter]
+    if len(init) != 1:
+        return
+    init[0].imm = n // width
+    uses.subtract(r for i in body for r in i.uses)
+    uses.update(r for i in wide for r in i.uses)
+    loop.instrs = wide + loop.instrs[-2:]
+    loop.loop = dataclasses.replace(loop.loop, trip_count=n // width)
+    log.append(f"{loop.label}: widened to {width} iterations a body (slots: II {best} an iteration -> "
+               f"{sched.ii} for {width})")
+
+
 def _read_outside(instrs: list[MInstr], uses: Counter[Reg]) -> set[Reg]:
     """The registers of `instrs` that other instructions read too (`uses`: the function's reads)."""
     here = Counter(r for i in instrs for r in i.uses)
@@ -637,6 +717,8 @@ def pipeline_loops(func: Function, next_id: int, cuts: dict[str, int] | None = N
         if blk.loop is not None and blk.bundles is None and index > 0:
             cut = cuts.get(blk.label, 0)
             budget = {"v": REGISTER_BUDGET["v"] - cut, "s": REGISTER_BUDGET["s"] - cut // 2}
+            if budget["v"] > 8 and not compact:
+                _widen(func, index, uses, budget, fresh, log)
             p = pipeline_loop(func, index, log, fresh, budget, uses, compact) if budget["v"] > 8 else None
             if p is not None:
                 done.append(p)

@@ -217,6 +217,76 @@ def test_a_register_bound_loop_frees_the_registers_its_constants_hold(
     assert cycles < ratio * hoisted_cycles, (cycles, hoisted_cycles)
 
 
+def differences_loop(count: int) -> Function:
+    """out[16 i] = in[8 i] - in[8 (i - 1)] (in[-8] read as 0), then the last input chunk at LAST_ROW: two
+    induction bases of different steps (with the counter, three scalar ops an iteration: 1.5 bundles on two
+    scalar slots), a value carried to the next iteration, and a value read after the loop."""
+    f = Function()
+    b = Builder(f)
+    src, dst, prev = b.sreg(), b.sreg(), b.vreg()
+    b.emit("li", src, imm=0)
+    b.emit("li", dst, imm=0)
+    b.emit("vbcast", prev, (ZERO,))
+
+    def body() -> None:
+        x = b.vreg()
+        b.emit("vld", x, (src,), imm=IN_ROW, mem=(Mem(IN, 0, 1024),))
+        b.emit("vst", None, (b.vop("vsub.f", x, prev), dst), imm=OUT_ROW, mem=(Mem(OUT, 0, 2048, True),))
+        b.emit("vor", prev, (x, x))
+        b.emit("addi", src, (src,), imm=8)
+        b.emit("addi", dst, (dst,), imm=16)
+
+    b.counted_loop(count, body, "diff")
+    b.emit("vst", None, (prev, ZERO), imm=LAST_ROW, mem=(Mem(OUT, 0, 2048, True),))
+    b.emit("halt")
+    return f
+
+
+LAST_ROW = 4000
+
+
+@pytest.mark.parametrize("count", [40, 42, 41])
+def test_a_loop_bound_at_a_fraction_of_a_bundle_runs_two_iterations_a_widened_body(count: int, monkeypatch) -> None:
+    """Three scalar ops an iteration on two slots: an II of 2 for 1.5 bundles of work. Widened to two
+    iterations a body, the loop runs them in an II of 3 or less, with the same results: the carried value renamed
+    per copy, each induction base advanced once by two steps, the value read after the loop where it was.
+    A trip count that is not a multiple of two keeps the plain body."""
+    import numpy as np
+
+    from codegen import modulo
+    from device_sim.simulator import Simulator
+
+    def run() -> tuple[np.ndarray, np.ndarray, int, list[str], list]:
+        mc = compile_function(differences_loop(count), next_id=1000, pipeline=True, verify=True)
+        sim = Simulator("small")
+        sim.load(mc.program)
+        sim.vmem[IN_ROW:IN_ROW + count * 8] = x.view(np.uint32)
+        bundles = sim.run().bundles
+        out = sim.vmem[OUT_ROW:OUT_ROW + count * 16].view(np.float32).reshape(count, 16, -1)[:, :8]
+        return out.copy(), sim.vmem[LAST_ROW:LAST_ROW + 8].view(np.float32).copy(), bundles, mc.log, mc.pipelined
+
+    x = np.random.default_rng(0).standard_normal((count * 8, 8)).astype(np.float32)
+    x[:8, :3] = [np.inf, np.nan, -0.0]
+    out, last, bundles, log, pipelined = run()
+    chunks = x.reshape(count, 8, 8)
+    expected = chunks - np.concatenate([np.zeros((1, 8, 8), np.float32), chunks[:-1]])
+    np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
+    np.testing.assert_array_equal(last.view(np.uint32), chunks[-1].view(np.uint32))
+    assert len(pipelined) == 1, log
+    monkeypatch.setattr(modulo, "MAX_WIDTH", 1)
+    plain_out, plain_last, plain_bundles, _, plain = run()
+    assert plain[0].sched.ii == 2 and len(plain[0].body) == 6, plain[0].body
+    np.testing.assert_array_equal(plain_out.view(np.uint32), out.view(np.uint32))
+    np.testing.assert_array_equal(plain_last.view(np.uint32), last.view(np.uint32))
+    if count % 2:
+        assert not any("widened" in line for line in log) and bundles == plain_bundles
+        return
+    assert any("widened to 2" in line for line in log), log
+    assert len(pipelined[0].body) == 10, pipelined[0].body  # two copies of 4, one addi a base
+    assert pipelined[0].sched.ii <= 3, pipelined[0].sched  # 3 scalar ops for two iterations: 2 at best
+    assert bundles < 0.8 * plain_bundles, (bundles, plain_bundles)
+
+
 @pytest.mark.parametrize("count", [40, 41])
 def test_a_runtime_trip_count_runs_at_least_the_wanted_iterations(count: int) -> None:
     """A counted loop with a runtime trip count (`wanted`, a launch register: a dynamic-shape bucket's valid
