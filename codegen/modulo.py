@@ -422,21 +422,14 @@ def _reciprocal(u: int, most: int) -> tuple[int, int] | None:
     return None
 
 
-def _resource_ii(body: list[MInstr]) -> int:
-    """The II the slots allow (the kernel's counter decrement and branch included)."""
-    units = Counter(i.unit for i in body)
+def _resource_ii(body: list[MInstr], width: int = 1) -> int:
+    """The II the slots allow (the kernel's counter decrement and branch included); `width`: of the body
+    widened to that many iterations (`_widened`: every instruction that many times but the induction
+    increments, once)."""
+    ivs = _ivs(body) if width > 1 else {}
+    units = Counter(i.unit for i in body for _ in range(1 if i.dst in ivs else width))
     units[isa.Unit.SCALAR] += 1  # the kernel's counter decrement
     units[isa.Unit.CTRL] += 1  # its branch
-    return max(-(-c // SLOT_COUNT[u]) for u, c in units.items())
-
-
-def _slots_ii(body: list[MInstr], width: int) -> int:
-    """The resource II of `body` widened to `width` iterations: every instruction `width` times but the
-    induction increments (once), with the kernel's counter decrement and branch."""
-    ivs = _ivs(body)
-    units = Counter(i.unit for i in body for _ in range(1 if i.dst in ivs else width))
-    units[isa.Unit.SCALAR] += 1
-    units[isa.Unit.CTRL] += 1
     return max(-(-c // SLOT_COUNT[u]) for u, c in units.items())
 
 
@@ -482,18 +475,16 @@ def _widen(func: Function, index: int, uses: Counter[Reg], budget: dict[str, int
     if loop.loop.wanted is not None or any(i.is_async or i.is_control or i.op == "wait" or counter in i.regs()
                                            for i in body):
         return
+    init = [i for i in func.blocks[index - 1].instrs if i.op == "li" and i.dst == counter]
     best = _resource_ii(body)
-    width = min((w for w in range(2, MAX_WIDTH + 1) if n % w == 0 and _slots_ii(body, w) < best * w),
-                key=lambda w: (_slots_ii(body, w) / w, w), default=None)
-    if width is None:
+    slots = {w: _resource_ii(body, w) for w in range(2, MAX_WIDTH + 1) if n % w == 0}
+    width = min((w for w, ii in slots.items() if ii < best * w), key=lambda w: (slots[w] / w, w), default=None)
+    if width is None or len(init) != 1:
         return
     wide = _widened(body, width, fresh)
     sched = modulo_schedule(wide, _read_outside(loop.instrs, uses), budget)
     if sched is None or sched.ii >= best * width or n // width < sched.stages - 1 + sched.unroll or \
             any(max_live(wide, sched, kind) > limit for kind, limit in budget.items()):
-        return
-    init = [i for i in func.blocks[index - 1].instrs if i.op == "li" and i.dst == counter]
-    if len(init) != 1:
         return
     init[0].imm = n // width
     uses.subtract(r for i in body for r in i.uses)
