@@ -47,6 +47,7 @@ MEMORY_BASE_OPS = ("vld", "vld.row", "vst")
 REGISTER_BUDGET = {"v": 28, "s": 20}
 POOL_SLOTS = 16  # spill slots a loop's constant pool may take; the register allocator keeps the others
 MAX_WIDTH = 4  # the most iterations a widened body holds
+MIN_WIDENING_GAIN = 32  # cycles a widened body must save by its slots before it is scheduled (compile time)
 
 
 @dataclass
@@ -478,7 +479,8 @@ def _widen(func: Function, index: int, uses: Counter[Reg], budget: dict[str, int
     init = [i for i in func.blocks[index - 1].instrs if i.op == "li" and i.dst == counter]
     best = _resource_ii(body)
     slots = {w: _resource_ii(body, w) for w in range(2, MAX_WIDTH + 1) if n % w == 0}
-    width = min((w for w, ii in slots.items() if ii < best * w), key=lambda w: (slots[w] / w, w), default=None)
+    width = min((w for w, ii in slots.items() if (best - ii / w) * n >= MIN_WIDENING_GAIN),
+                key=lambda w: (slots[w] / w, w), default=None)
     if width is None or len(init) != 1:
         return
     wide = _widened(body, width, fresh)

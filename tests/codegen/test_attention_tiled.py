@@ -264,6 +264,8 @@ def _blocks_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(codegen.attention, "MAX_QUERY_BLOCKS", 1)
 
 
+# slow (~95 s on 2 cores): `pytest -m slow`; causal query blocks run in CI in the 2048-token prefill tests
+@pytest.mark.slow
 def test_causal_query_blocks_skip_the_keys_they_cannot_see(monkeypatch: pytest.MonkeyPatch) -> None:
     """259 causal queries on `small` (GQA 4 over 2, head dim 16) in two blocks: block [0, 129) reads keys
     [0, 129) only, in 3 key tiles; block [129, 259) all 259 in 5. Edge rows: row 0 fully masked (0), a NaN

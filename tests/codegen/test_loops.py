@@ -245,12 +245,13 @@ def differences_loop(count: int) -> Function:
 LAST_ROW = 4000
 
 
-@pytest.mark.parametrize("count", [40, 42, 41])
+@pytest.mark.parametrize("count", [80, 82, 83])
 def test_a_loop_bound_at_a_fraction_of_a_bundle_runs_two_iterations_a_widened_body(count: int, monkeypatch) -> None:
     """Three scalar ops an iteration on two slots: an II of 2 for 1.5 bundles of work. Widened to two
     iterations a body, the loop runs them in an II of 3 or less, with the same results: the carried value renamed
     per copy, each induction base advanced once by two steps, the value read after the loop where it was.
-    A trip count that is not a multiple of two keeps the plain body."""
+    A trip count that no width divides (83) keeps the plain body, and so does a loop too short for the
+    widening to save MIN_WIDENING_GAIN cycles (40 iterations: 20)."""
     import numpy as np
 
     from codegen import modulo
@@ -280,6 +281,8 @@ def test_a_loop_bound_at_a_fraction_of_a_bundle_runs_two_iterations_a_widened_bo
     np.testing.assert_array_equal(plain_last.view(np.uint32), last.view(np.uint32))
     if count % 2:
         assert not any("widened" in line for line in log) and bundles == plain_bundles
+        short = compile_function(differences_loop(40), next_id=1000, pipeline=True)
+        assert not any("widened" in line for line in short.log), short.log
         return
     assert any("widened to 2" in line for line in log), log
     assert len(pipelined[0].body) == 10, pipelined[0].body  # two copies of 4, one addi a base

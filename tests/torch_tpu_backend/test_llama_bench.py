@@ -279,6 +279,8 @@ def test_dynamic_shapes_cost_at_most_5_percent_over_static() -> None:
     assert r["max_ratio"] <= 1.05, r
 
 
+# slow (~105 s on 2 cores): `pytest -m slow`
+@pytest.mark.slow
 def test_a_layer_of_odd_slot_turns_loops_two_layers_a_repetition(monkeypatch: pytest.MonkeyPatch) -> None:
     """6 of Qwen3-0.6B's layers at 17 positions, packed weight streams: a layer turns the two weight slots an
     odd number of times (o_proj is one iteration), so a one-layer body plans its prefetch differently each

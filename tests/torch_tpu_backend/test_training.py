@@ -275,8 +275,10 @@ def test_attention_block_training_on_large(precision: str | None) -> None:
     assert len(programs) == 2 and not stats.fallback_ops, stats.as_dict()
 
 
-@pytest.mark.parametrize("autocast", [[], pytest.param(["--autocast", "bf16"], marks=pytest.mark.slow)],
-                         ids=["fp32", "bf16"])
+# slow (~150-260 s on 2 cores: it compiles and simulates the tiny Llama's training step): `pytest -m slow`;
+# the same training step runs in CI in test_tiny_llama_training_runs_on_the_ctpu and `ctpu bench --train`'s test
+@pytest.mark.slow
+@pytest.mark.parametrize("autocast", [[], ["--autocast", "bf16"]], ids=["fp32", "bf16"])
 def test_ctpu_train_checks_every_step_and_plots(autocast: list[str], train_cache: Path,
                                                 monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
