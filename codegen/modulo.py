@@ -21,7 +21,8 @@ memory uses: the use's immediate is corrected by step times the number of increm
 A loop whose slots bound its II at a fraction (3 scalar ops on 2 slots: 1.5 bundles an iteration, an II of 2)
 is first widened: its body becomes w consecutive iterations (`_widened`: values renamed per copy, each
 induction register advanced once by w steps), so an II of 3 runs two iterations. It is kept only when its
-schedule beats every II the original could reach, and the trip count is a static multiple of w.
+schedule beats every II the original could reach, the trip count is a static multiple of w, and its slots
+alone save MIN_WIDENING_GAIN cycles over the loop (a try is one more schedule).
 
 `verify_pipelined` re-checks the generated code against the body's sequential semantics on a trace of the
 whole pipelined loop: every read sees the producer of the sequential order, addresses match, vmem accesses
@@ -329,11 +330,11 @@ def pipeline_loop(func: Function, index: int, log: list[str], fresh: Callable[[s
     assert loop.loop is not None
     n, counter = loop.loop.trip_count, loop.loop.counter
     body = loop.instrs[:-2]
-    if any(i.is_async or i.is_control or i.op == "wait" or counter in i.regs() for i in body):
+    if not _schedulable(body, counter):
         log.append(f"{loop.label}: not pipelined (asynchronous, wait or control instruction in the body)")
         return None
     pre = func.blocks[index - 1]
-    init = [i for i in pre.instrs if i.op == "li" and i.dst == counter]
+    init = _counter_init(pre, counter)
     if len(init) != 1:
         log.append(f"{loop.label}: not pipelined (no counter initialization in the preheader)")
         return None
@@ -434,6 +435,17 @@ def _resource_ii(body: list[MInstr], width: int = 1) -> int:
     return max(-(-c // SLOT_COUNT[u]) for u, c in units.items())
 
 
+def _schedulable(body: list[MInstr], counter: Reg) -> bool:
+    """Whether a loop body may be modulo scheduled: no asynchronous, wait or control instruction, and no
+    use of the loop's counter."""
+    return not any(i.is_async or i.is_control or i.op == "wait" or counter in i.regs() for i in body)
+
+
+def _counter_init(pre: Block, counter: Reg) -> list[MInstr]:
+    """The preheader's `li` instructions of the loop's counter (one where the loop qualifies)."""
+    return [i for i in pre.instrs if i.op == "li" and i.dst == counter]
+
+
 def _widened(body: list[MInstr], width: int, fresh: Callable[[str], Reg]) -> list[MInstr]:
     """`width` consecutive iterations of `body` as one body. Copy j defines fresh registers and reads copy
     j - 1's (copy 0 reads the original names: the previous run's last copy); the last copy keeps the original
@@ -473,10 +485,9 @@ def _widen(func: Function, index: int, uses: Counter[Reg], budget: dict[str, int
     assert loop.loop is not None
     n, counter = loop.loop.trip_count, loop.loop.counter
     body = loop.instrs[:-2]
-    if loop.loop.wanted is not None or any(i.is_async or i.is_control or i.op == "wait" or counter in i.regs()
-                                           for i in body):
+    if loop.loop.wanted is not None or not _schedulable(body, counter):
         return
-    init = [i for i in func.blocks[index - 1].instrs if i.op == "li" and i.dst == counter]
+    init = _counter_init(func.blocks[index - 1], counter)
     best = _resource_ii(body)
     slots = {w: _resource_ii(body, w) for w in range(2, MAX_WIDTH + 1) if n % w == 0}
     width = min((w for w, ii in slots.items() if (best - ii / w) * n >= MIN_WIDENING_GAIN),
