@@ -58,6 +58,7 @@ MIN_PIECE_CHUNKS = 16
 # (register holding the valid rows of each piece of a tile, the piece's rows), or None: every row is valid
 ValidRows = tuple[Reg, int] | None
 NEG_INF = 0xFF800000
+NEG_ZERO = 0x80000000
 ZERO_BITS = 0
 
 COMBINERS = {"arith.addf": ("vadd.f", "vred.sum.l", "vred.sum.s", ZERO_BITS),
@@ -350,12 +351,13 @@ def _choose_tile_rows(ctx: KernelContext, k: GenericKernel, streams: list[Stream
     vmem."""
     out = streams[-1]
     loads = streams[:-1] + ([out] if _reads_output(k) else [])
+    by_rows = _maps_by_rows(k, P, streams)
 
     def need(t: int) -> int:
         total = 2 * region_rows(t * (1 if k.reduction else P) + 8)
         for s in loads:
             total += 2 * region_rows(t * (P if s.kind == "row" else 1) + 8)
-            if s.kind == "col" and s is not out:
+            if s.kind == "col" and s is not out and not by_rows:
                 total += region_rows(t * P + 8)
         return total
 
@@ -389,7 +391,8 @@ def _tile_buffers(ctx: KernelContext, k: GenericKernel, streams: list[Stream], r
         loaded = s is not out or _reads_output(k)
         tiles.append((ctx.region(tile_rows * per_row + 8, "in"), ctx.region(tile_rows * per_row + 8, "in"))
                      if loaded else None)
-        expanded.append(ctx.region(tile_rows * P + 8, "bcast") if s.kind == "col" and s is not out else None)
+        expanded.append(ctx.region(tile_rows * P + 8, "bcast")
+                        if s.kind == "col" and s is not out and not _maps_by_rows(k, P, streams) else None)
     out_rows = tile_rows * (1 if k.reduction else P) + 8
     return TileBuffers(tile_rows, tiles, expanded, (ctx.region(out_rows, "out"), ctx.region(out_rows, "out")))
 
@@ -463,6 +466,8 @@ def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buff
         b.emit("wait", flag=ctx.flag(Flag.STORE, p))
         if k.reduction:
             _reduce_tile(ctx, k.body, streams, p, out_tiles[p], n, C, P, k.init, computed)
+        elif _maps_by_rows(k, P, streams):
+            _map_rows(ctx, k.body, streams, p, out_tiles[p], n, P, set(), computed)
         else:
             _map_tile(ctx, k.body, streams, p, out_tiles[p], n, P, computed)
         move(False, out, out_tiles[p], p, *size, rows_reg)
@@ -636,6 +641,69 @@ def _store(b: Builder, r: Reg, out: Region, base: Reg, row: int = 0) -> None:
     b.vst(r, base, out.row + row, row_mem(out, base, row, 8, True))
 
 
+def _maps_by_rows(k: GenericKernel, P: int, streams: list[Stream]) -> bool:
+    """Whether a generic maps row by row (`_map_rows`): a map with a column operand over rows of whole chunks
+    of 8 vmem rows or more, at most UNROLL_CHUNKS of them."""
+    return not k.reduction and 8 <= P <= 8 * UNROLL_CHUNKS and any(s.kind == "col" for s in streams[:-1])
+
+
+def _derived(body: ScalarProgram, args: set[str]) -> list[str]:
+    """The body's values computed from `args` and constants alone (each depending on one of `args`), in order."""
+    known, out = set(args), []
+    for res, _, ops in body.ops:
+        if ops and all(o in known or o in body.constants for o in ops) and any(o in known for o in ops):
+            known.add(res)
+            out.append(res)
+    return out
+
+
+def _evaluated(b: Builder, body: ScalarProgram, env: dict[str, Reg], names: list[str]) -> dict[str, Reg]:
+    """env with the values `names` (each computable from env and the earlier names) emitted now."""
+    values = dict(env)
+    for name in names:
+        values[name] = evaluate(b, body, values, name)
+    return values
+
+
+def _map_rows(ctx: KernelContext, body: ScalarProgram, streams: list[Stream], p: int, out: Region, n: int, P: int,
+              full_lanes: set[str], rows: ValidRows = None) -> None:
+    """A map over a tile's n rows of P >= 8 vmem rows, a row at a time: each column operand loaded once a row
+    (`vld.row`, spread across lanes unless `full_lanes` says every lane holds it) and what the body computes
+    from the columns alone once a row, not a broadcast pass that stores every column's rows to vmem for the
+    chunks to load (a prefill softmax's row max and causal bound: the broadcasts were a fifth of its cycles).
+    A row operand the same in every row (a key index) is loaded, and what derives from it computed, once a
+    tile. A row's last chunk of a P that is no multiple of 8 runs into the next row's first vmem rows: its
+    store there is overwritten by the next row's (vst order is kept), past the last row it lands in the
+    tile's 8 spare rows. `rows`: see `_over_rows`."""
+    b = ctx.b
+    P8 = -(-P // 8)
+    cols = [s for s in streams[:-1] if s.kind == "col"]
+    fixed = [s for s in streams[:-1] if s.kind == "row" and s.row_stride == 0]
+    varying = [s for s in streams[:-1] if s.kind == "row" and s.row_stride != 0]
+    per_tile = _derived(body, {s.arg for s in fixed})
+    chunks = [_evaluated(b, body, {s.arg: _load(b, s, p, ZERO, 8 * j) for s in fixed}, per_tile) for j in range(P8)]
+    per_row = _derived(body, {s.arg for s in cols})
+    row_base = b.sreg()
+
+    def row(t: Reg) -> None:
+        env = {}
+        for s in cols:
+            assert s.tiles is not None
+            v = b.vld(t, s.tiles[p].row, row_mem(s.tiles[p], t, 0, 1), "vld.row")
+            env[s.arg] = v if s.arg in full_lanes else _lane0_everywhere(b, v, s.view.dtype in ("i32", "i1"))
+        env = _evaluated(b, body, env, per_row)
+        for j in range(P8):
+            values = env | chunks[j] | {s.arg: _load(b, s, p, row_base, 8 * j) for s in varying}
+            _store(b, evaluate(b, body, values, body.yields[0]), out, row_base, 8 * j)
+        b.emit("addi", row_base, (row_base,), imm=P)
+
+    def part(first: Reg, count: int, valid: Reg | None) -> None:
+        _set_times(b, row_base, first, P)
+        chunk_loop(b, count, row, "map_rows", first, step=1, ivs={row_base: P}, wanted=valid)
+
+    _over_rows(b, n, P, rows, part)
+
+
 def _map_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream], p: int, out: Region, n: int,
               P: int, rows: ValidRows = None) -> None:
     b = ctx.b
@@ -689,11 +757,23 @@ def _reduce_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream],
     def f_at(base: Reg, row: int) -> Reg:
         return evaluate(b, body, {s.arg: _load(b, s, p, base, row) for s in streams[:-1]}, value)
 
+    # the first chunk's value starts a row's accumulator where combining it with the identity first changes
+    # no bit of the result: a max (a NaN comes out canonical from the last max, with the initial value), a sum
+    # whose constant initial value is not -0 (0 + -0 is +0: only a row of -0 sums to -0 this way, and adding
+    # that initial value makes it +0 too). A vector op less a row: a prefill softmax's reductions are VPU-bound
+    starts_with_first = vop == "vmax.f" or (
+        init_value is not None and int(np.float32(init_value).view(np.uint32)) != NEG_ZERO)
+
+    def combined(acc: Reg | None, f: Reg) -> Reg:
+        if acc is None:
+            return f if starts_with_first else b.vop(vop, b.vconst_bits(identity), f)
+        return b.vop(vop, acc, f)
+
     def row(t: Reg) -> None:
+        acc: Reg | None = None
         if plain <= UNROLL_CHUNKS:  # a new register a step: the pipeliner can overlap rows (it renames values,
-            acc = b.vconst_bits(identity)  # not a register written twice); the same ops, the same bits
-            for j in range(plain):
-                acc = b.vop(vop, acc, f_at(row_base, 8 * j))
+            for j in range(plain):  # not a register written twice)
+                acc = combined(acc, f_at(row_base, 8 * j))
         else:
             acc = b.vreg()
             b.emit("vbcast", acc, (b.const(identity),))
@@ -701,7 +781,8 @@ def _reduce_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream],
         if tail:
             mask = b.vop("vcmp.lt.i", b.vop_imm("viota", 2), b.vconst_bits(tail))
             f = b.vop("vsel", mask, f_at(row_base, 8 * plain), b.vconst_bits(identity))
-            acc = b.vop(vop, acc, f)
+            acc = combined(acc, f)
+        assert acc is not None
         total = b.vop(red_s, b.vop(red_l, acc))
         _store(b, b.vop(vop, total, initial(t, one_row=True)), out, t)
         b.emit("addi", row_base, (row_base,), imm=P)
@@ -1142,6 +1223,7 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
     loads: list[tuple[Stream, ChainMember]] = []
     loaded: dict[tuple, tuple[Region, Region]] = {}  # a tile's key (`_tile_key`): its two regions
     outs: dict[int, tuple[Region, Region]] = {}
+    full_lanes: dict[int, set[str]] = {}
     for j, m in enumerate(members):
         for s in m.reads():
             w = written.get(s.view.buffer)
@@ -1153,8 +1235,12 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
                 n = T * m.pitch(s)[0] + 8
                 s.tiles = loaded[_tile_key(s, m)] = (ctx.region(n, "in"), ctx.region(n, "in"))
                 loads.append((s, m))
+        by_rows = _maps_by_rows(m.kernel, m.P, m.streams)
         for s in m.streams[:-1]:
-            s.expanded = ctx.region(T * m.P + 8, "bcast") if s.kind == "col" else None
+            s.expanded = ctx.region(T * m.P + 8, "bcast") if s.kind == "col" and not by_rows else None
+        # columns an earlier reduction of a constant initial value wrote: every lane of a row holds its value
+        full_lanes[id(m)] = {s.arg for s in m.streams[:-1] if s.kind == "col" and (w := written.get(s.view.buffer))
+                             is not None and w.kernel.reduction and w.kernel.init is not None}
         n = T * m.pitch(m.streams[-1])[0] + 8
         out = ctx.region(n, "out")
         outs[id(m)] = (out, out) if j in chain.private else (out, ctx.region(n, "out"))
@@ -1192,6 +1278,8 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
                     _broadcast_rows(b, s.tiles[p], s.expanded, n, m.P, s.view.dtype in ("i32", "i1"))
             if m.kernel.reduction:
                 _reduce_tile(ctx, m.kernel.body, streams, p, outs[id(m)][p], n, m.C, m.P, m.kernel.init)
+            elif _maps_by_rows(m.kernel, m.P, streams):
+                _map_rows(ctx, m.kernel.body, streams, p, outs[id(m)][p], n, m.P, full_lanes[id(m)])
             else:
                 _map_tile(ctx, m.kernel.body, streams, p, outs[id(m)][p], n, m.P)
         for (m, tiles), ptr in zip(stores, store_ptrs, strict=True):
@@ -1226,7 +1314,8 @@ def _tiles_vmem(members: list[ChainMember], private: frozenset[int], t: int) -> 
             if s.view.buffer not in written and _tile_key(s, m) not in loaded:
                 loaded.add(_tile_key(s, m))
                 sizes += 2 * [t * m.pitch(s)[0] + 8]
-        sizes += [t * m.P + 8 for s in m.streams[:-1] if s.kind == "col"]
+        if not _maps_by_rows(m.kernel, m.P, m.streams):
+            sizes += [t * m.P + 8 for s in m.streams[:-1] if s.kind == "col"]
         sizes += (1 if j in private else 2) * [t * m.pitch(m.streams[-1])[0] + 8]
         written.add(m.streams[-1].view.buffer)
     return sum(region_rows(n) for n in sizes)
