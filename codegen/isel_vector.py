@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
@@ -467,7 +467,7 @@ def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buff
         if k.reduction:
             _reduce_tile(ctx, k.body, streams, p, out_tiles[p], n, C, P, k.init, computed)
         elif _maps_by_rows(k, P, streams):
-            _map_rows(ctx, k.body, streams, p, out_tiles[p], n, P, set(), computed)
+            _row_pass(ctx, [RowWork(k, streams, out_tiles[p], C)], p, n, P, computed)
         else:
             _map_tile(ctx, k.body, streams, p, out_tiles[p], n, P, computed)
         move(False, out, out_tiles[p], p, *size, rows_reg)
@@ -642,9 +642,10 @@ def _store(b: Builder, r: Reg, out: Region, base: Reg, row: int = 0) -> None:
 
 
 def _maps_by_rows(k: GenericKernel, P: int, streams: list[Stream]) -> bool:
-    """Whether a generic maps row by row (`_map_rows`): a map with a column operand over rows of whole chunks
+    """Whether a generic maps row by row (`_row_pass`): a map with a column operand over rows of whole chunks
     of 8 vmem rows or more, at most UNROLL_CHUNKS of them."""
-    return not k.reduction and 8 <= P <= 8 * UNROLL_CHUNKS and any(s.kind == "col" for s in streams[:-1])
+    return ROW_PASSES and not k.reduction and 8 <= P <= 8 * UNROLL_CHUNKS and any(
+        s.kind == "col" for s in streams[:-1])
 
 
 def _derived(body: ScalarProgram, args: set[str]) -> list[str]:
@@ -665,41 +666,85 @@ def _evaluated(b: Builder, body: ScalarProgram, env: dict[str, Reg], names: list
     return values
 
 
-def _map_rows(ctx: KernelContext, body: ScalarProgram, streams: list[Stream], p: int, out: Region, n: int, P: int,
-              full_lanes: set[str], rows: ValidRows = None) -> None:
-    """A map over a tile's n rows of P >= 8 vmem rows, a row at a time: each column operand loaded once a row
-    (`vld.row`, spread across lanes unless `full_lanes` says every lane holds it) and what the body computes
-    from the columns alone once a row, not a broadcast pass that stores every column's rows to vmem for the
-    chunks to load (a prefill softmax's row max and causal bound: the broadcasts were a fifth of its cycles).
-    A row operand the same in every row (a key index) is loaded, and what derives from it computed, once a
-    tile. A row's last chunk of a P that is no multiple of 8 runs into the next row's first vmem rows: its
-    store there is overwritten by the next row's (vst order is kept), past the last row it lands in the
-    tile's 8 spare rows. `rows`: see `_over_rows`."""
+@dataclass
+class RowWork:
+    """One generic's part in a row pass (`_row_pass`): its streams and output tile (of the tile's parity),
+    the columns whose every lane holds the row's value, the row operands an earlier work of the pass computes
+    (argument -> that work's index: its value, never loaded), and for a map whether its value is stored to
+    its output tile (something past the pass reads it there)."""
+
+    kernel: GenericKernel
+    streams: list[Stream]
+    out: Region
+    C: int
+    full_lanes: set[str] = field(default_factory=set)
+    fed: dict[str, int] = field(default_factory=dict)
+    stored: bool = True
+
+
+def _row_pass(ctx: KernelContext, works: list[RowWork], p: int, n: int, P: int, rows: ValidRows = None) -> None:
+    """Maps and reductions over a tile's n rows of P >= 8 vmem rows, a row at a time, each chunk of a row
+    computing every work in turn (a prefill softmax's scaled scores and their max, then the exponentials, their
+    sum and their bf16 copy): a work reads an earlier one's value in a register, not from vmem, and a map's
+    value that only the pass reads is never stored. Each column operand is loaded once a row (`vld.row`,
+    spread across lanes unless `full_lanes` says every lane holds it), and what a body computes from its
+    columns alone once a row: no broadcast pass stores a column's rows to vmem for the chunks to load. A row
+    operand the same in every row (a key index) is loaded, and what derives from it computed, once a tile. A
+    reduction combines its row's chunks in registers and stores the row's value at the row's end.
+    A row's last chunk of a P that is no multiple of 8 runs into the next row's first vmem rows: a reduction
+    masks them out, a map's store there is overwritten by the next row's (vst order is kept), past the last
+    row it lands in the tile's 8 spare rows. `rows`: see `_over_rows`."""
     b = ctx.b
     P8 = -(-P // 8)
-    cols = [s for s in streams[:-1] if s.kind == "col"]
-    fixed = [s for s in streams[:-1] if s.kind == "row" and s.row_stride == 0]
-    varying = [s for s in streams[:-1] if s.kind == "row" and s.row_stride != 0]
-    per_tile = _derived(body, {s.arg for s in fixed})
-    chunks = [_evaluated(b, body, {s.arg: _load(b, s, p, ZERO, 8 * j) for s in fixed}, per_tile) for j in range(P8)]
-    per_row = _derived(body, {s.arg for s in cols})
+    parts = []  # per work: (columns, rows loaded each chunk, the values of each chunk computed once a tile)
+    for w in works:
+        body = w.kernel.body
+        rows_in = [s for s in w.streams[:-1] if s.kind == "row" and s.arg not in w.fed]
+        fixed = [s for s in rows_in if s.row_stride == 0]
+        chunks = [_evaluated(b, body, {s.arg: _load(b, s, p, ZERO, 8 * j) for s in fixed},
+                             _derived(body, {s.arg for s in fixed})) for j in range(P8)]
+        parts.append(([s for s in w.streams[:-1] if s.kind == "col"], [s for s in rows_in if s.row_stride], chunks))
+    reductions = [_Reduction(b, w.kernel.body, w.kernel.init) if w.kernel.reduction else None for w in works]
     row_base = b.sreg()
 
     def row(t: Reg) -> None:
-        env = {}
-        for s in cols:
-            assert s.tiles is not None
-            v = b.vld(t, s.tiles[p].row, row_mem(s.tiles[p], t, 0, 1), "vld.row")
-            env[s.arg] = v if s.arg in full_lanes else _lane0_everywhere(b, v, s.view.dtype in ("i32", "i1"))
-        env = _evaluated(b, body, env, per_row)
+        envs = []
+        for w, (cols, _, _) in zip(works, parts, strict=True):
+            env = {}
+            for s in cols:
+                assert s.tiles is not None
+                v = b.vld(t, s.tiles[p].row, row_mem(s.tiles[p], t, 0, 1), "vld.row")
+                env[s.arg] = v if s.arg in w.full_lanes else _lane0_everywhere(b, v, s.view.dtype in ("i32", "i1"))
+            envs.append(_evaluated(b, w.kernel.body, env, _derived(w.kernel.body, {s.arg for s in cols})))
+        accs: list[Reg | None] = [None] * len(works)
         for j in range(P8):
-            values = env | chunks[j] | {s.arg: _load(b, s, p, row_base, 8 * j) for s in varying}
-            _store(b, evaluate(b, body, values, body.yields[0]), out, row_base, 8 * j)
+            values: list[Reg] = []
+            for i, (w, (_, varying, chunks)) in enumerate(zip(works, parts, strict=True)):
+                body = w.kernel.body
+                env = envs[i] | chunks[j] | {a: values[src] for a, src in w.fed.items()} | {
+                    s.arg: _load(b, s, p, row_base, 8 * j) for s in varying}
+                r = reductions[i]
+                if r is not None:
+                    f = evaluate(b, body, env, r.value)
+                    tail = w.C % (8 * ctx.lanes)
+                    if tail and j == P8 - 1:
+                        f = b.vop("vsel", b.vop("vcmp.lt.i", b.vop_imm("viota", 2), b.vconst_bits(tail)), f,
+                                  b.vconst_bits(r.identity))
+                    accs[i] = r.combined(accs[i], f)
+                    values.append(f)
+                    continue
+                v = evaluate(b, body, env, body.yields[0])
+                if w.stored:
+                    _store(b, v, w.out, row_base, 8 * j)
+                values.append(v)
+        for w, r, acc in zip(works, reductions, accs, strict=True):
+            if r is not None and acc is not None:
+                _store(b, r.row_value(acc, w.streams[-1], p, t), w.out, t)
         b.emit("addi", row_base, (row_base,), imm=P)
 
     def part(first: Reg, count: int, valid: Reg | None) -> None:
         _set_times(b, row_base, first, P)
-        chunk_loop(b, count, row, "map_rows", first, step=1, ivs={row_base: P}, wanted=valid)
+        chunk_loop(b, count, row, "row_pass", first, step=1, ivs={row_base: P}, wanted=valid)
 
     _over_rows(b, n, P, rows, part)
 
@@ -721,22 +766,54 @@ def _map_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream], p:
     _over_rows(b, n, P, rows, part)
 
 
+class _Reduction:
+    """A reduction body's combiner: `combined` adds a chunk's values to a row's accumulator (None: none yet),
+    `row_value` reduces it across lanes and sublanes and combines the output's initial value.
+    The first chunk's value starts a row's accumulator where combining it with the identity first changes no
+    bit of the result: a max (a NaN comes out canonical from the last max, with the initial value), a sum whose
+    constant initial value is not -0 (0 + -0 is +0: only a row of -0 sums to -0 this way, and adding that
+    initial value makes it +0 too). A vector op less a row: a prefill softmax's reductions are VPU-bound."""
+
+    def __init__(self, b: Builder, body: ScalarProgram, init_value: float | None) -> None:
+        self.b, self.init_value = b, init_value
+        combine_name, self.value = _split_reduction(body, body.args[-1])
+        self.vop, self.red_l, self.red_s, self.identity = COMBINERS[combine_name]
+        self.starts_with_first = self.vop == "vmax.f" or (
+            init_value is not None and int(np.float32(init_value).view(np.uint32)) != NEG_ZERO)
+
+    def combined(self, acc: Reg | None, f: Reg) -> Reg:
+        if acc is None:
+            return f if self.starts_with_first else self.b.vop(self.vop, self.b.vconst_bits(self.identity), f)
+        return self.b.vop(self.vop, acc, f)
+
+    def initial(self, out: Stream, p: int, base: Reg, one_row: bool = False) -> Reg:
+        """The output's initial value at `base`: a folded fill's constant, else what the tile loaded."""
+        b = self.b
+        if self.init_value is not None:
+            return b.vconst_bits(int(np.float32(self.init_value).view(np.uint32)))
+        assert out.tiles is not None
+        if not one_row:
+            return _load(b, out, p, base)
+        return b.vld(base, out.tiles[p].row, row_mem(out.tiles[p], base, 0, 1), "vld.row")
+
+    def with_initial(self, reduced: Reg, out: Stream, p: int, base: Reg, one_row: bool = False) -> Reg:
+        """`reduced` (a lanes' reduction) combined with the output's initial value at `base`: as it is where that
+        is a max's -inf (a lanes' max has made its NaN canonical already)."""
+        if self.vop == "vmax.f" and self.init_value == -math.inf:
+            return reduced
+        return self.b.vop(self.vop, reduced, self.initial(out, p, base, one_row))
+
+    def row_value(self, acc: Reg, out: Stream, p: int, t: Reg) -> Reg:
+        """Row t's value from its accumulator, combined with the initial value."""
+        b = self.b
+        return self.with_initial(b.vop(self.red_s, b.vop(self.red_l, acc)), out, p, t, one_row=True)
+
+
 def _reduce_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream], p: int, out: Region, n: int,
                  C: int, P: int, init_value: float | None, rows: ValidRows = None) -> None:
     b = ctx.b
-    out_arg = body.args[-1]
-    combine_name, value = _split_reduction(body, out_arg)
-    vop, red_l, red_s, identity = COMBINERS[combine_name]
-
-    def initial(base: Reg, one_row: bool = False) -> Reg:
-        """The output's initial value at `base`: a folded fill's constant, else what the tile loaded."""
-        if init_value is not None:
-            return b.vconst_bits(int(np.float32(init_value).view(np.uint32)))
-        assert streams[-1].tiles is not None
-        if not one_row:
-            return _load(b, streams[-1], p, base)
-        region = streams[-1].tiles[p]
-        return b.vld(base, region.row, row_mem(region, base, 0, 1), "vld.row")
+    r = _Reduction(b, body, init_value)
+    vop, red_l, identity, value = r.vop, r.red_l, r.identity, r.value
     if P == 1:
         def chunk(off: Reg) -> None:
             env = {s.arg: _load(b, s, p, off) for s in streams[:-1]}
@@ -744,7 +821,7 @@ def _reduce_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream],
             if C < ctx.lanes:
                 mask = b.vop("vcmp.lt.i", b.vop_imm("viota", 0), b.vconst_bits(C))
                 f = b.vop("vsel", mask, f, b.vconst_bits(identity))
-            _store(b, b.vop(vop, b.vop(red_l, f), initial(off)), out, off)
+            _store(b, r.with_initial(b.vop(red_l, f), streams[-1], p, off), out, off)
 
         _over_rows(b, n, 1, rows, lambda first, count, valid: chunk_loop(
             b, -(-count // 8), chunk, "reduce", first, wanted=_chunks(b, valid, 1)))
@@ -757,23 +834,11 @@ def _reduce_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream],
     def f_at(base: Reg, row: int) -> Reg:
         return evaluate(b, body, {s.arg: _load(b, s, p, base, row) for s in streams[:-1]}, value)
 
-    # the first chunk's value starts a row's accumulator where combining it with the identity first changes
-    # no bit of the result: a max (a NaN comes out canonical from the last max, with the initial value), a sum
-    # whose constant initial value is not -0 (0 + -0 is +0: only a row of -0 sums to -0 this way, and adding
-    # that initial value makes it +0 too). A vector op less a row: a prefill softmax's reductions are VPU-bound
-    starts_with_first = vop == "vmax.f" or (
-        init_value is not None and int(np.float32(init_value).view(np.uint32)) != NEG_ZERO)
-
-    def combined(acc: Reg | None, f: Reg) -> Reg:
-        if acc is None:
-            return f if starts_with_first else b.vop(vop, b.vconst_bits(identity), f)
-        return b.vop(vop, acc, f)
-
     def row(t: Reg) -> None:
         acc: Reg | None = None
         if plain <= UNROLL_CHUNKS:  # a new register a step: the pipeliner can overlap rows (it renames values,
             for j in range(plain):  # not a register written twice)
-                acc = combined(acc, f_at(row_base, 8 * j))
+                acc = r.combined(acc, f_at(row_base, 8 * j))
         else:
             acc = b.vreg()
             b.emit("vbcast", acc, (b.const(identity),))
@@ -781,10 +846,9 @@ def _reduce_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream],
         if tail:
             mask = b.vop("vcmp.lt.i", b.vop_imm("viota", 2), b.vconst_bits(tail))
             f = b.vop("vsel", mask, f_at(row_base, 8 * plain), b.vconst_bits(identity))
-            acc = combined(acc, f)
+            acc = r.combined(acc, f)
         assert acc is not None
-        total = b.vop(red_s, b.vop(red_l, acc))
-        _store(b, b.vop(vop, total, initial(t, one_row=True)), out, t)
+        _store(b, r.row_value(acc, streams[-1], p, t), out, t)
         b.emit("addi", row_base, (row_base,), imm=P)
 
     def part(first: Reg, count: int, valid: Reg | None) -> None:
@@ -888,6 +952,9 @@ CHAIN_MAX_MEMBERS = 16
 # runs of generics too large for one tile, over the same rows, run as one tile loop (`lower_tiled_chain`: a
 # prefill softmax's passes over a key tile of scores)
 TILED_CHAINS = True
+# a tiled chain's members over rows of 8 to 8 * UNROLL_CHUNKS vmem rows run in row passes (`_row_passes`), and
+# maps with a column operand row by row; False: a member at a time, each column broadcast to vmem first
+ROW_PASSES = True
 # a tiled chain's first member takes at least this share of vmem (`large`: 4,096 rows, a 2048-token prefill's
 # key tile 8,192 score rows of 1,536 keys): a smaller run's few tiles pay the loop's fill and drain, and a
 # dynamic-shape bucket's members, which compute only their valid rows, are not chained
@@ -1224,6 +1291,8 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
     loaded: dict[tuple, tuple[Region, Region]] = {}  # a tile's key (`_tile_key`): its two regions
     outs: dict[int, tuple[Region, Region]] = {}
     full_lanes: dict[int, set[str]] = {}
+    passes = _row_passes(members)
+    by_rows = {j for ps in passes if _runs_by_rows(members, ps) for j in ps}
     for j, m in enumerate(members):
         for s in m.reads():
             w = written.get(s.view.buffer)
@@ -1235,9 +1304,8 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
                 n = T * m.pitch(s)[0] + 8
                 s.tiles = loaded[_tile_key(s, m)] = (ctx.region(n, "in"), ctx.region(n, "in"))
                 loads.append((s, m))
-        by_rows = _maps_by_rows(m.kernel, m.P, m.streams)
         for s in m.streams[:-1]:
-            s.expanded = ctx.region(T * m.P + 8, "bcast") if s.kind == "col" and not by_rows else None
+            s.expanded = ctx.region(T * m.P + 8, "bcast") if s.kind == "col" and j not in by_rows else None
         # columns an earlier reduction of a constant initial value wrote: every lane of a row holds its value
         full_lanes[id(m)] = {s.arg for s in m.streams[:-1] if s.kind == "col" and (w := written.get(s.view.buffer))
                              is not None and w.kernel.reduction and w.kernel.init is not None}
@@ -1246,6 +1314,18 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
         outs[id(m)] = (out, out) if j in chain.private else (out, ctx.region(n, "out"))
         written[m.streams[-1].view.buffer] = m
     stores = [(m, outs[id(m)]) for j, m in enumerate(members) if j not in chain.private]
+    # in a row pass: the row operands an earlier member of the pass computes (by its place in the pass), and
+    # the maps whose value no store and no member past the pass reads
+    source = _chain_sources(members)
+    fed: dict[int, dict[str, int]] = {}
+    unstored: set[int] = set()
+    for ps in passes:
+        for j in ps:
+            fed[j] = {s.arg: ps.index(source[id(s)]) for s in members[j].streams[:-1]
+                      if s.kind == "row" and source.get(id(s)) in ps}
+            readers = {k for k, m in enumerate(members) for s in m.reads() if source.get(id(s)) == j}
+            if j in chain.private and readers <= set(ps):
+                unstored.add(j)
     for s, _ in loads:
         s.ptr = b.sreg()
         b.emit("addi", s.ptr, (ctx.hbm_addr(s.view, s.base),), imm=0)
@@ -1269,8 +1349,14 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
         if next_n:
             issue_loads(1 - p, next_n)
         b.emit("wait", flag=ctx.flag(Flag.STORE, p))
-        for m in members:
-            b.new_block("tiled_member")  # each member's register pressure its own, as in `lower_chain`
+        for ps in passes:
+            b.new_block("tiled_member")  # each pass's register pressure its own, as in `lower_chain`
+            if ps[0] in by_rows:
+                _row_pass(ctx, [RowWork(members[j].kernel, members[j].streams, outs[id(members[j])][p], members[j].C,
+                                        full_lanes[id(members[j])], fed[j], j not in unstored) for j in ps],
+                          p, n, members[ps[0]].P)
+                continue
+            m = members[ps[0]]
             streams = m.streams
             for s in streams[:-1]:
                 if s.expanded is not None:
@@ -1278,8 +1364,6 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
                     _broadcast_rows(b, s.tiles[p], s.expanded, n, m.P, s.view.dtype in ("i32", "i1"))
             if m.kernel.reduction:
                 _reduce_tile(ctx, m.kernel.body, streams, p, outs[id(m)][p], n, m.C, m.P, m.kernel.init)
-            elif _maps_by_rows(m.kernel, m.P, streams):
-                _map_rows(ctx, m.kernel.body, streams, p, outs[id(m)][p], n, m.P, full_lanes[id(m)])
             else:
                 _map_tile(ctx, m.kernel.body, streams, p, outs[id(m)][p], n, m.P)
         for (m, tiles), ptr in zip(stores, store_ptrs, strict=True):
@@ -1288,6 +1372,46 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
 
     _double_buffered(b, [min(T, rows - t0) for t0 in range(0, rows, T)], lambda n: issue_loads(0, n), tile,
                      "chain_tiles")
+
+
+def _chain_sources(members: list[ChainMember]) -> dict[int, int]:
+    """For each stream a member reads (by id) that an earlier member wrote: that member's index (the last
+    writer of its buffer)."""
+    written: dict[str, int] = {}
+    source = {}
+    for j, m in enumerate(members):
+        for s in m.reads():
+            if s.view.buffer in written:
+                source[id(s)] = written[s.view.buffer]
+        written[m.streams[-1].view.buffer] = j
+    return source
+
+
+def _row_passes(members: list[ChainMember]) -> list[list[int]]:
+    """A tiled chain's members in passes over a tile, in order: runs of members of the same P >= 8 vmem rows
+    a row (at most UNROLL_CHUNKS chunks of 8) that `_row_pass` computes together, a member breaking a run
+    where it reads a column the run computes (a row's reduction is complete only at the row's end); every
+    other member a pass of its own."""
+    source = _chain_sources(members)
+    passes: list[list[int]] = []
+
+    def row_wise(m: ChainMember) -> bool:
+        return ROW_PASSES and 8 <= m.P <= 8 * UNROLL_CHUNKS
+
+    for j, m in enumerate(members):
+        run = passes[-1] if passes else []
+        if run and row_wise(m) and row_wise(members[run[0]]) and m.P == members[run[0]].P and not any(
+                s.kind == "col" and source.get(id(s)) in run for s in m.reads()):
+            run.append(j)
+        else:
+            passes.append([j])
+    return passes
+
+
+def _runs_by_rows(members: list[ChainMember], ps: list[int]) -> bool:
+    """Whether pass `ps` (`_row_passes`) runs as a row pass: several members, or a map with a column operand."""
+    m = members[ps[0]]
+    return len(ps) > 1 or _maps_by_rows(m.kernel, m.P, m.streams)
 
 
 def _chain_tile_rows(ctx: KernelContext, chain: KernelChain) -> int:
@@ -1309,12 +1433,13 @@ def _tiles_vmem(members: list[ChainMember], private: frozenset[int], t: int) -> 
     written: set[str] = set()
     loaded: set[tuple] = set()
     sizes = []
+    by_rows = {j for ps in _row_passes(members) if _runs_by_rows(members, ps) for j in ps}
     for j, m in enumerate(members):
         for s in m.reads():
             if s.view.buffer not in written and _tile_key(s, m) not in loaded:
                 loaded.add(_tile_key(s, m))
                 sizes += 2 * [t * m.pitch(s)[0] + 8]
-        if not _maps_by_rows(m.kernel, m.P, m.streams):
+        if j not in by_rows:
             sizes += [t * m.P + 8 for s in m.streams[:-1] if s.kind == "col"]
         sizes += (1 if j in private else 2) * [t * m.pitch(m.streams[-1])[0] + 8]
         written.add(m.streams[-1].view.buffer)

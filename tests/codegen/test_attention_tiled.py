@@ -20,6 +20,7 @@ from codegen import compile_graph
 from codegen.attention import key_tile, query_blocks
 from device_sim.config import get_config
 from device_sim.executable import Executable, run_fresh
+from device_sim.profile import analyze
 from device_sim.runners import SimulatorRunner
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -190,6 +191,60 @@ def test_a_prefill_softmax_runs_as_one_tiled_chain_with_the_same_bits(masked: bo
     _, stats_alone = run_fresh(exe_alone, xs, SimulatorRunner("large"))
     # measured 237,767 against 248,964 with the mask (y stays apart), fewer still without
     assert stats.cycles < (0.97 if masked else 0.95) * stats_alone.cycles, (stats.cycles, stats_alone.cycles)
+
+
+@pytest.mark.parametrize(("keys", "masked"), [(1216, False), (1537, True)])
+def test_row_passes_give_the_bits_of_a_member_at_a_time(keys: int, masked: bool,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A causal bf16 prefill on `large` of 64 queries over 1,216 or 1,537 keys (hd 64, 8 query heads over 2 kv
+    heads: 512 score rows of P = 10 or 13 vmem rows, so that a row's last chunk runs into the next row's): the
+    tiled chain's members run in row passes (`isel_vector._row_passes`: the scaled scores and their max, then
+    the exponentials, their sum and their bf16 copy, a chunk of each in registers; each column loaded once a
+    row, not broadcast to vmem). Edge values (a NaN key, a key of 1e30, NaN and inf values; with the mask a
+    fully masked row, +inf, 3e38 and huge additive masks) give the bits of a member at a time (ROW_PASSES
+    False) and eager's values, in fewer cycles."""
+    import codegen.isel_vector
+
+    q, k, v = _qkv(1, 8, 2, 64, keys, 64, BF16)
+    k[0, 0, 5, 3] = math.nan  # every row of kv head 0's queries
+    k[0, 1, 1100, :] = 1e30  # the rows of kv head 1 attend to key 1100 alone
+    v[0, 1, 7, 3] = math.nan
+    v[0, 0, 9, 4] = math.inf
+    mask = None
+    if masked:
+        mask = torch.zeros(1, 1, 64, keys)
+        mask[..., 0, :] = -math.inf
+        mask[..., 50, 100] = math.inf
+        mask[..., 51, :] = _r(keys, seed=4) * 1e30
+        mask[..., 52, 7] = 3e38
+    args = (q, k, v, mask, True, 0.125)
+    passes, exe = run_attention(*args, config="large")
+    assert any(kk.get("chain") == "tiled" for kk in exe.summary["kernels"])
+    monkeypatch.setattr(codegen.isel_vector, "ROW_PASSES", False)
+    alone, exe_alone = run_attention(*args, config="large")
+    np.testing.assert_array_equal(passes.view(np.uint32), alone.view(np.uint32))
+    ref = _ctpu().attention(*args, True).float().numpy()
+    np.testing.assert_array_equal(np.isnan(passes), np.isnan(ref))
+    if masked:  # row 0 fully masked: 0; row 50's +inf: NaN
+        assert (passes[0, 4:, 0] == 0).all() and np.isnan(passes[0, 4:, 50]).all()
+    else:  # the NaN key: kv head 0's queries
+        assert np.isnan(passes[0, :4]).all() and not np.isnan(passes[0, 4:, :, :3]).any()
+    finite = np.isfinite(ref)
+    np.testing.assert_allclose(passes[finite], ref[finite], **TOL[BF16])
+    xs = [x.float().numpy() for x in (q, k, v, *([mask] if masked else []))]
+    chain, chain_alone = (_tiled_chain_cycles(e, xs) for e in (exe, exe_alone))
+    print(chain, chain_alone)
+    assert chain < 0.9 * chain_alone, (chain, chain_alone)
+
+
+def _tiled_chain_cycles(exe: Executable, xs: list[np.ndarray]) -> int:
+    """The cycles of exe's tiled chains on `large` (the profiler's per-kernel spans)."""
+    runner = SimulatorRunner("large")
+    runner.simulator.profile = True
+    run_fresh(exe, xs, runner)
+    tiled = {f"k{kk['index']}" for kk in exe.summary["kernels"] if kk.get("chain") == "tiled"}
+    return sum(row["cycles"] for row in analyze(runner.simulator.recording, exe.summary["kernels"]).roofline()
+               if row["kernel"] in tiled)
 
 
 def test_fully_masked_rows_without_safe_are_nan() -> None:
