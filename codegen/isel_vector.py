@@ -384,6 +384,7 @@ class TileBuffers:
 def _tile_buffers(ctx: KernelContext, k: GenericKernel, streams: list[Stream], rows: int, P: int) -> TileBuffers:
     out = streams[-1]
     tile_rows = _choose_tile_rows(ctx, k, streams, rows, P)
+    by_rows = _maps_by_rows(k, P, streams)
     tiles: list[tuple[Region, Region] | None] = []
     expanded: list[Region | None] = []
     for s in streams:
@@ -391,8 +392,8 @@ def _tile_buffers(ctx: KernelContext, k: GenericKernel, streams: list[Stream], r
         loaded = s is not out or _reads_output(k)
         tiles.append((ctx.region(tile_rows * per_row + 8, "in"), ctx.region(tile_rows * per_row + 8, "in"))
                      if loaded else None)
-        expanded.append(ctx.region(tile_rows * P + 8, "bcast")
-                        if s.kind == "col" and s is not out and not _maps_by_rows(k, P, streams) else None)
+        expanded.append(ctx.region(tile_rows * P + 8, "bcast") if s.kind == "col" and s is not out and not by_rows
+                        else None)
     out_rows = tile_rows * (1 if k.reduction else P) + 8
     return TileBuffers(tile_rows, tiles, expanded, (ctx.region(out_rows, "out"), ctx.region(out_rows, "out")))
 
@@ -696,30 +697,32 @@ def _row_pass(ctx: KernelContext, works: list[RowWork], p: int, n: int, P: int, 
     row it lands in the tile's 8 spare rows. `rows`: see `_over_rows`."""
     b = ctx.b
     P8 = -(-P // 8)
-    parts = []  # per work: (columns, rows loaded each chunk, the values of each chunk computed once a tile)
+    # per work: (columns, what derives from them, rows loaded each chunk, each chunk's values computed once a tile)
+    parts = []
     for w in works:
         body = w.kernel.body
+        cols = [s for s in w.streams[:-1] if s.kind == "col"]
         rows_in = [s for s in w.streams[:-1] if s.kind == "row" and s.arg not in w.fed]
         fixed = [s for s in rows_in if s.row_stride == 0]
         chunks = [_evaluated(b, body, {s.arg: _load(b, s, p, ZERO, 8 * j) for s in fixed},
                              _derived(body, {s.arg for s in fixed})) for j in range(P8)]
-        parts.append(([s for s in w.streams[:-1] if s.kind == "col"], [s for s in rows_in if s.row_stride], chunks))
+        parts.append((cols, _derived(body, {s.arg for s in cols}), [s for s in rows_in if s.row_stride], chunks))
     reductions = [_Reduction(b, w.kernel.body, w.kernel.init) if w.kernel.reduction else None for w in works]
     row_base = b.sreg()
 
     def row(t: Reg) -> None:
         envs = []
-        for w, (cols, _, _) in zip(works, parts, strict=True):
+        for w, (cols, per_row, _, _) in zip(works, parts, strict=True):
             env = {}
             for s in cols:
                 assert s.tiles is not None
                 v = b.vld(t, s.tiles[p].row, row_mem(s.tiles[p], t, 0, 1), "vld.row")
                 env[s.arg] = v if s.arg in w.full_lanes else _lane0_everywhere(b, v, s.view.dtype in ("i32", "i1"))
-            envs.append(_evaluated(b, w.kernel.body, env, _derived(w.kernel.body, {s.arg for s in cols})))
+            envs.append(_evaluated(b, w.kernel.body, env, per_row))
         accs: list[Reg | None] = [None] * len(works)
         for j in range(P8):
             values: list[Reg] = []
-            for i, (w, (_, varying, chunks)) in enumerate(zip(works, parts, strict=True)):
+            for i, (w, (_, _, varying, chunks)) in enumerate(zip(works, parts, strict=True)):
                 body = w.kernel.body
                 env = envs[i] | chunks[j] | {a: values[src] for a, src in w.fed.items()} | {
                     s.arg: _load(b, s, p, row_base, 8 * j) for s in varying}
@@ -728,8 +731,7 @@ def _row_pass(ctx: KernelContext, works: list[RowWork], p: int, n: int, P: int, 
                     f = evaluate(b, body, env, r.value)
                     tail = w.C % (8 * ctx.lanes)
                     if tail and j == P8 - 1:
-                        f = b.vop("vsel", b.vop("vcmp.lt.i", b.vop_imm("viota", 2), b.vconst_bits(tail)), f,
-                                  b.vconst_bits(r.identity))
+                        f = r.masked(f, tail)
                     accs[i] = r.combined(accs[i], f)
                     values.append(f)
                     continue
@@ -780,6 +782,12 @@ class _Reduction:
         self.vop, self.red_l, self.red_s, self.identity = COMBINERS[combine_name]
         self.starts_with_first = self.vop == "vmax.f" or (
             init_value is not None and int(np.float32(init_value).view(np.uint32)) != NEG_ZERO)
+
+    def masked(self, f: Reg, tail: int) -> Reg:
+        """f where a chunk's element is among its first `tail` (a row's last, partial chunk), the identity past."""
+        b = self.b
+        return b.vop("vsel", b.vop("vcmp.lt.i", b.vop_imm("viota", 2), b.vconst_bits(tail)), f,
+                     b.vconst_bits(self.identity))
 
     def combined(self, acc: Reg | None, f: Reg) -> Reg:
         if acc is None:
@@ -844,9 +852,7 @@ def _reduce_tile(ctx: KernelContext, body: ScalarProgram, streams: list[Stream],
             b.emit("vbcast", acc, (b.const(identity),))
             chunk_loop(b, plain, lambda off: b.emit(vop, acc, (acc, f_at(off, 0))), "reduce_row", row_base)
         if tail:
-            mask = b.vop("vcmp.lt.i", b.vop_imm("viota", 2), b.vconst_bits(tail))
-            f = b.vop("vsel", mask, f_at(row_base, 8 * plain), b.vconst_bits(identity))
-            acc = r.combined(acc, f)
+            acc = r.combined(acc, r.masked(f_at(row_base, 8 * plain), tail))
         assert acc is not None
         _store(b, r.row_value(acc, streams[-1], p, t), out, t)
         b.emit("addi", row_base, (row_base,), imm=P)
@@ -1290,9 +1296,9 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
     loads: list[tuple[Stream, ChainMember]] = []
     loaded: dict[tuple, tuple[Region, Region]] = {}  # a tile's key (`_tile_key`): its two regions
     outs: dict[int, tuple[Region, Region]] = {}
-    full_lanes: dict[int, set[str]] = {}
-    passes = _row_passes(members)
-    by_rows = {j for ps in passes if _runs_by_rows(members, ps) for j in ps}
+    source = _chain_sources(members)
+    passes = _row_passes(members, source)
+    by_rows = _by_rows(members, passes)
     for j, m in enumerate(members):
         for s in m.reads():
             w = written.get(s.view.buffer)
@@ -1306,21 +1312,22 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
                 loads.append((s, m))
         for s in m.streams[:-1]:
             s.expanded = ctx.region(T * m.P + 8, "bcast") if s.kind == "col" and j not in by_rows else None
-        # columns an earlier reduction of a constant initial value wrote: every lane of a row holds its value
-        full_lanes[id(m)] = {s.arg for s in m.streams[:-1] if s.kind == "col" and (w := written.get(s.view.buffer))
-                             is not None and w.kernel.reduction and w.kernel.init is not None}
         n = T * m.pitch(m.streams[-1])[0] + 8
         out = ctx.region(n, "out")
         outs[id(m)] = (out, out) if j in chain.private else (out, ctx.region(n, "out"))
         written[m.streams[-1].view.buffer] = m
     stores = [(m, outs[id(m)]) for j, m in enumerate(members) if j not in chain.private]
-    # in a row pass: the row operands an earlier member of the pass computes (by its place in the pass), and
-    # the maps whose value no store and no member past the pass reads
-    source = _chain_sources(members)
+    # in a row pass: the columns an earlier reduction of a constant initial value wrote (every lane of a row
+    # holds its value), the row operands an earlier member of the pass computes (by its place in the pass),
+    # and the maps whose value no store and no member past the pass reads
+    full_lanes: dict[int, set[str]] = {}
     fed: dict[int, dict[str, int]] = {}
     unstored: set[int] = set()
     for ps in passes:
         for j in ps:
+            full_lanes[j] = {s.arg for s in members[j].streams[:-1] if s.kind == "col" and id(s) in source
+                             and members[source[id(s)]].kernel.reduction and members[source[id(s)]].kernel.init
+                             is not None}
             fed[j] = {s.arg: ps.index(source[id(s)]) for s in members[j].streams[:-1]
                       if s.kind == "row" and source.get(id(s)) in ps}
             readers = {k for k, m in enumerate(members) for s in m.reads() if source.get(id(s)) == j}
@@ -1353,7 +1360,7 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
             b.new_block("tiled_member")  # each pass's register pressure its own, as in `lower_chain`
             if ps[0] in by_rows:
                 _row_pass(ctx, [RowWork(members[j].kernel, members[j].streams, outs[id(members[j])][p], members[j].C,
-                                        full_lanes[id(members[j])], fed[j], j not in unstored) for j in ps],
+                                        full_lanes[j], fed[j], j not in unstored) for j in ps],
                           p, n, members[ps[0]].P)
                 continue
             m = members[ps[0]]
@@ -1387,12 +1394,11 @@ def _chain_sources(members: list[ChainMember]) -> dict[int, int]:
     return source
 
 
-def _row_passes(members: list[ChainMember]) -> list[list[int]]:
+def _row_passes(members: list[ChainMember], source: dict[int, int]) -> list[list[int]]:
     """A tiled chain's members in passes over a tile, in order: runs of members of the same P >= 8 vmem rows
     a row (at most UNROLL_CHUNKS chunks of 8) that `_row_pass` computes together, a member breaking a run
     where it reads a column the run computes (a row's reduction is complete only at the row's end); every
-    other member a pass of its own."""
-    source = _chain_sources(members)
+    other member a pass of its own. `source`: `_chain_sources`."""
     passes: list[list[int]] = []
 
     def row_wise(m: ChainMember) -> bool:
@@ -1408,10 +1414,11 @@ def _row_passes(members: list[ChainMember]) -> list[list[int]]:
     return passes
 
 
-def _runs_by_rows(members: list[ChainMember], ps: list[int]) -> bool:
-    """Whether pass `ps` (`_row_passes`) runs as a row pass: several members, or a map with a column operand."""
-    m = members[ps[0]]
-    return len(ps) > 1 or _maps_by_rows(m.kernel, m.P, m.streams)
+def _by_rows(members: list[ChainMember], passes: list[list[int]]) -> set[int]:
+    """The members whose pass (`_row_passes`) runs as a row pass: several members, or a map with a column
+    operand."""
+    return {j for ps in passes if len(ps) > 1 or _maps_by_rows(members[ps[0]].kernel, members[ps[0]].P,
+                                                               members[ps[0]].streams) for j in ps}
 
 
 def _chain_tile_rows(ctx: KernelContext, chain: KernelChain) -> int:
@@ -1433,7 +1440,7 @@ def _tiles_vmem(members: list[ChainMember], private: frozenset[int], t: int) -> 
     written: set[str] = set()
     loaded: set[tuple] = set()
     sizes = []
-    by_rows = {j for ps in _row_passes(members) if _runs_by_rows(members, ps) for j in ps}
+    by_rows = _by_rows(members, _row_passes(members, _chain_sources(members)))
     for j, m in enumerate(members):
         for s in m.reads():
             if s.view.buffer not in written and _tile_key(s, m) not in loaded:
