@@ -74,6 +74,8 @@ PREFETCH_AFTER_ROUNDS = True  # resident rounds issue a prefetch before their la
 LAST_HALVES = True  # one resident round in groups: its last batch a group, its weights in halves (the same)
 PRELOAD_FIRST_B = True  # the kernel before resident batches loads their first batch's B (`first_batch_weights`)
 SPLIT_MIN_ROWS = 256  # m-tiles of at least this many rows start on part of A and end storing C in two parts
+# a batch loop's pipelined starts issue the next batch's first loads behind their last command (`_starts_ahead`)
+START_AHEAD = True
 A_ROWS, A_REST = -1, -2  # a pipelined start's A loads (in place of an n-tile): rows 0 .. head (all), the rest
 MIN_N_TILE_PAIRS = 2  # n loops of fewer pairs of n-tiles are unrolled
 UNROLL_K_TILES = 4  # k loops up to this many tiles are unrolled, longer ones run as loops (more unrolled
@@ -141,9 +143,10 @@ def _lower_general(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool, M
         pa, pb, pc = b.sreg(), b.sreg(), b.sreg()
         for ptr, v in ((pa, a), (pb, bm), (pc, c)):
             b.emit("addi", ptr, (ctx.hbm_addr(v, v.offset),), imm=0)
-        if _prefetches_batches(ctx, t, m_tiles):
-            _batches_ahead(ctx, k, dataclasses.replace(t, a_sets=[t.a_sets[0], [ctx.region(KT * mt, "a0_")]]),
-                           B, m_tiles[0][1], pa, pb, pc)
+        if _prefetches_batches(ctx, k, t, m_tiles):
+            if not _head_group(t, m_tiles[0][1], L):  # A's second buffer (a pipelined start needs none)
+                t = dataclasses.replace(t, a_sets=[t.a_sets[0], [ctx.region(KT * mt, "a0_")]])
+            _batches_ahead(ctx, k, t, B, m_tiles[0][1], pa, pb, pc)
             return
 
         def batch_body() -> None:
@@ -206,12 +209,16 @@ def _next_batch(ctx: KernelContext, k: MatmulKernel, pa: Reg, pb: Reg, pc: Reg) 
             ctx.b.addi(ptr, v.strides[0] * _esize(v), ptr)
 
 
-def _prefetches_batches(ctx: KernelContext, t: _Tiling, m_tiles: list[tuple[int, int]]) -> bool:
+def _prefetches_batches(ctx: KernelContext, k: MatmulKernel, t: _Tiling, m_tiles: list[tuple[int, int]]) -> bool:
     """Whether a batch loop loads each batch's A and first B panel during the batch before it
-    (`_batches_ahead`): one m-tile a batch, A loaded whole in one part and not by a pipelined start (which
-    overlaps its own loads), and room for A's second buffer."""
-    return (len(m_tiles) == 1 and not t.a_chunked and len(t.a_sets[0]) == 1 and t.rows_reg is None
-            and not _head_group(t, m_tiles[0][1], ctx.lanes) and ctx.vmem_free() >= region_rows(t.KT * t.mt))
+    (`_batches_ahead`): one m-tile a batch, A whole in one part, with room for its second buffer, or loaded
+    by a pipelined start that can start ahead (`_starts_ahead`)."""
+    if len(m_tiles) != 1 or t.a_chunked or len(t.a_sets[0]) != 1 or t.rows_reg is not None:
+        return False
+    rows = m_tiles[0][1]
+    if _head_group(t, rows, ctx.lanes):
+        return START_AHEAD and _starts_ahead(ctx, t, rows, k.a.shape[-1], k.a)
+    return ctx.vmem_free() >= region_rows(t.KT * t.mt)
 
 
 def _batches_ahead(ctx: KernelContext, k: MatmulKernel, t: _Tiling, B: int, rows: int, pa: Reg, pb: Reg,
@@ -219,14 +226,18 @@ def _batches_ahead(ctx: KernelContext, k: MatmulKernel, t: _Tiling, B: int, rows
     """B batches of one m-tile each, A in two buffers (batch i in buffer i % 2): each batch but the last
     loads the next one's A and first B panel behind its last MXU command, so that the next batch starts
     on them at once instead of paying their DMA latency after its drain (~1,000 cycles a batch of attention's
-    q @ K^T). Batch 0 and the last are code of their own, the ones between a loop of two batches a run."""
+    q @ K^T). Batch 0 and the last are code of their own, the ones between a loop of two batches a run.
+    Pipelined starts (one buffer of A: P @ V at 1,536 keys, ~960 cycles a batch) issue the next batch's first
+    load groups behind the last command instead; batch i computes into C tile i % 2 and batch i + 1 stores
+    it, so that neither the next batch's first command nor its issue waits for this batch's C store."""
     b = ctx.b
     a, bm = k.a, k.b
+    group = bool(_head_group(t, rows, ctx.lanes))
 
     def batch(a_buf: int, prefetched: bool, has_next: bool) -> None:
         ahead = (_At(pa, a.strides[0]), _At(pb, bm.strides[0])) if has_next else None
         _m_tile(ctx, k, t, rows, _At(pa, 0), _At(pb, 0), _At(pc, 0), a_buf=a_buf, prefetched=prefetched,
-                ahead=ahead)
+                ahead=ahead, c_first=a_buf if group else 0, previous_c=prefetched and group)
         _next_batch(ctx, k, pa, pb, pc)
 
     batch(0, False, True)
@@ -632,11 +643,15 @@ def _mxu_bound(ctx: KernelContext, rows: int, bm: View) -> bool:
 
 
 def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _At, b_at: _At, c_at: _At,
-            a_buf: int = 0, prefetched: bool = False, ahead: tuple[_At, _At] | None = None) -> None:
+            a_buf: int = 0, prefetched: bool = False, ahead: tuple[_At, _At] | None = None,
+            c_first: int = 0, previous_c: bool = False) -> None:
     """One m-tile (`rows` rows of A and C) against all of B: A loaded and split once (or per step when
     chunked), B panels and C tiles double-buffered across the steps and n-tiles. A is in buffer `a_buf`;
     `prefetched`: it and the first B panel were loaded by the m-tile before; `ahead`: the next m-tile's A
-    and B, whose A (into the other buffer) and first panel this one loads behind its last MXU command."""
+    and B, whose A (into the other buffer) and first panel this one loads behind its last MXU command. A
+    pipelined start of one n-tile computes into C tile `c_first` and issues the next m-tile's first load
+    groups instead, leaving its C store to the next one, which issues it after its first command
+    (`previous_c`)."""
     b = ctx.b
     a, bm, c = k.a, k.b, k.c
     L = ctx.lanes
@@ -732,14 +747,21 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
 
     group = _head_group(t, rows, L)
     head = min(t.NT, 2) if group else 0  # n-tiles the pipelined start computes
+    start_ahead = group and ahead is not None  # the next m-tile's first load groups: `_pipelined_start`
+    assert not (c_first or previous_c) or (group and t.NT == 1)
     pieces = _row_pieces(rows) if t.NT > head and t.rows_reg is None else []  # the last n-tile is a static one
     # n-tiles of one MXU command each: every one by pieces, its C tile stored by pieces too, each piece's
     # store as soon as its rows are done (a whole tile's store, issued after the tile's drain, took its
     # transfer and the DMA latency: more than the other C tile's stream, which the MXU then waited out)
     by_pieces = bool(pieces) and not head and t.nch == 1 and len(t.passes) * t.KT == 1
     if group:
+        def previous_store() -> None:  # the m-tile before's: one n-tile, its C a batch before this one's
+            _store_c(ctx, t, t.c_tiles[1 - c_first], c_at.addr(ctx, c, -c.strides[0]), rows, cols(0), c,
+                     1 - c_first, done_on=ctx.flag(Flag.OUT))
+
         _pipelined_start(ctx, k, t, rows, a_at, [b_col(nt) for nt in range(head)],
-                         b_col(head) if head < t.NT else None, (c_addr(0), cols(0)))
+                         b_col(head) if head < t.NT else None, (c_addr(0), cols(0)), c_first, prefetched,
+                         ahead if start_ahead else None, previous_store if previous_c else None)
     elif not prefetched:
         load(*b_col(0), 0, 0)
     if not t.a_chunked and not group:
@@ -769,14 +791,15 @@ def _m_tile(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _A
         b.counted_loop(pairs, pair, "ntile")
     for nt in range(2 + 2 * pairs, NT):
         static_tile(nt)
-    if ahead is not None:  # every command is issued: the next m-tile's A, and its first panel once the
-        # weight loads that read that panel's buffer are done
+    if ahead is not None and not start_ahead:  # every command is issued: the next m-tile's A, and its first
+        # panel once the weight loads that read that panel's buffer are done
         _dma_tiles(ctx, a, ahead[0].addr(ctx, a, 0), t.a_sets[1 - a_buf][0], mt, t.KT, rows, K, Flag.MATMUL_A,
                    1 - a_buf)
         b.emit("wait", flag=ctx.flag(Flag.WEIGHTS, 0))
         load(ahead[1], cols(0), 0, 0)
-    last = (NT - 1) % 2
-    _store_c(ctx, t, t.c_tiles[last], c_addr((NT - 1) * L), rows, cols(NT - 1), c, last, pieces)
+    last = (NT - 1 + c_first) % 2
+    if not start_ahead:  # else the next m-tile stores C (`previous_c`)
+        _store_c(ctx, t, t.c_tiles[last], c_addr((NT - 1) * L), rows, cols(NT - 1), c, last, pieces)
 
 
 def _load_panel(ctx: KernelContext, k: MatmulKernel, t: _Tiling, a_at: _At, rows: int, at: _At, ncols: int, kc: int,
@@ -813,27 +836,31 @@ def _head_group(t: _Tiling, rows: int, L: int) -> int:
     return 1 if t.KT * (L + rows) >= 3 * HEAD_GROUP_ROWS else 0
 
 
-def _pipelined_start(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _At,
-                     tiles: list[tuple[_At, int]], nxt: tuple[_At, int] | None, c0: tuple[Reg, int]) -> None:
-    """The first one or two n-tiles of an m-tile, their loads pipelined with the MXU: n-tile 0 alone needs
-    all of A's m-tile and a B panel, more DMA rows than MXU rows. So with two n-tiles (C tiles 0 and 1
-    from panels 0 and 1) the MXU first runs k-tiles 0 .. h for both (two MXU rows per A row loaded), then
-    h .. KT for C tile 0, whose store and the load of panel 2 (two of its k-tiles a command, transposed B)
-    then overlap h .. KT for C tile 1. Loads are
-    issued in the order the commands need them, in groups of at least HEAD_GROUP_ROWS DMA rows on
-    MATMUL_A (group parity), groups g + 1 and g + 2 in flight while the MXU works on group g's."""
-    b, L = ctx.b, ctx.lanes
-    a, bm, c = k.a, k.b, k.c
-    K, KT = a.shape[-1], t.KT
-    two = len(tiles) == 2
-    h = KT // 2 if two else KT
-    order = [(n, kt) for kt in range(h) for n in range(len(tiles))] + [(0, kt) for kt in range(h, KT)]
-    if two:
+@dataclass(frozen=True)
+class _HeadLoads:
+    """A pipelined start's commands (n-tile, k-tile) in order and its loads (n-tile, or A_ROWS / A_REST for
+    A; k-tile) in groups; A's k-tile 0 rows 0 .. a_head come first (`_first_rows`)."""
+
+    order: list[tuple[int, int]]
+    groups: list[list[tuple[int, int]]]
+    group_of: dict[tuple[int, int], int]
+    a_head: int
+
+    def needs(self, n: int, kt: int) -> int:
+        """The last group command (n, kt) reads."""
+        return max(self.group_of[(n, kt)], self.group_of[(A_ROWS, kt)], self.group_of.get((A_REST, kt), -1))
+
+
+def _head_loads(ctx: KernelContext, t: _Tiling, rows: int, K: int, n_tiles: int, a: View) -> _HeadLoads:
+    L, KT = ctx.lanes, t.KT
+    h = KT // 2 if n_tiles == 2 else KT
+    order = [(n, kt) for kt in range(h) for n in range(n_tiles)] + [(0, kt) for kt in range(h, KT)]
+    if n_tiles == 2:
         order += [(1, kt) for kt in range(h, KT)]
-    # loads (n-tile, or A_ROWS / A_REST for A; k-tile) in the order the commands need them, grouped at
-    # command boundaries: the first group is the first command's, so that the MXU starts as early as it
-    # can; a long A k-tile 0 comes in two parts, the first command in two (`_first_rows`)
-    # (rows at run time: A's k-tiles whole, each DMA moving the m-tile's valid rows)
+    # loads in the order the commands need them, grouped at command boundaries: the first group is the
+    # first command's, so that the MXU starts as early as it can; a long A k-tile 0 comes in two parts, the
+    # first command in two (`_first_rows`) (rows at run time: A's k-tiles whole, each DMA moving the
+    # m-tile's valid rows)
     a_head = rows if t.rows_reg is not None else _first_rows(ctx, rows, min(L, K) * _esize(a))
     groups: list[list[tuple[int, int]]] = [[]]
     group_of: dict[tuple[int, int], int] = {}
@@ -850,20 +877,52 @@ def _pipelined_start(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int,
         if (i == 0 or size >= HEAD_GROUP_ROWS) and i + 1 < len(order):
             groups.append([])
             size = 0
+    return _HeadLoads(order, groups, group_of, a_head)
 
-    def needs(n: int, kt: int) -> int:
-        """The last group command (n, kt) reads."""
-        return max(group_of[(n, kt)], group_of[(A_ROWS, kt)], group_of.get((A_REST, kt), -1))
 
-    def issue(g: int) -> None:
+def _starts_ahead(ctx: KernelContext, t: _Tiling, rows: int, K: int, a: View) -> bool:
+    """Whether the next m-tile's pipelined start (one n-tile) can issue its first two load groups while this
+    one's last command runs: that reads A's last k-tile (the loads must not overwrite it)."""
+    if t.NT != 1 or t.KT < 2 or not _head_group(t, rows, ctx.lanes):
+        return False
+    head = _head_loads(ctx, t, rows, K, 1, a)
+    return all(kt != t.KT - 1 for g in head.groups[:2] for n, kt in g if n < 0)
+
+
+def _pipelined_start(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int, a_at: _At,
+                     tiles: list[tuple[_At, int]], nxt: tuple[_At, int] | None, c0: tuple[Reg, int],
+                     c_first: int = 0, prefetched: bool = False, ahead: tuple[_At, _At] | None = None,
+                     after_first: Callable[[], None] | None = None) -> None:
+    """The first one or two n-tiles of an m-tile, their loads pipelined with the MXU: n-tile 0 alone needs
+    all of A's m-tile and a B panel, more DMA rows than MXU rows. So with two n-tiles (C tiles 0 and 1
+    from panels 0 and 1) the MXU first runs k-tiles 0 .. h for both (two MXU rows per A row loaded), then
+    h .. KT for C tile 0, whose store and the load of panel 2 (two of its k-tiles a command, transposed B)
+    then overlap h .. KT for C tile 1. Loads are
+    issued in the order the commands need them, in groups of at least HEAD_GROUP_ROWS DMA rows on
+    MATMUL_A (group parity), groups g + 1 and g + 2 in flight while the MXU works on group g's.
+    One n-tile (`_starts_ahead`), into C tile c_first: `prefetched`, the m-tile before issued groups 0 and 1;
+    `ahead` (the next m-tile's A and B), this one issues them once every command but its last (on OUT) is
+    done: P @ V at 1,536 keys waited ~960 cycles a batch for its first group's DMA latency. `after_first`
+    runs once the first command is issued (the m-tile before's C store: its wait for that m-tile's last
+    command there would keep the MXU idle through this one's first weight load)."""
+    b, L = ctx.b, ctx.lanes
+    a, bm, c = k.a, k.b, k.c
+    K, KT = a.shape[-1], t.KT
+    two = len(tiles) == 2
+    assert not (two and (c_first or prefetched or ahead))
+    head = _head_loads(ctx, t, rows, K, len(tiles), a)
+    order, groups, group_of, a_head, needs = head.order, head.groups, head.group_of, head.a_head, head.needs
+    h = KT // 2 if two else KT
+
+    def issue(g: int, a_from: _At = a_at, b_tiles: list[tuple[_At, int]] = tiles) -> None:
         for n, kt in groups[g]:
             kk = min(L, K - kt * L)
             if n < 0:
                 r0, nrows = (a_head, rows - a_head) if n == A_REST else (0, a_head if kt == 0 else rows)
-                ctx.dma(True, a.dtype, a_at.addr(ctx, a, kt * L + r0 * a.strides[-2]), t.a_sets[0][0],
+                ctx.dma(True, a.dtype, a_from.addr(ctx, a, kt * L + r0 * a.strides[-2]), t.a_sets[0][0],
                         kt * t.mt + r0, nrows, kk, a.strides[-2], Flag.MATMUL_A, g % 2, rows_reg=t.rows_reg)
                 continue
-            at, ncols = tiles[n]
+            at, ncols = b_tiles[n]
             raw = t.b_sets[n][0]
             if t.trans_b:
                 ctx.dma(True, bm.dtype, at.addr(ctx, bm, kt * L), raw, kt * L, ncols, kk, bm.strides[-1],
@@ -873,7 +932,7 @@ def _pipelined_start(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int,
                         bm.strides[-2], Flag.MATMUL_A, g % 2)
 
     issued = min(2, len(groups))
-    for g in range(issued):
+    for g in range(0 if prefetched else issued):
         issue(g)
     waited = -1
     pending: list[tuple[_At, int, int]] = []  # (B at, columns, k-tile) of the next panel still to load
@@ -886,6 +945,9 @@ def _pipelined_start(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int,
             if issued < len(groups) and issued == waited + 2:
                 issue(issued)
                 issued += 1
+
+    def pc(n: int) -> int:  # the C tile (and MXU flags) of n-tile n
+        return (n + c_first) % 2
 
     for i, (n, kt) in enumerate(order):
         tail = two and i == len(order) - (KT - h)  # the first command of C tile 1's k-tiles h .. KT
@@ -901,16 +963,30 @@ def _pipelined_start(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int,
                 else:
                     _load_panel(ctx, k, t, a_at, rows, *nxt, 0, 0 if two else 1)
                 nxt = None
+        # a prefetched start's loads went ahead of the C store before it in the DMA channel
+        store_done = ctx.flag(Flag.STORE, pc(n)) if prefetched and i == 0 else None
         if i == 0 and a_head < rows:  # rows 0 .. a_head as their A lands, then the rest with the same weights
             wait_for(max(group_of[(n, kt)], group_of[(A_ROWS, kt)]))
-            _mxu(ctx, t, t.a_sets[0], t.b_sets[n], t.c_tiles[n], [(0, 0, kt, kt)], a_head, first=True,
-                 overwrite=True, parity=n)
+            _mxu(ctx, t, t.a_sets[0], t.b_sets[n], t.c_tiles[pc(n)], [(0, 0, kt, kt)], a_head, first=True,
+                 overwrite=True, parity=pc(n), wait_before_mm=store_done)
             wait_for(group_of[(A_REST, kt)])
-            _mm_rows(ctx, t.a_sets[0][0], kt * t.mt, t.c_tiles[n], a_head, rows, "mxu.mm", ctx.flag(Flag.MXU, n))
+            _mm_rows(ctx, t.a_sets[0][0], kt * t.mt, t.c_tiles[pc(n)], a_head, rows, "mxu.mm",
+                     ctx.flag(Flag.MXU, pc(n)))
+            if after_first is not None:
+                after_first()
             continue
         wait_for(needs(n, kt))
-        _mxu(ctx, t, t.a_sets[0], t.b_sets[n], t.c_tiles[n], [(0, 0, kt, kt)], rows, first=True,
-             overwrite=kt == 0, parity=n)
+        last = ahead is not None and i == len(order) - 1
+        _mxu(ctx, t, t.a_sets[0], t.b_sets[n], t.c_tiles[pc(n)], [(0, 0, kt, kt)], rows, first=True,
+             overwrite=kt == 0, parity=pc(n), wait_before_mm=store_done,
+             done_on=ctx.flag(Flag.OUT) if last else None)
+        if i == 0 and after_first is not None:
+            after_first()
+        if last:  # every command but the last done: the next m-tile's first groups
+            assert ahead is not None
+            b.emit("wait", flag=ctx.flag(Flag.MXU, pc(n)))
+            for g in range(min(2, len(groups))):
+                issue(g, ahead[0], [(ahead[1], tiles[0][1])])
         for at, ncols, j in pending[:2]:  # W's rows as they are (`_load_panel`); straight-line code: no
             # pointer register advances across the commands (a register defined once can be spilled)
             ctx.dma(True, bm.dtype, at.addr(ctx, bm, j * L), t.b_sets[0][0], j * L, ncols, min(L, K - j * L),
@@ -980,12 +1056,13 @@ def _dma_tiles(ctx: KernelContext, v: View, hbm: Reg, region: Region, row_step: 
 
 
 def _store_c(ctx: KernelContext, t: _Tiling, tile: Region, addr: Reg, rows: int, cols: int, c: View,
-             pc: int, pieces: list[tuple[int, int]] | None = None) -> None:
+             pc: int, pieces: list[tuple[int, int]] | None = None, done_on: int | None = None) -> None:
     """Store C tile pc once the MXU commands of its n-tile's last step are done (they run in order); by
-    `pieces` of rows (`_row_pieces`), each once its own command is done (`_piece_flag`)."""
+    `pieces` of rows (`_row_pieces`), each once its own command is done (`_piece_flag`); `done_on`: the
+    flag its last command completes on, if another."""
     p = t.parity(pc, t.nch - 1)
     for j, (lo, hi) in enumerate(pieces or [(0, rows)]):
-        ctx.b.emit("wait", flag=_piece_flag(ctx, p, j))
+        ctx.b.emit("wait", flag=_piece_flag(ctx, p, j) if done_on is None else done_on)
         ctx.dma(False, c.dtype, ctx.b.offset_reg(addr, lo * c.strides[-2] * _esize(c)), tile, lo, hi - lo, cols,
                 c.strides[-2], Flag.STORE, pc, rows_reg=None if pieces else t.rows_reg)
 
@@ -1172,7 +1249,8 @@ def _chunks(ctx: KernelContext, chunks: int, chunk: Callable[..., None], hint: s
 def _mxu(ctx: KernelContext, t: _Tiling, a_parts: list[Region], weights: list[Region], c_tile: Region,
          commands: list[tuple[int, int, int, int]], rows: int, first: bool, overwrite: bool, parity: int,
          stream: _TileStream | None = None, pieces: list[tuple[int, int]] | None = None,
-         segments: tuple[int, Reg] | None = None, wait_before_mm: int | None = None) -> None:
+         segments: tuple[int, Reg] | None = None, wait_before_mm: int | None = None,
+         done_on: int | None = None) -> None:
     """Issue lw(t) + mm(a)s for each (part of A, part of B, A's k-tile, the panel's k-tile); the first
     mm of an n-tile overwrites C (`overwrite`), the others accumulate. Runs of one pass longer than
     UNROLL_K_TILES become a counted loop with pointer registers. Weight loads complete on WEIGHTS
@@ -1181,9 +1259,9 @@ def _mxu(ctx: KernelContext, t: _Tiling, a_parts: list[Region], weights: list[Re
     same weights, piece j completing on `_piece_flag`. `segments` (rows a segment, a register
     of valid rows): each mm by segment, over the valid rows at its start, the same weights. `wait_before_mm`:
     a flag the first mm waits on (C's tile still being stored) and its weight load does not, so the load
-    runs under the MXU's current stream."""
+    runs under the MXU's current stream. `done_on`: the flag the mms complete on, if not MXU's."""
     b = ctx.b
-    f, fw = ctx.flag(Flag.MXU, parity), ctx.flag(Flag.WEIGHTS, parity)
+    f, fw = ctx.flag(Flag.MXU, parity) if done_on is None else done_on, ctx.flag(Flag.WEIGHTS, parity)
     lw = "mxu.lwt" if t.trans_b else "mxu.lw"
     mt, L = t.mt, ctx.lanes
     n_rows = t.rows_reg or b.const(rows)
