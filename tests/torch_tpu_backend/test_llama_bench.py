@@ -182,6 +182,7 @@ def _qwen3_4l(monkeypatch: pytest.MonkeyPatch, **config: int) -> str:
     return "qwen3-0.6b-4l"
 
 
+@pytest.mark.slow  # CI time (69 s): unpacked weight tiles (isel_decode.PACKED False), not the default
 def test_a_decode_loops_prefetch_crosses_its_edge(monkeypatch: pytest.MonkeyPatch) -> None:
     """4 of Qwen3-0.6B's layers at 17 positions: the body (from after layer 0's up_proj to layer 1's) plans its
     prefetch the same in every repetition, so its last kernels load the next repetition's first stream at
@@ -198,6 +199,7 @@ def test_a_decode_loops_prefetch_crosses_its_edge(monkeypatch: pytest.MonkeyPatc
     _check_decode_loop(looped, unrolled, per_run=400)
 
 
+@pytest.mark.slow  # CI time (41 s): unpacked weight tiles, as above
 def test_generate_prefetches_across_a_loop_over_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """generate() of 4 of Qwen3-0.6B's layers: the decode step's loop runs every layer (from the first norm to
     down_proj), and what follows it is the final norm and lm_head, of another shape than q_proj (vocab 4096:
