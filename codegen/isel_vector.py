@@ -50,9 +50,6 @@ from device_sim.isa import DMA_SHAPE_COLS_MASK
 
 MAX_TILE_VMEM_ROWS = 512  # vmem rows of one operand's tile (64 chunks): keeps double buffering useful
 UNROLL_CHUNKS = 4  # chunk sequences up to this long are unrolled, longer ones run as loops
-# a few groups of a generic (outer dims not merged into its rows) that share tiles where several fit one
-# (`_groups_share_tiles`), instead of each group a tile loop of its own that waits its DMA latencies
-GROUPS_SHARE_TILES = True
 # a tile of several pieces (groups) computes each piece's valid rows as a loop of its own only where the
 # pieces are at least this many chunks of 8 vmem rows: each loop pays its software pipeline's fill and drain
 # (1B-geometry layers, dynamic vs static: 16 takes attention's softmax at 65 of 128 queries from 1.057x to
@@ -188,9 +185,6 @@ def lower_generic(ctx: KernelContext, k: GenericKernel) -> None:
             outer = sizes[:-1]
             rows = math.prod(outer[split:])
             shared_tile = one_tile
-    if bounded is None and _groups_share_tiles(ctx, outer, split, rows * P, strides):
-        sizes, strides, dims = _merged_groups(sizes, strides, dims, split)
-        outer, split, shared_tile = sizes[:-1], 1, True
     groups = outer[:split]
     body_args = k.body.args
     # groups (outer dims not merged into rows): the longest group dim runs as a runtime loop whose
@@ -276,21 +270,6 @@ def _merged_groups(sizes: list[int], strides: list[list[int]], dims: list[int],
             dims[d - 1:d + 1] = [dims[d]]
         d -= 1
     return sizes, strides, dims
-
-
-def _groups_share_tiles(ctx: KernelContext, outer: list[int], split: int, group_rows: int,
-                        strides: list[list[int]]) -> bool:
-    """Whether a generic's groups run as one tile loop whose tiles hold several whole groups (`_tile_loop` with
-    `groups`), each group a DMA per stream: every operand strides the group dims uniformly (`_merged_groups`:
-    one group dim), and a tile holds at least two groups. Else only the longest group dim longer than
-    UNROLL_CHUNKS shares tiles, and each of the others' tile loops waits its loads' and stores' DMA latencies
-    (a causal attention's query blocks: the copy of a block's queries, 2 x 4 heads of 128 rows, took 4,456
-    cycles for 256 of HBM; 8 x 4 heads of 256 rows 5,094 for 2,048)."""
-    groups = outer[:split]
-    if not GROUPS_SHARE_TILES or math.prod(groups) < 2:
-        return False
-    uniform = all(st[d - 1] == st[d] * outer[d] for st in strides for d in range(1, split))
-    return uniform and 2 * group_rows <= max_tile_vmem_rows(ctx.config)
 
 
 def _longest(dims: list[int]) -> tuple[int, int]:

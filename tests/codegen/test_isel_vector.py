@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 import torch
@@ -151,48 +149,6 @@ def test_reordered_rows_and_group_tiles_give_eager_bits(perm: tuple[int, ...], s
     _same_bits(out, ref)
     (poisoned,) = run_with_poisoned_vmem(exe, [x.numpy(), y.numpy()])
     _same_bits(poisoned, ref)
-
-
-def _block_copy(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return x[:, :, 256:384].to(torch.bfloat16)  # a causal attention's query block: 8 heads of 128 rows
-
-
-def _block_column(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return x[:, :, 256:384, :1] + y[:128]  # one element a row (a vmem row each), a column operand beside it
-
-
-def _block_max(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return x[:, :3, 100:300].amax(-1) * y[:200, 0]  # 2 x 3 groups of 200 rows, reduced
-
-
-@pytest.mark.parametrize("fn", [_block_copy, _block_column, _block_max], ids=lambda f: f.__name__)
-def test_a_few_groups_share_tiles_instead_of_a_tile_loop_each(fn, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Slices of [2, 4, 1024, 64] on `large` whose outer dims (2 x 4) stay groups: they merge into one group
-    dim and share double-buffered tiles (`isel_vector._groups_share_tiles`), a DMA per group and stream,
-    instead of a tile loop each (dims of at most UNROLL_CHUNKS are unrolled) that waits its own loads' and
-    stores' latencies (the copy of a query block's 8 heads: 4,456 -> 787 cycles). Edge values give eager's
-    bits, the bits of a tile loop each, and the same on NaN-poisoned vmem."""
-    import codegen.isel_vector as isel_vector
-
-    g = torch.Generator().manual_seed(3)
-    x, y = torch.randn(2, 4, 1024, 64, generator=g), torch.randn(1024, 1, generator=g)
-    x[1, 2, 300, :6] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 1e-40, 3.4e38])
-    x[0, 1, 256:384, 0] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-45] * 32)
-    y[5, 0], y[150, 0] = float("-inf"), float("nan")
-    inputs = [x.numpy(), y.numpy()]
-
-    def run() -> tuple[np.ndarray, int, Any]:
-        exe = compile_graph(trace(fn, x, y), [x, y], "large")
-        (out,), stats = run_fresh(exe, inputs, SimulatorRunner("large"))
-        return out, stats.cycles, exe
-
-    shared, cycles, exe = run()
-    monkeypatch.setattr(isel_vector, "GROUPS_SHARE_TILES", False)
-    each, cycles_each, _ = run()
-    ref = fn(x, y).float().numpy()
-    for got in (shared, each, run_with_poisoned_vmem(exe, inputs)[0]):
-        _same_bits(got, ref)
-    assert cycles < cycles_each - 4 * get_config("large").dma_latency, (cycles, cycles_each)
 
 
 # ---- runtime row counts: a dynamic-shape bucket's padded rows (issue 14) -----------------------------------
