@@ -144,8 +144,6 @@ def _lower_general(ctx: KernelContext, k: MatmulKernel, B: int, batched: bool, M
         for ptr, v in ((pa, a), (pb, bm), (pc, c)):
             b.emit("addi", ptr, (ctx.hbm_addr(v, v.offset),), imm=0)
         if _prefetches_batches(ctx, k, t, m_tiles):
-            if not _head_group(t, m_tiles[0][1], L):  # A's second buffer (a pipelined start needs none)
-                t = dataclasses.replace(t, a_sets=[t.a_sets[0], [ctx.region(KT * mt, "a0_")]])
             _batches_ahead(ctx, k, t, B, m_tiles[0][1], pa, pb, pc)
             return
 
@@ -217,7 +215,7 @@ def _prefetches_batches(ctx: KernelContext, k: MatmulKernel, t: _Tiling, m_tiles
         return False
     rows = m_tiles[0][1]
     if _head_group(t, rows, ctx.lanes):
-        return START_AHEAD and _starts_ahead(ctx, t, rows, k.a.shape[-1], k.a)
+        return START_AHEAD and _starts_ahead(ctx, t, rows, k.a)
     return ctx.vmem_free() >= region_rows(t.KT * t.mt)
 
 
@@ -233,6 +231,8 @@ def _batches_ahead(ctx: KernelContext, k: MatmulKernel, t: _Tiling, B: int, rows
     b = ctx.b
     a, bm = k.a, k.b
     group = bool(_head_group(t, rows, ctx.lanes))
+    if not group:  # A's second buffer (a pipelined start needs none)
+        t = dataclasses.replace(t, a_sets=[t.a_sets[0], [ctx.region(t.KT * t.mt, "a0_")]])
 
     def batch(a_buf: int, prefetched: bool, has_next: bool) -> None:
         ahead = (_At(pa, a.strides[0]), _At(pb, bm.strides[0])) if has_next else None
@@ -839,8 +839,10 @@ def _head_group(t: _Tiling, rows: int, L: int) -> int:
 @dataclass(frozen=True)
 class _HeadLoads:
     """A pipelined start's commands (n-tile, k-tile) in order and its loads (n-tile, or A_ROWS / A_REST for
-    A; k-tile) in groups; A's k-tile 0 rows 0 .. a_head come first (`_first_rows`)."""
+    A; k-tile) in groups; A's k-tile 0 rows 0 .. a_head come first (`_first_rows`). Two n-tiles run k-tiles
+    0 .. h for both first."""
 
+    h: int
     order: list[tuple[int, int]]
     groups: list[list[tuple[int, int]]]
     group_of: dict[tuple[int, int], int]
@@ -851,8 +853,8 @@ class _HeadLoads:
         return max(self.group_of[(n, kt)], self.group_of[(A_ROWS, kt)], self.group_of.get((A_REST, kt), -1))
 
 
-def _head_loads(ctx: KernelContext, t: _Tiling, rows: int, K: int, n_tiles: int, a: View) -> _HeadLoads:
-    L, KT = ctx.lanes, t.KT
+def _head_loads(ctx: KernelContext, t: _Tiling, rows: int, n_tiles: int, a: View) -> _HeadLoads:
+    L, K, KT = ctx.lanes, a.shape[-1], t.KT
     h = KT // 2 if n_tiles == 2 else KT
     order = [(n, kt) for kt in range(h) for n in range(n_tiles)] + [(0, kt) for kt in range(h, KT)]
     if n_tiles == 2:
@@ -877,15 +879,15 @@ def _head_loads(ctx: KernelContext, t: _Tiling, rows: int, K: int, n_tiles: int,
         if (i == 0 or size >= HEAD_GROUP_ROWS) and i + 1 < len(order):
             groups.append([])
             size = 0
-    return _HeadLoads(order, groups, group_of, a_head)
+    return _HeadLoads(h, order, groups, group_of, a_head)
 
 
-def _starts_ahead(ctx: KernelContext, t: _Tiling, rows: int, K: int, a: View) -> bool:
-    """Whether the next m-tile's pipelined start (one n-tile) can issue its first two load groups while this
-    one's last command runs: that reads A's last k-tile (the loads must not overwrite it)."""
-    if t.NT != 1 or t.KT < 2 or not _head_group(t, rows, ctx.lanes):
+def _starts_ahead(ctx: KernelContext, t: _Tiling, rows: int, a: View) -> bool:
+    """Whether the next m-tile's pipelined start (one n-tile; `_head_group`) can issue its first two load
+    groups while this one's last command runs: that reads A's last k-tile (the loads must not overwrite it)."""
+    if t.NT != 1 or t.KT < 2:
         return False
-    head = _head_loads(ctx, t, rows, K, 1, a)
+    head = _head_loads(ctx, t, rows, 1, a)
     return all(kt != t.KT - 1 for g in head.groups[:2] for n, kt in g if n < 0)
 
 
@@ -910,9 +912,8 @@ def _pipelined_start(ctx: KernelContext, k: MatmulKernel, t: _Tiling, rows: int,
     K, KT = a.shape[-1], t.KT
     two = len(tiles) == 2
     assert not (two and (c_first or prefetched or ahead))
-    head = _head_loads(ctx, t, rows, K, len(tiles), a)
-    order, groups, group_of, a_head, needs = head.order, head.groups, head.group_of, head.a_head, head.needs
-    h = KT // 2 if two else KT
+    head = _head_loads(ctx, t, rows, len(tiles), a)
+    h, order, groups, group_of, a_head, needs = head.h, head.order, head.groups, head.group_of, head.a_head, head.needs
 
     def issue(g: int, a_from: _At = a_at, b_tiles: list[tuple[_At, int]] = tiles) -> None:
         for n, kt in groups[g]:
