@@ -701,11 +701,12 @@ def private_chain_outputs(graph: KernelGraph, loops: list[Loop], chain: KernelCh
                           touched: dict[str, set[int]]) -> frozenset[int]:
     """The members of `chain` whose output needs no store, in every run of the chain (each layer of a loop
     body it is in): a later member writes the same view (a softmax's exponentials, divided in place), or
-    its buffer is a temporary, no result, that no kernel after the chain touches (`touched`: the kernels
-    that read or write each buffer; one before it wrote what a member overwrites: a prefill softmax's
-    exponentials, computed in place over its scaled scores). Their values stay in the chain's vmem tiles (a
-    decode softmax's scaled scores and f32 probabilities: 1 MiB of stores a 1B layer at a 4096-token
-    context)."""
+    its buffer is a temporary, no result, that no kernel after the chain reads before one writes all of it
+    (`touched`: the kernels that read or write each buffer; one before it wrote what a member overwrites: a
+    prefill softmax's exponentials, computed in place over its scaled scores; bufferization gives the next
+    query block's scores the same buffer). Their values stay in the chain's vmem tiles (a decode softmax's
+    scaled scores and f32 probabilities: 1 MiB of stores a 1B layer at a 4096-token context; a 2048-token
+    prefill's exponentials, 4 bytes a score)."""
     results = {v.buffer for v in graph.results}
     loop = next((lp for lp in loops if lp.first <= chain.first < lp.first + lp.period), None)
     runs = [r * loop.period for r in range(loop.repeats)] if loop is not None else [0]
@@ -719,12 +720,20 @@ def private_chain_outputs(graph: KernelGraph, loops: list[Loop], chain: KernelCh
             if outs[j] in outs[j + 1:]:
                 continue
             name = outs[j].buffer
+            later = [t for t in touched[name] if t >= chain.first + run + n]
             if graph.buffers[name].kind != "temp" or name in results or \
-                    any(t >= chain.first + run + n for t in touched[name]):
+                    (later and not _overwrites(graph, graph.kernels[min(later)], name)):
                 return False
         return True
 
     return frozenset(j for j in range(n) if private(j))
+
+
+def _overwrites(graph: KernelGraph, k: Kernel, name: str) -> bool:
+    """Whether kernel k writes every element of buffer `name` and reads none of it."""
+    return isinstance(k, GenericKernel) and k.output.view.buffer == name and not k.reads_output and \
+        all(a.view.buffer != name for a in k.inputs) and _dense(k.output.view) and k.output.view.offset == 0 and \
+        math.prod(k.output.view.shape) == math.prod(graph.buffers[name].shape)
 
 
 def _emitted_kernels(graph: KernelGraph, loops: list[Loop]) -> list[tuple[Kernel | None, int]]:

@@ -333,11 +333,6 @@ def _materialize(ctx: KernelContext, view: View, st: list[int], sizes: list[int]
     return View(name, 0, tuple(sizes), tuple(dense), view.dtype), dense
 
 
-def _reads_output(k: GenericKernel) -> bool:
-    """A reduction reads its output's initial value, unless a folded fill gave it (`GenericKernel.init`)."""
-    return k.reduction and k.init is None
-
-
 def max_tile_vmem_rows(config: HardwareConfig) -> int:
     """vmem rows of one operand's tile: MAX_TILE_VMEM_ROWS, or more where a DMA latency moves more rows
     (`large`: 500 cycles x 4 full bf16 rows, 2048), so that two tiles in flight keep the channel busy. Full
@@ -350,7 +345,7 @@ def _choose_tile_rows(ctx: KernelContext, k: GenericKernel, streams: list[Stream
     """The most rows per tile (<= `max_tile_vmem_rows` per operand) whose double-buffered tiles fit the free
     vmem."""
     out = streams[-1]
-    loads = streams[:-1] + ([out] if _reads_output(k) else [])
+    loads = streams[:-1] + ([out] if k.reads_output else [])
     by_rows = _maps_by_rows(k, P, streams)
 
     def need(t: int) -> int:
@@ -389,7 +384,7 @@ def _tile_buffers(ctx: KernelContext, k: GenericKernel, streams: list[Stream], r
     expanded: list[Region | None] = []
     for s in streams:
         per_row = P if s.kind == "row" else 1
-        loaded = s is not out or _reads_output(k)
+        loaded = s is not out or k.reads_output
         tiles.append((ctx.region(tile_rows * per_row + 8, "in"), ctx.region(tile_rows * per_row + 8, "in"))
                      if loaded else None)
         expanded.append(ctx.region(tile_rows * P + 8, "bcast") if s.kind == "col" and s is not out and not by_rows
@@ -415,7 +410,7 @@ def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buff
     `rows`, which its DMAs move. Either way a tile's loops run about its valid rows (`_over_rows`)."""
     b = ctx.b
     out = streams[-1]
-    loads = streams[:-1] + ([out] if _reads_output(k) else [])  # a reduction reads its output's initial value
+    loads = streams[:-1] + ([out] if k.reads_output else [])  # a reduction reads its output's initial value
     tile_rows, out_tiles = buffers.tile_rows, buffers.out
     for s, tiles, expanded in zip(streams, buffers.tiles, buffers.expanded, strict=True):
         s.tiles, s.expanded = tiles, expanded
@@ -990,7 +985,7 @@ class ChainMember:
         return self.rows * self.pitch(s)[0] + 8
 
     def reads(self) -> list[Stream]:
-        return self.streams[:-1] + ([self.streams[-1]] if _reads_output(self.kernel) else [])
+        return self.streams[:-1] + ([self.streams[-1]] if self.kernel.reads_output else [])
 
 
 @dataclass(eq=False)
@@ -1294,6 +1289,7 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
     T = _chain_tile_rows(ctx, chain)
     written: dict[str, ChainMember] = {}
     loads: list[tuple[Stream, ChainMember]] = []
+    loads_once: list[tuple[Stream, ChainMember]] = []  # rows the same in every tile (a causal mask's key iota)
     loaded: dict[tuple, tuple[Region, Region]] = {}  # a tile's key (`_tile_key`): its two regions
     outs: dict[int, tuple[Region, Region]] = {}
     source = _chain_sources(members)
@@ -1306,6 +1302,10 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
                 s.tiles = outs[id(w)]
             elif _tile_key(s, m) in loaded:  # the rows an earlier member loaded
                 s.tiles = loaded[_tile_key(s, m)]
+            elif _same_every_row(s):  # loaded once, into one region both tiles read
+                region = ctx.region(T * m.pitch(s)[0] + 8, "in")
+                s.tiles = loaded[_tile_key(s, m)] = (region, region)
+                loads_once.append((s, m))
             else:
                 n = T * m.pitch(s)[0] + 8
                 s.tiles = loaded[_tile_key(s, m)] = (ctx.region(n, "in"), ctx.region(n, "in"))
@@ -1333,7 +1333,7 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
             readers = {k for k, m in enumerate(members) for s in m.reads() if source.get(id(s)) == j}
             if j in chain.private and readers <= set(ps):
                 unstored.add(j)
-    for s, _ in loads:
+    for s, _ in loads + loads_once:
         s.ptr = b.sreg()
         b.emit("addi", s.ptr, (ctx.hbm_addr(s.view, s.base),), imm=0)
     store_ptrs = []
@@ -1350,6 +1350,12 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
         for s, m in loads:
             assert s.tiles is not None and s.ptr is not None
             move(True, s, m, s.ptr, s.tiles[p], p, n)
+
+    def first_loads(n: int) -> None:  # the first tile has the most rows
+        for s, m in loads_once:
+            assert s.tiles is not None and s.ptr is not None
+            move(True, s, m, s.ptr, s.tiles[0], 0, n)
+        issue_loads(0, n)
 
     def tile(p: int, n: int, next_n: int | None) -> None:
         b.emit("wait", flag=ctx.flag(Flag.LOAD, p))
@@ -1377,8 +1383,7 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
             move(False, m.streams[-1], m, ptr, tiles[p], p, n)
         b.new_block("tile_next")  # a tile's code ends a block: its DMA issues before the next tile's waits
 
-    _double_buffered(b, [min(T, rows - t0) for t0 in range(0, rows, T)], lambda n: issue_loads(0, n), tile,
-                     "chain_tiles")
+    _double_buffered(b, [min(T, rows - t0) for t0 in range(0, rows, T)], first_loads, tile, "chain_tiles")
 
 
 def _chain_sources(members: list[ChainMember]) -> dict[int, int]:
@@ -1445,12 +1450,18 @@ def _tiles_vmem(members: list[ChainMember], private: frozenset[int], t: int) -> 
         for s in m.reads():
             if s.view.buffer not in written and _tile_key(s, m) not in loaded:
                 loaded.add(_tile_key(s, m))
-                sizes += 2 * [t * m.pitch(s)[0] + 8]
+                sizes += (1 if _same_every_row(s) else 2) * [t * m.pitch(s)[0] + 8]
         if j not in by_rows:
             sizes += [t * m.P + 8 for s in m.streams[:-1] if s.kind == "col"]
         sizes += (1 if j in private else 2) * [t * m.pitch(m.streams[-1])[0] + 8]
         written.add(m.streams[-1].view.buffer)
     return sum(region_rows(n) for n in sizes)
+
+
+def _same_every_row(s: Stream) -> bool:
+    """A row operand whose rows are all one row (row stride 0: a causal mask's key iota beside each score
+    row): a tiled chain loads its tile once, not each tile again (4 bytes a score through HBM)."""
+    return s.kind == "row" and s.row_stride == 0
 
 
 def _chain_loads(chain: KernelChain) -> list[tuple[Stream, ChainMember]]:

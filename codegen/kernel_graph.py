@@ -90,6 +90,11 @@ class GenericKernel:
     # are padding of a dynamic-shape bucket that nothing reads (`compiler.bound_padded_rows`); None: all
     valid_extent: tuple[int, int] | None = None
 
+    @property
+    def reads_output(self) -> bool:
+        """A reduction reads its output's initial value, unless a folded fill gave it (`init`)."""
+        return self.reduction and self.init is None
+
 
 @dataclass
 class FillKernel:

@@ -248,6 +248,48 @@ def _with_tiled_chain_cycles(q, k, v, mask, causal: bool, scale: float) -> tuple
                     if row["kernel"] in tiled)
 
 
+def test_a_tiled_chain_moves_each_score_through_hbm_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A causal bf16 prefill on `large` at the 1B model's heads (32 query heads over 8, hd 64, 512 queries in 4
+    query blocks of 4,096 score rows), key tiles of 256 (as a 2048-token prefill's of 1,536): each tiled
+    chain reads its f32 scores once and writes their bf16 exponentials once, 6 bytes a score and one tile of
+    the causal mask's key iota, which is the same every row (`isel_vector._same_every_row`: loaded once, not
+    each tile), and keeps its f32 exponentials in vmem although the next query block's tile reuses their
+    buffer (`compiler._overwrites`: that block writes all of it first). Before, 10 and 14 bytes a score.
+    Edge values give the bits of the members one at a time and eager's NaNs."""
+    import codegen.attention
+    import codegen.isel_vector
+
+    monkeypatch.setattr(codegen.attention, "SCORE_HBM_SHARE", 768)  # 256 keys a tile at these 4,096 rows
+    q, k, v = _qkv(1, 32, 8, 512, 512, 64, BF16)
+    k[0, 0, 200, 3] = math.nan  # kv head 0's queries from 200 on
+    k[0, 1, 300, :] = 1e30  # kv head 1's queries from 300 on attend to key 300 alone
+    v[0, 2, 7, 3] = math.nan
+    v[0, 3, 0, 4] = math.inf  # a key every query sees (eager's 0 * inf is NaN past a query's last key)
+    xs = [q, k, v]
+
+    def run() -> tuple[np.ndarray, dict[str, float]]:
+        exe = compile_graph(trace(lambda q, k, v: _ctpu().attention(q, k, v, None, True, 0.125, True), *xs), xs,
+                            "large")
+        runner = SimulatorRunner("large")
+        runner.simulator.profile = True
+        (out,), _ = run_fresh(exe, [x.float().numpy() for x in xs], runner)
+        tiled = {f"k{kk['index']}" for kk in exe.summary["kernels"] if kk.get("chain") == "tiled"}
+        rows = analyze(runner.simulator.recording, exe.summary["kernels"]).roofline()
+        scores = 8 * 4 * 128 * 256  # a chain's: a query block's 4,096 rows of one 256-key tile
+        return out, {row["kernel"]: row["hbm_bytes"] / scores for row in rows if row["kernel"] in tiled}
+
+    out, per_score = run()
+    assert len(per_score) == 4 and all(b < 7.5 for b in per_score.values()), per_score  # measured 7.05
+    monkeypatch.setattr(codegen.isel_vector, "TILED_CHAINS", False)
+    alone, _ = run()
+    np.testing.assert_array_equal(out.view(np.uint32), alone.view(np.uint32))
+    ref = _ctpu().attention(q, k, v, None, True, 0.125, True).float().numpy()
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    assert np.isnan(out[0, :4, 200:]).all() and not np.isnan(out[0, :4, :200]).any()
+    finite = np.isfinite(ref)
+    np.testing.assert_allclose(out[finite], ref[finite], **TOL[BF16])
+
+
 def test_fully_masked_rows_without_safe_are_nan() -> None:
     """safe=False (a hand-written softmax): a row whose keys are all masked is 0 / 0 = NaN, as eager; the
     other rows are unchanged."""
