@@ -67,6 +67,7 @@ from codegen.isel_vector import (
     tiled_runs,
 )
 from codegen.kernel_graph import (
+    Access,
     FillKernel,
     GatherKernel,
     GenericKernel,
@@ -221,6 +222,44 @@ def _fold_output_casts(graph: KernelGraph, kernels: list[Kernel]) -> list[Kernel
     return out
 
 
+def _round_results_read_rounded(graph: KernelGraph, kernels: list[Kernel]) -> list[Kernel]:
+    """A matmul whose f32 result every kernel after it reads only through a cast to bf16 (SwiGLU's gate and
+    up projections: silu(bf16(gate)) * bf16(up), the casts fused into one generic) stores bf16 itself: its C
+    store rounds as their cast does (RNE, canonical NaN), so the cast of the loaded value changes no bit,
+    and half the bytes cross HBM (a 1B layer's 2048-token SwiGLU read 128 MiB of f32 results)."""
+    out = list(kernels)
+    for i, mm in enumerate(out):
+        if not isinstance(mm, MatmulKernel):
+            continue
+        c, buffer = mm.c, graph.buffers[mm.c.buffer]
+        users = [j for j, k in enumerate(out) if j != i and any(v.buffer == c.buffer for v in views_of(k))]
+        if len(c.shape) != 2 or c.dtype != "f32" or buffer.kind != "temp" or not users or min(users) < i \
+                or any(v.buffer == c.buffer for v in graph.results) or not _dense(c) or c.offset \
+                or math.prod(c.shape) != math.prod(buffer.shape) \
+                or not all(_reads_only_rounded(out[j], c.buffer) for j in users):
+            continue
+
+        out[i] = dataclasses.replace(mm, c=dataclasses.replace(c, dtype="bf16"))
+        for j in users:
+            k = out[j]
+            assert isinstance(k, GenericKernel)
+            out[j] = dataclasses.replace(k, inputs=[
+                Access(dataclasses.replace(a.view, dtype="bf16"), a.iter_strides) if a.view.buffer == c.buffer else a
+                for a in k.inputs])
+        graph.buffers[c.buffer] = dataclasses.replace(buffer, dtype="bf16")
+    return out
+
+
+def _reads_only_rounded(k: Kernel, name: str) -> bool:
+    """Whether k is a generic that reads buffer `name` (and does not write it) only as the operand of
+    `arith.truncf` ops (to bf16: a generic's truncf yields bf16)."""
+    if not isinstance(k, GenericKernel) or k.output.view.buffer == name:
+        return False
+    args = {k.body.args[i] for i, a in enumerate(k.inputs) if a.view.buffer == name}
+    return not args & set(k.body.yields) and all(
+        op == "arith.truncf" for _, op, operands in k.body.ops if args & set(operands))
+
+
 def _same_elements(a: View, b: View) -> bool:
     """Whether two views of one buffer cover the same elements (both dense, same offset and size)."""
     return a.buffer == b.buffer and a.offset == b.offset and math.prod(a.shape) == math.prod(b.shape) \
@@ -271,7 +310,8 @@ of repeated kernel sequences (identical layers) once, as a loop (`layer_loop`). 
         graph = read_function(mlir.module)
     mutated = _mutated_inputs(graph, len(user_results))
     kernels = hoist_invariant_kernels(_fold_fills(sink_fills(graph.kernels)), graph)
-    kernels = split_ragged_streams(cfg, bound_padded_rows(_fold_output_casts(graph, kernels), gm))
+    kernels = _round_results_read_rounded(graph, _fold_output_casts(graph, kernels))
+    kernels = split_ragged_streams(cfg, bound_padded_rows(kernels, gm))
     graph.kernels = streams_back_to_back(cfg, kernels)
     loops = find_loops(graph, edge_cost=loop_edge_cost(cfg, graph.kernels)) if layer_loops else []
     if any(lp.repeats == 2 for lp in loops) and _unrolled_fits(graph, cfg, precision):

@@ -400,6 +400,55 @@ def test_a_projection_stores_its_bf16_result_without_a_cast_kernel(monkeypatch: 
     np.testing.assert_allclose(out[finite], ref[finite], rtol=2e-2, atol=2e-2)
 
 
+def _swiglu(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
+    # Llama's MLP: down(silu(gate(x)) * up(x)), each projection's result bf16
+    f = torch.nn.functional
+    return f.linear(f.silu(f.linear(x, wg)) * f.linear(x, wu), wd)
+
+
+def test_gate_and_up_store_bf16_results_that_swiglu_reads_rounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # bf16 on `large` at 301 tokens, hidden 1024, intermediate 2816: SwiGLU's generic reads the gate and up
+    # results only through their cast to bf16, so the matmuls store them rounded (`_round_results_read_rounded`):
+    # the same bits (inf, NaN, results past bf16's largest finite value and subnormal ones included), 8 bytes
+    # less HBM traffic an intermediate element (2 stored and 2 loaded, of each), fewer cycles
+    torch.manual_seed(0)
+    tokens, hidden, inter = 301, 1024, 2816
+    x = torch.randn(1, tokens, hidden).bfloat16()
+    wg, wu = ((torch.randn(inter, hidden) / 32).bfloat16() for _ in range(2))
+    wd = (torch.randn(hidden, inter) / 53).bfloat16()
+    # a token each (a weight's inf or NaN would reach every token through down): gate results near f32's
+    # largest, one finite in f32 that rounds to inf in bf16 (3.397e38), subnormal ones, a NaN, an inf
+    x[0, 2] = x[0, 2] * 3e37
+    x[0, 3] = 0.0
+    x[0, 3, 0], wg[11, 0] = (1 + 13 / 128) * 2.0 ** 127, 1.8125
+    x[0, 5] = x[0, 5] * 1e-37
+    x[0, 7, 9], x[0, 8, 1] = float("nan"), float("inf")
+    args = [x, wg, wu, wd]
+    inputs = [a.float().numpy() for a in args]
+
+    def build() -> tuple[np.ndarray, int, int]:
+        gm, _ = fx_passes.run_passes(trace(_swiglu, *args), args)
+        cg = compile_graph(fx_passes.inline_fused_kernels(gm), args, "large")
+        (out,) = run_with_poisoned_vmem(cg, inputs)
+        runner = SimulatorRunner("large")
+        runner.simulator.profile = True
+        _, stats = run_fresh(cg, inputs, runner)
+        moved = sum(n for *_, n, _ in runner.simulator.recording.dma_commands)
+        return out, moved, stats.cycles
+
+    out, moved, cycles = build()
+    monkeypatch.setattr(compiler, "_round_results_read_rounded", lambda graph, kernels: kernels)
+    out_f32, moved_f32, cycles_f32 = build()
+    np.testing.assert_array_equal(out.view(np.uint32), out_f32.view(np.uint32))
+    ref = _swiglu(*args).float().numpy()
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    assert np.isnan(out[0, 7]).all() and np.isfinite(out[0, 9:]).all()
+    assert moved_f32 - moved == 8 * tokens * inter, (moved, moved_f32)
+    assert cycles < cycles_f32, (cycles, cycles_f32)
+    finite = np.isfinite(ref)
+    np.testing.assert_allclose(out[finite], ref[finite], rtol=3e-2, atol=3e-2)
+
+
 def test_a_kernel_that_writes_other_rows_starts_while_the_stores_drain(monkeypatch: pytest.MonkeyPatch) -> None:
     # the iota of torch.arange follows a reduction whose store is still in flight: it writes vmem rows that
     # store does not read, so it starts at once instead of waiting a DMA latency for it (the simulator traps
