@@ -224,16 +224,20 @@ def _fold_output_casts(graph: KernelGraph, kernels: list[Kernel]) -> list[Kernel
 
 def _round_results_read_rounded(graph: KernelGraph, kernels: list[Kernel]) -> list[Kernel]:
     """A matmul whose f32 result every kernel after it reads only through a cast to bf16 (SwiGLU's gate and
-    up projections: silu(bf16(gate)) * bf16(up), the casts fused into one generic) stores bf16 itself: its C
-    store rounds as their cast does (RNE, canonical NaN), so the cast of the loaded value changes no bit,
-    and half the bytes cross HBM (a 1B layer's 2048-token SwiGLU read 128 MiB of f32 results)."""
+    up projections: silu(bf16(gate)) * bf16(up), the casts fused into one generic; q_proj's, permuted) stores
+    bf16 itself: its C store rounds as their cast does (RNE, canonical NaN), so the cast of the loaded value
+    changes no bit, and half the bytes cross HBM (a 1B layer's 2048-token SwiGLU read 128 MiB of f32
+    results). Its readers are those until a kernel writes all of the buffer again (bufferization gives
+    q_proj's result and down_proj's one buffer); the buffer keeps its f32 size where it has other lives."""
     out = list(kernels)
     for i, mm in enumerate(out):
         if not isinstance(mm, MatmulKernel):
             continue
         c, buffer = mm.c, graph.buffers[mm.c.buffer]
-        users = [j for j, k in enumerate(out) if j != i and any(v.buffer == c.buffer for v in views_of(k))]
-        if len(c.shape) != 2 or c.dtype != "f32" or buffer.kind != "temp" or not users or min(users) < i \
+        touching = [j for j, k in enumerate(out) if j != i and any(v.buffer == c.buffer for v in views_of(k))]
+        rewritten = next((j for j in touching if j > i and _writes_all(graph, out[j], c.buffer)), len(out))
+        users = [j for j in touching if i < j < rewritten]
+        if len(c.shape) != 2 or c.dtype != "f32" or buffer.kind != "temp" or not users \
                 or any(v.buffer == c.buffer for v in graph.results) or not _dense(c) or c.offset \
                 or math.prod(c.shape) != math.prod(buffer.shape) \
                 or not all(_reads_only_rounded(out[j], c.buffer) for j in users):
@@ -246,8 +250,18 @@ def _round_results_read_rounded(graph: KernelGraph, kernels: list[Kernel]) -> li
             out[j] = dataclasses.replace(k, inputs=[
                 Access(dataclasses.replace(a.view, dtype="bf16"), a.iter_strides) if a.view.buffer == c.buffer else a
                 for a in k.inputs])
-        graph.buffers[c.buffer] = dataclasses.replace(buffer, dtype="bf16")
+        if touching == users:
+            graph.buffers[c.buffer] = dataclasses.replace(buffer, dtype="bf16")
     return out
+
+
+def _writes_all(graph: KernelGraph, k: Kernel, name: str) -> bool:
+    """Whether kernel k writes every element of buffer `name` and reads none of it (a generic, or a matmul
+    whose C is all of it)."""
+    if isinstance(k, MatmulKernel):
+        return k.c.buffer == name and k.a.buffer != name and k.b.buffer != name and _dense(k.c) and \
+            not k.c.offset and math.prod(k.c.shape) == math.prod(graph.buffers[name].shape)
+    return _overwrites(graph, k, name)
 
 
 def _reads_only_rounded(k: Kernel, name: str) -> bool:

@@ -23,7 +23,17 @@ from codegen.errors import CapacityError
 from codegen.isel_common import STORE_FLAGS, Flag, guard_stores_in_flight
 from codegen.isel_decode import plan_prefetches
 from codegen.isel_vector import KernelChain
-from codegen.kernel_graph import FillKernel, MatmulKernel, ScatterKernel, View
+from codegen.kernel_graph import (
+    Access,
+    Buffer,
+    FillKernel,
+    GenericKernel,
+    KernelGraph,
+    MatmulKernel,
+    ScalarProgram,
+    ScatterKernel,
+    View,
+)
 from codegen.mir import Function, Mem
 from device_sim.config import get_config
 from device_sim.executable import Executable, RunStats, run_fresh
@@ -447,6 +457,32 @@ def test_gate_and_up_store_bf16_results_that_swiglu_reads_rounded(monkeypatch: p
     assert cycles < cycles_f32, (cycles, cycles_f32)
     finite = np.isfinite(ref)
     np.testing.assert_allclose(out[finite], ref[finite], rtol=3e-2, atol=3e-2)
+
+
+def test_a_result_is_stored_rounded_in_its_own_life_of_a_shared_buffer() -> None:
+    # bufferization gives q_proj's result and down_proj's one buffer: q_proj's is read only rounded (its
+    # permute), down_proj's by a residual add in f32. Only the first life is stored bf16; the buffer keeps
+    # its f32 size, and a reader that does more than round keeps its matmul's result f32
+    def view(name: str, dtype: str = "f32") -> View:
+        return View(name, 0, (4, 8), (8, 1), dtype)
+
+    def generic(body: list[tuple[str, str, list[str]]], src: View, out: str) -> GenericKernel:
+        return GenericKernel((4, 8), False, [Access(src, (8, 1))], Access(view(out), (8, 1)),
+                             ScalarProgram(["%in", "%out"], body, [body[-1][0]], {}))
+
+    names = ["x", "w", "c", "q", "r"]
+    g = KernelGraph({n: Buffer(n, (4, 8), "f32", "temp") for n in names}, results=[view("r")])
+    permute = generic([("%0", "arith.truncf", ["%in"])], view("c"), "q")
+    residual = generic([("%0", "arith.addf", ["%in", "%in"])], view("c"), "r")
+    kernels = [MatmulKernel(view("x"), view("w"), view("c")), permute,
+               MatmulKernel(view("q"), view("w"), view("c")), residual]
+    out = compiler._round_results_read_rounded(g, kernels)
+    assert [k.c.dtype for k in out if isinstance(k, MatmulKernel)] == ["bf16", "f32"]
+    assert [k.inputs[0].view.dtype for k in out if isinstance(k, GenericKernel)] == ["bf16", "f32"]
+    assert g.buffers["c"].dtype == "f32"
+    g.buffers["c"] = Buffer("c", (4, 8), "f32", "temp")
+    alone = compiler._round_results_read_rounded(g, kernels[:2])  # one life: the buffer becomes bf16
+    assert alone[0].c.dtype == "bf16" and g.buffers["c"].dtype == "bf16"
 
 
 def test_a_kernel_that_writes_other_rows_starts_while_the_stores_drain(monkeypatch: pytest.MonkeyPatch) -> None:
