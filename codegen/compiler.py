@@ -238,8 +238,7 @@ def _round_results_read_rounded(graph: KernelGraph, kernels: list[Kernel]) -> li
         rewritten = next((j for j in touching if j > i and _writes_all(graph, out[j], c.buffer)), len(out))
         users = [j for j in touching if i < j < rewritten]
         if len(c.shape) != 2 or c.dtype != "f32" or buffer.kind != "temp" or not users \
-                or any(v.buffer == c.buffer for v in graph.results) or not _dense(c) or c.offset \
-                or math.prod(c.shape) != math.prod(buffer.shape) \
+                or any(v.buffer == c.buffer for v in graph.results) or not _all_of(graph, c) \
                 or not all(_reads_only_rounded(out[j], c.buffer) for j in users):
             continue
 
@@ -259,9 +258,13 @@ def _writes_all(graph: KernelGraph, k: Kernel, name: str) -> bool:
     """Whether kernel k writes every element of buffer `name` and reads none of it (a generic, or a matmul
     whose C is all of it)."""
     if isinstance(k, MatmulKernel):
-        return k.c.buffer == name and k.a.buffer != name and k.b.buffer != name and _dense(k.c) and \
-            not k.c.offset and math.prod(k.c.shape) == math.prod(graph.buffers[name].shape)
+        return k.c.buffer == name and k.a.buffer != name and k.b.buffer != name and _all_of(graph, k.c)
     return _overwrites(graph, k, name)
+
+
+def _all_of(graph: KernelGraph, v: View) -> bool:
+    """Whether view v covers every element of its buffer, densely."""
+    return _dense(v) and not v.offset and math.prod(v.shape) == math.prod(graph.buffers[v.buffer].shape)
 
 
 def _reads_only_rounded(k: Kernel, name: str) -> bool:
@@ -786,8 +789,7 @@ def private_chain_outputs(graph: KernelGraph, loops: list[Loop], chain: KernelCh
 def _overwrites(graph: KernelGraph, k: Kernel, name: str) -> bool:
     """Whether kernel k writes every element of buffer `name` and reads none of it."""
     return isinstance(k, GenericKernel) and k.output.view.buffer == name and not k.reads_output and \
-        all(a.view.buffer != name for a in k.inputs) and _dense(k.output.view) and k.output.view.offset == 0 and \
-        math.prod(k.output.view.shape) == math.prod(graph.buffers[name].shape)
+        all(a.view.buffer != name for a in k.inputs) and _all_of(graph, k.output.view)
 
 
 def _emitted_kernels(graph: KernelGraph, loops: list[Loop]) -> list[tuple[Kernel | None, int]]:

@@ -698,10 +698,11 @@ def _row_pass(ctx: KernelContext, works: list[RowWork], p: int, n: int, P: int, 
         body = w.kernel.body
         cols = [s for s in w.streams[:-1] if s.kind == "col"]
         rows_in = [s for s in w.streams[:-1] if s.kind == "row" and s.arg not in w.fed]
-        fixed = [s for s in rows_in if s.row_stride == 0]
+        fixed = [s for s in rows_in if _same_every_row(s)]
         chunks = [_evaluated(b, body, {s.arg: _load(b, s, p, ZERO, 8 * j) for s in fixed},
                              _derived(body, {s.arg for s in fixed})) for j in range(P8)]
-        parts.append((cols, _derived(body, {s.arg for s in cols}), [s for s in rows_in if s.row_stride], chunks))
+        varying = [s for s in rows_in if not _same_every_row(s)]
+        parts.append((cols, _derived(body, {s.arg for s in cols}), varying, chunks))
     reductions = [_Reduction(b, w.kernel.body, w.kernel.init) if w.kernel.reduction else None for w in works]
     row_base = b.sreg()
 
