@@ -40,8 +40,11 @@ QUERY_DIM = 3
 # the rescales cost a kernel)
 KEY_TILE_VMEM_ROWS = 16
 KEY_TILE_VMEM_SHARE = 1024
-# a tile's f32 scores take at most this share of HBM (a long prefill has many query rows) ...
-SCORE_HBM_SHARE = 64
+# a tile's f32 scores take at most this share of HBM (a long prefill has many query rows): `large`'s 64 MiB,
+# so that each query block of a 2048-token prefill at 32 heads (8,192 score rows) is one tile of up to 2048 keys
+# (a 1B layer's attention 2,321,426 -> 2,163,043 cycles; at 1/64 the last blocks took a 1536-key tile of 12
+# vmem rows a row, whose row passes compute 16, and a second tile with its rescales) ...
+SCORE_HBM_SHARE = 48
 # ... unless that makes more tiles than this: the tiles are unrolled, a few kernels each (~2k bundles on
 # `small`: 16 tiles overflow its imem)
 MAX_KEY_TILES = 8

@@ -250,7 +250,7 @@ def _with_tiled_chain_cycles(q, k, v, mask, causal: bool, scale: float) -> tuple
 
 def test_a_tiled_chain_moves_each_score_through_hbm_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """A causal bf16 prefill on `large` at the 1B model's heads (32 query heads over 8, hd 64, 512 queries in 4
-    query blocks of 4,096 score rows), key tiles of 256 (as a 2048-token prefill's of 1,536): each tiled
+    query blocks of 4,096 score rows), key tiles of 256 (as a 4096-token prefill's of 1,024): each tiled
     chain reads its f32 scores once and writes their bf16 exponentials once, 6 bytes a score and one tile of
     the causal mask's key iota, which is the same every row (`isel_vector._same_every_row`: loaded once, not
     each tile), and keeps its f32 exponentials in vmem although the next query block's tile reuses their
@@ -354,6 +354,17 @@ def test_query_blocks() -> None:
     assert query_blocks(300, 500) == [(0, 150), (150, 300)]
     assert query_blocks(255, 255) == [(0, 255)] and query_blocks(1, 300) == [(0, 1)]
     assert query_blocks(300, 600) == [(0, 300)]
+
+
+def test_a_long_prefills_query_blocks_are_one_key_tile_each() -> None:
+    """The 1B geometry on `large` (32 query heads): each query block of a 2048-token prefill (256 queries,
+    8,192 score rows) takes all the keys it sees in one tile, its f32 scores at most 64 MiB (1/48 of HBM):
+    no second tile with its rescale kernels, and its rows of 2, 4, .. 16 vmem rows, where 1536-key tiles
+    (12 rows, whose row passes compute 16) cost the attention 2,321,426 cycles against 2,163,043. At 4096
+    tokens (512 queries a block) tiles of 1024 keys, 8 vmem rows, not 768 (6)."""
+    cfg = get_config("large")
+    assert all(key_tile(cfg, 32 * (last - first), last) == last for first, last in query_blocks(2048, 2048))
+    assert key_tile(cfg, 32 * 512, 4096) == 1024
 
 
 def _blocks_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -473,15 +484,18 @@ def test_a_2048_token_prefill_with_its_output_projection_compiles_as_one_program
     assert exe.summary["kernels"][-1]["kind"] == "matmul"
 
 
-def test_query_blocks_that_share_a_key_tile_read_k_in_place() -> None:
-    """The 1B geometry's attention at 2048 tokens on `large` (32 heads over 8 KV heads, head dim 64): the
+def test_query_blocks_that_share_a_key_tile_read_k_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 1B geometry's attention at 2048 tokens on `large` (32 heads over 8 KV heads, head dim 64), its f32
+    score tiles at most 1/64 of HBM (1536 keys; the default share makes each query block one tile): the
     last causal query blocks see the same 1536 keys, and CSE keeps one transposed copy of that key tile for
     the three q @ K^T matmuls that read it. The kernel reader folds it into all three (they read K in place,
     through `mxu.lwt`), as it does for one: no kernel copies K (the copy moved a DMA pair a column, ~0.2M
     cycles of the 3.38M). Compiled, not run (the same bits as with the copy: the attention alone, run on
     the simulator, ~1.5 minutes)."""
+    import codegen.attention
     import fx_passes.ops  # noqa: F401  (torch.ops.ctpu)
 
+    monkeypatch.setattr(codegen.attention, "SCORE_HBM_SHARE", 64)
     q, k, v = _qkv(1, 32, 8, 2048, 2048, 64, BF16)
 
     def f(q, k, v):
