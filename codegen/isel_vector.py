@@ -676,6 +676,7 @@ class RowWork:
     full_lanes: set[str] = field(default_factory=set)
     fed: dict[str, int] = field(default_factory=dict)
     stored: bool = True
+    spread: dict[str, Region] = field(default_factory=dict)  # columns read from these regions, every lane of a row
 
 
 def _row_pass(ctx: KernelContext, works: list[RowWork], p: int, n: int, P: int, rows: ValidRows = None) -> None:
@@ -683,7 +684,8 @@ def _row_pass(ctx: KernelContext, works: list[RowWork], p: int, n: int, P: int, 
     computing every work in turn (a prefill softmax's scaled scores and their max, then the exponentials, their
     sum and their bf16 copy): a work reads an earlier one's value in a register, not from vmem, and a map's
     value that only the pass reads is never stored. Each column operand is loaded once a row (`vld.row`,
-    spread across lanes unless `full_lanes` says every lane holds it), and what a body computes from its
+    spread across lanes unless `full_lanes` says every lane holds it or `spread` names a region where a
+    tile's columns were spread 8 rows at a time: `_spread_columns`), and what a body computes from its
     columns alone once a row: no broadcast pass stores a column's rows to vmem for the chunks to load. A row
     operand the same in every row (a key index) is loaded, and what derives from it computed, once a tile. A
     reduction combines its row's chunks in registers and stores the row's value at the row's end.
@@ -712,8 +714,10 @@ def _row_pass(ctx: KernelContext, works: list[RowWork], p: int, n: int, P: int, 
             env = {}
             for s in cols:
                 assert s.tiles is not None
-                v = b.vld(t, s.tiles[p].row, row_mem(s.tiles[p], t, 0, 1), "vld.row")
-                env[s.arg] = v if s.arg in w.full_lanes else _lane0_everywhere(b, v, s.view.dtype in ("i32", "i1"))
+                region = w.spread.get(s.arg, s.tiles[p])
+                v = b.vld(t, region.row, row_mem(region, t, 0, 1), "vld.row")
+                full = s.arg in w.full_lanes or s.arg in w.spread
+                env[s.arg] = v if full else _lane0_everywhere(b, v, s.view.dtype in ("i32", "i1"))
             envs.append(_evaluated(b, w.kernel.body, env, per_row))
         accs: list[Reg | None] = [None] * len(works)
         for j in range(P8):
@@ -957,6 +961,9 @@ TILED_CHAINS = True
 # a tiled chain's members over rows of 8 to 8 * UNROLL_CHUNKS vmem rows run in row passes (`_row_passes`), and
 # maps with a column operand row by row; False: a member at a time, each column broadcast to vmem first
 ROW_PASSES = True
+# a row pass's columns that hold a row's value in lane 0 are spread across lanes a tile at a time, 8 rows a
+# vector op (`_spread_columns`); False: each row spreads its own in the pass (two vector ops a row)
+SPREAD_COLUMNS = True
 # a tiled chain's first member takes at least this share of vmem (`large`: 4,096 rows, a 2048-token prefill's
 # key tile 8,192 score rows of 1,536 keys): a smaller run's few tiles pay the loop's fill and drain, and a
 # dynamic-shape bucket's members, which compute only their valid rows, are not chained
@@ -1334,6 +1341,8 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
             readers = {k for k, m in enumerate(members) for s in m.reads() if source.get(id(s)) == j}
             if j in chain.private and readers <= set(ps):
                 unstored.add(j)
+    spread = {j: {s.arg: ctx.region(T + 8, "spread") for s in _spread_columns(members[j], full_lanes[j])}
+              for j in by_rows}
     for s, _ in loads + loads_once:
         s.ptr = b.sreg()
         b.emit("addi", s.ptr, (ctx.hbm_addr(s.view, s.base),), imm=0)
@@ -1366,8 +1375,12 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
         for ps in passes:
             b.new_block("tiled_member")  # each pass's register pressure its own, as in `lower_chain`
             if ps[0] in by_rows:
+                for j in ps:
+                    for s in _spread_columns(members[j], full_lanes[j]):
+                        assert s.tiles is not None
+                        _broadcast_rows(b, s.tiles[p], spread[j][s.arg], n, 1, s.view.dtype in ("i32", "i1"))
                 _row_pass(ctx, [RowWork(members[j].kernel, members[j].streams, outs[id(members[j])][p], members[j].C,
-                                        full_lanes[j], fed[j], j not in unstored) for j in ps],
+                                        full_lanes[j], fed[j], j not in unstored, spread[j]) for j in ps],
                           p, n, members[ps[0]].P)
                 continue
             m = members[ps[0]]
@@ -1385,6 +1398,13 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
         b.new_block("tile_next")  # a tile's code ends a block: its DMA issues before the next tile's waits
 
     _double_buffered(b, [min(T, rows - t0) for t0 in range(0, rows, T)], first_loads, tile, "chain_tiles")
+
+
+def _spread_columns(m: ChainMember, full_lanes: set[str]) -> list[Stream]:
+    """A row-pass member's columns that hold a row's value in lane 0 only: a tiled chain spreads a tile's across
+    lanes before the pass, 8 rows a vector op (`_broadcast_rows` at P = 1), where the pass spent two vector ops
+    a row on it (a 2048-token prefill's softmax: 2 of its ~23 a row, the causal mask's last key)."""
+    return [s for s in m.streams[:-1] if SPREAD_COLUMNS and s.kind == "col" and s.arg not in full_lanes]
 
 
 def _chain_sources(members: list[ChainMember]) -> dict[int, int]:
@@ -1454,6 +1474,8 @@ def _tiles_vmem(members: list[ChainMember], private: frozenset[int], t: int) -> 
                 sizes += (1 if _same_every_row(s) else 2) * [t * m.pitch(s)[0] + 8]
         if j not in by_rows:
             sizes += [t * m.P + 8 for s in m.streams[:-1] if s.kind == "col"]
+        else:  # an upper bound: `_spread_columns` leaves out those an earlier reduction spread
+            sizes += [t + 8 for s in m.streams[:-1] if s.kind == "col"]
         sizes += (1 if j in private else 2) * [t * m.pitch(m.streams[-1])[0] + 8]
         written.add(m.streams[-1].view.buffer)
     return sum(region_rows(n) for n in sizes)

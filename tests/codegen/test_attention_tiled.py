@@ -233,6 +233,47 @@ def test_row_passes_give_the_bits_of_a_member_at_a_time(keys: int, masked: bool,
     assert chain < 0.9 * chain_alone, (chain, chain_alone)  # measured 7,070 against 8,077 at 1,216 keys
 
 
+def test_a_row_pass_spreads_its_columns_a_tile_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A causal bf16 prefill on `large` of 64 queries over 1,024 keys (hd 64, 16 query heads over 4 kv heads:
+    1,024 score rows of 8 vmem rows): the scores' row pass compares each key with its row's last key, a column
+    that holds the row's value in lane 0. The chain spreads a tile's column across lanes before the pass, 8
+    rows a vector op (`isel_vector._spread_columns`), where each row spent two: ~1.75 vector ops a row fewer,
+    the same bits as spreading row by row (`SPREAD_COLUMNS` False) with a NaN key, a key of 1e30 and NaN and
+    inf values, and eager's values."""
+    import codegen.isel_vector
+
+    q, k, v = _qkv(1, 16, 4, 64, 1024, 64, BF16)
+    k[0, 0, 5, 3] = math.nan  # every row of kv head 0's queries
+    k[0, 1, 1000, :] = 1e30  # the rows of kv head 1 attend to key 1000 alone
+    v[0, 1, 7, 3] = math.nan
+    v[0, 0, 9, 4] = math.inf
+    xs = [q, k, v]
+
+    def run() -> tuple[np.ndarray, int, int]:
+        exe = compile_graph(trace(lambda q, k, v: _ctpu().attention(q, k, v, None, True, 0.125, True), *xs), xs,
+                            "large")
+        runner = SimulatorRunner("large")
+        runner.simulator.profile = True
+        (out,), _ = run_fresh(exe, [x.float().numpy() for x in xs], runner)
+        tiled = {f"k{kk['index']}" for kk in exe.summary["kernels"] if kk.get("chain") == "tiled"}
+        kernels = [kp for kp in analyze(runner.simulator.recording, exe.summary["kernels"]).kernels
+                   if kp.label in tiled]
+        assert kernels
+        return out, sum(kp.slot_ops["v0"] + kp.slot_ops["v1"] for kp in kernels), sum(kp.cycles for kp in kernels)
+
+    out, ops, cycles = run()
+    monkeypatch.setattr(codegen.isel_vector, "SPREAD_COLUMNS", False)
+    by_row, ops_by_row, cycles_by_row = run()
+    np.testing.assert_array_equal(out.view(np.uint32), by_row.view(np.uint32))
+    # measured 13,605 vector ops against 15,393 (2 a row less 2 a chunk of 8 rows), 10,464 cycles against 11,168
+    assert ops_by_row - ops >= 1.7 * 1024 and cycles < cycles_by_row, (ops, ops_by_row, cycles, cycles_by_row)
+    ref = _ctpu().attention(q, k, v, None, True, 0.125, True).float().numpy()
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    assert np.isnan(out[0, :4]).all() and not np.isnan(out[0, 4:, :, :3]).any()
+    finite = np.isfinite(ref)
+    np.testing.assert_allclose(out[finite], ref[finite], **TOL[BF16])
+
+
 def _with_tiled_chain_cycles(q, k, v, mask, causal: bool, scale: float) -> tuple[np.ndarray, int]:
     """The attention's output on `large` and the cycles of its tiled chains (the profiler's kernel spans)."""
     op = _ctpu().attention

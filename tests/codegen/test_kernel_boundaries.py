@@ -161,7 +161,7 @@ def test_a_chain_of_small_kernels_pays_one_latency() -> None:
 def test_fills_are_folded_into_the_reductions_they_initialize(dtype: torch.dtype) -> None:
     # the sum's 0 and the max's -inf become the reductions' initial values: no fill kernel, and the edge
     # rows still reduce as eager does (all -inf, a NaN, +-0, the largest finite values)
-    x = torch.randn(9, 300).to(dtype)
+    x = torch.randn(9, 300, generator=torch.Generator().manual_seed(0)).to(dtype)
     x[1] = float("-inf")
     x[2, 7] = float("nan")
     x[3] = -0.0
@@ -173,8 +173,8 @@ def test_fills_are_folded_into_the_reductions_they_initialize(dtype: torch.dtype
     cg = compile_graph(trace(stats, x), [x], "large")
     assert "fill" not in [k["kind"] for k in cg.summary["kernels"]]
     outs = run_with_poisoned_vmem(cg, [x.float().numpy()])
-    for out, ref in zip(outs, stats(x), strict=True):
-        np.testing.assert_allclose(out, ref.numpy(), rtol=1e-5)
+    for out, ref in zip(outs, stats(x), strict=True):  # a sum's order differs from eager's: an ulp of its terms
+        np.testing.assert_allclose(out, ref.numpy(), rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(np.signbit(out[3]), np.signbit(ref[3].numpy()))
 
 
