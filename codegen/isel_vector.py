@@ -352,8 +352,8 @@ def _choose_tile_rows(ctx: KernelContext, k: GenericKernel, streams: list[Stream
         total = 2 * region_rows(t * (1 if k.reduction else P) + 8)
         for s in loads:
             total += 2 * region_rows(t * (P if s.kind == "row" else 1) + 8)
-            if s.kind == "col" and s is not out and not by_rows:
-                total += region_rows(t * P + 8)
+            if s.kind == "col" and s is not out:  # its broadcast rows, or an upper bound of its row values
+                total += region_rows(t * (1 if by_rows else P) + 8)
         return total
 
     t = max(1, min(rows, max_tile_vmem_rows(ctx.config) // P))
@@ -374,6 +374,7 @@ class TileBuffers:
     tiles: list[tuple[Region, Region] | None]
     expanded: list[Region | None]
     out: tuple[Region, Region]
+    row_values: dict[str, Region] = field(default_factory=dict)  # a row pass's (`_row_values`)
 
 
 def _tile_buffers(ctx: KernelContext, k: GenericKernel, streams: list[Stream], rows: int, P: int) -> TileBuffers:
@@ -390,7 +391,9 @@ def _tile_buffers(ctx: KernelContext, k: GenericKernel, streams: list[Stream], r
         expanded.append(ctx.region(tile_rows * P + 8, "bcast") if s.kind == "col" and s is not out and not by_rows
                         else None)
     out_rows = tile_rows * (1 if k.reduction else P) + 8
-    return TileBuffers(tile_rows, tiles, expanded, (ctx.region(out_rows, "out"), ctx.region(out_rows, "out")))
+    values = _row_values(k.body, streams, set()) if by_rows else None
+    return TileBuffers(tile_rows, tiles, expanded, (ctx.region(out_rows, "out"), ctx.region(out_rows, "out")),
+                       {name: ctx.region(tile_rows + 8, "row_value") for name in values[1]} if values else {})
 
 
 def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buffers: TileBuffers, rows: int,
@@ -463,7 +466,11 @@ def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buff
         if k.reduction:
             _reduce_tile(ctx, k.body, streams, p, out_tiles[p], n, C, P, k.init, computed)
         elif _maps_by_rows(k, P, streams):
-            _row_pass(ctx, [RowWork(k, streams, out_tiles[p], C)], p, n, P, computed)
+            if buffers.row_values:
+                values = _row_values(k.body, streams, set())
+                assert values is not None
+                _fill_row_values(b, k.body, streams, set(), *values[:2], buffers.row_values, p, n, computed)
+            _row_pass(ctx, [RowWork(k, streams, out_tiles[p], C, row_values=buffers.row_values)], p, n, P, computed)
         else:
             _map_tile(ctx, k.body, streams, p, out_tiles[p], n, P, computed)
         move(False, out, out_tiles[p], p, *size, rows_reg)
@@ -676,7 +683,9 @@ class RowWork:
     full_lanes: set[str] = field(default_factory=set)
     fed: dict[str, int] = field(default_factory=dict)
     stored: bool = True
-    spread: dict[str, Region] = field(default_factory=dict)  # columns read from these regions, every lane of a row
+    # a row's values from its columns (`_row_values`) in these regions, every lane of a row (the tile's columns
+    # when an earlier reduction spread them): loaded, not computed, by the pass
+    row_values: dict[str, Region] = field(default_factory=dict)
 
 
 def _row_pass(ctx: KernelContext, works: list[RowWork], p: int, n: int, P: int, rows: ValidRows = None) -> None:
@@ -684,9 +693,9 @@ def _row_pass(ctx: KernelContext, works: list[RowWork], p: int, n: int, P: int, 
     computing every work in turn (a prefill softmax's scaled scores and their max, then the exponentials, their
     sum and their bf16 copy): a work reads an earlier one's value in a register, not from vmem, and a map's
     value that only the pass reads is never stored. Each column operand is loaded once a row (`vld.row`,
-    spread across lanes unless `full_lanes` says every lane holds it or `spread` names a region where a
-    tile's columns were spread 8 rows at a time: `_spread_columns`), and what a body computes from its
-    columns alone once a row: no broadcast pass stores a column's rows to vmem for the chunks to load. A row
+    spread across lanes unless `full_lanes` says every lane holds it), and what a body computes from its
+    columns alone once a row: no broadcast pass stores a column's rows to vmem for the chunks to load; or,
+    with `row_values`, those values were computed for the tile 8 rows at a time (`_row_values`). A row
     operand the same in every row (a key index) is loaded, and what derives from it computed, once a tile. A
     reduction combines its row's chunks in registers and stores the row's value at the row's end.
     A row's last chunk of a P that is no multiple of 8 runs into the next row's first vmem rows: a reduction
@@ -711,13 +720,14 @@ def _row_pass(ctx: KernelContext, works: list[RowWork], p: int, n: int, P: int, 
     def row(t: Reg) -> None:
         envs = []
         for w, (cols, per_row, _, _) in zip(works, parts, strict=True):
+            if w.row_values:
+                envs.append({name: b.vld(t, r.row, row_mem(r, t, 0, 1), "vld.row") for name, r in w.row_values.items()})
+                continue
             env = {}
             for s in cols:
                 assert s.tiles is not None
-                region = w.spread.get(s.arg, s.tiles[p])
-                v = b.vld(t, region.row, row_mem(region, t, 0, 1), "vld.row")
-                full = s.arg in w.full_lanes or s.arg in w.spread
-                env[s.arg] = v if full else _lane0_everywhere(b, v, s.view.dtype in ("i32", "i1"))
+                v = b.vld(t, s.tiles[p].row, row_mem(s.tiles[p], t, 0, 1), "vld.row")
+                env[s.arg] = v if s.arg in w.full_lanes else _lane0_everywhere(b, v, s.view.dtype in ("i32", "i1"))
             envs.append(_evaluated(b, w.kernel.body, env, per_row))
         accs: list[Reg | None] = [None] * len(works)
         for j in range(P8):
@@ -961,9 +971,10 @@ TILED_CHAINS = True
 # a tiled chain's members over rows of 8 to 8 * UNROLL_CHUNKS vmem rows run in row passes (`_row_passes`), and
 # maps with a column operand row by row; False: a member at a time, each column broadcast to vmem first
 ROW_PASSES = True
-# a row pass's columns that hold a row's value in lane 0 are spread across lanes a tile at a time, 8 rows a
-# vector op (`_spread_columns`); False: each row spreads its own in the pass (two vector ops a row)
-SPREAD_COLUMNS = True
+# a tiled chain's row pass loads what a row computes from its columns alone (the columns spread across lanes,
+# a softmax's finite row max) from regions its tile filled 8 rows a vector op (`_row_values`); False: each row
+# computes them in the pass (two vector ops a row for a column's spread, two for the finite max)
+ROW_VALUES = True
 # a tiled chain's first member takes at least this share of vmem (`large`: 4,096 rows, a 2048-token prefill's
 # key tile 8,192 score rows of 1,536 keys): a smaller run's few tiles pay the loop's fill and drain, and a
 # dynamic-shape bucket's members, which compute only their valid rows, are not chained
@@ -1341,8 +1352,9 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
             readers = {k for k, m in enumerate(members) for s in m.reads() if source.get(id(s)) == j}
             if j in chain.private and readers <= set(ps):
                 unstored.add(j)
-    spread = {j: {s.arg: ctx.region(T + 8, "spread") for s in _spread_columns(members[j], full_lanes[j])}
-              for j in by_rows}
+    row_values = {j: rv for j in by_rows
+                  if (rv := _row_values(members[j].kernel.body, members[j].streams, full_lanes[j])) is not None}
+    value_regions = {j: {name: ctx.region(T + 8, "row_value") for name in rv[1]} for j, rv in row_values.items()}
     for s, _ in loads + loads_once:
         s.ptr = b.sreg()
         b.emit("addi", s.ptr, (ctx.hbm_addr(s.view, s.base),), imm=0)
@@ -1375,13 +1387,18 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
         for ps in passes:
             b.new_block("tiled_member")  # each pass's register pressure its own, as in `lower_chain`
             if ps[0] in by_rows:
+                works = []
                 for j in ps:
-                    for s in _spread_columns(members[j], full_lanes[j]):
-                        assert s.tiles is not None
-                        _broadcast_rows(b, s.tiles[p], spread[j][s.arg], n, 1, s.view.dtype in ("i32", "i1"))
-                _row_pass(ctx, [RowWork(members[j].kernel, members[j].streams, outs[id(members[j])][p], members[j].C,
-                                        full_lanes[j], fed[j], j not in unstored, spread[j]) for j in ps],
-                          p, n, members[ps[0]].P)
+                    m = members[j]
+                    values: dict[str, Region] = {}
+                    if j in row_values:
+                        _fill_row_values(b, m.kernel.body, m.streams, full_lanes[j], *row_values[j][:2],
+                                         value_regions[j], p, n)
+                        values = value_regions[j] | {s.arg: s.tiles[p] for s in m.streams[:-1]
+                                                     if s.arg in row_values[j][2]}
+                    works.append(RowWork(m.kernel, m.streams, outs[id(m)][p], m.C, full_lanes[j], fed[j],
+                                         j not in unstored, values))
+                _row_pass(ctx, works, p, n, members[ps[0]].P)
                 continue
             m = members[ps[0]]
             streams = m.streams
@@ -1400,11 +1417,44 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
     _double_buffered(b, [min(T, rows - t0) for t0 in range(0, rows, T)], first_loads, tile, "chain_tiles")
 
 
-def _spread_columns(m: ChainMember, full_lanes: set[str]) -> list[Stream]:
-    """A row-pass member's columns that hold a row's value in lane 0 only: a tiled chain spreads a tile's across
-    lanes before the pass, 8 rows a vector op (`_broadcast_rows` at P = 1), where the pass spent two vector ops
-    a row on it (a 2048-token prefill's softmax: 2 of its ~23 a row, the causal mask's last key)."""
-    return [s for s in m.streams[:-1] if SPREAD_COLUMNS and s.kind == "col" and s.arg not in full_lanes]
+def _row_values(body: ScalarProgram, streams: list[Stream], full_lanes: set[str],
+                ) -> tuple[list[str], list[str], set[str]] | None:
+    """What a row-pass member computes from its columns alone, to be computed for a tile 8 rows a vector op
+    (`_fill_row_values`) rather than a row at a time in the pass: (the values to compute, those the pass reads
+    from regions of their own, the columns it reads as they are: spread by an earlier reduction). A column
+    holding its row's value in lane 0 is spread across lanes there too (two vector ops a row in the pass: a
+    causal softmax's last key), and a softmax's finite row max takes two (a compare and a select). None where
+    nothing is won or the pass would load more per row."""
+    cols = [s for s in streams[:-1] if s.kind == "col"]
+    if not ROW_VALUES or not cols:
+        return None
+    derived = _derived(body, {s.arg for s in cols})
+    inner = {s.arg for s in cols} | set(derived)
+    read = {o for res, _, ops in body.ops if res not in inner for o in ops} | set(body.yields)
+    as_they_are = {s.arg for s in cols if s.arg in full_lanes and s.arg in read}
+    stored = [name for name in [*(s.arg for s in cols), *derived] if name in read and name not in as_they_are]
+    if len(stored) + len(as_they_are) > len(cols) or not (derived or any(s.arg not in full_lanes for s in cols)):
+        return None
+    return derived, stored, as_they_are
+
+
+def _fill_row_values(b: Builder, body: ScalarProgram, streams: list[Stream], full_lanes: set[str],
+                     derived: list[str], stored: list[str], regions: dict[str, Region], p: int, n: int,
+                     rows: ValidRows = None) -> None:
+    """The `_row_values` of a tile's n rows, 8 rows a chunk: each column's rows (lane 0 spread across lanes), the
+    values computed from them, those the pass reads stored to their regions. `rows`: see `_over_rows`."""
+    def chunk(off: Reg) -> None:
+        env = {}
+        for s in streams[:-1]:
+            if s.kind == "col":
+                v = _load(b, s, p, off)
+                env[s.arg] = v if s.arg in full_lanes else _lane0_everywhere(b, v, s.view.dtype in ("i32", "i1"))
+        values = _evaluated(b, body, env, derived)
+        for name in stored:
+            _store(b, values[name], regions[name], off)
+
+    _over_rows(b, n, 1, rows, lambda first, count, valid: chunk_loop(
+        b, -(-count // 8), chunk, "row_values", first, wanted=_chunks(b, valid, 1)))
 
 
 def _chain_sources(members: list[ChainMember]) -> dict[int, int]:
@@ -1474,7 +1524,7 @@ def _tiles_vmem(members: list[ChainMember], private: frozenset[int], t: int) -> 
                 sizes += (1 if _same_every_row(s) else 2) * [t * m.pitch(s)[0] + 8]
         if j not in by_rows:
             sizes += [t * m.P + 8 for s in m.streams[:-1] if s.kind == "col"]
-        else:  # an upper bound: `_spread_columns` leaves out those an earlier reduction spread
+        else:  # an upper bound of its `_row_values` regions
             sizes += [t + 8 for s in m.streams[:-1] if s.kind == "col"]
         sizes += (1 if j in private else 2) * [t * m.pitch(m.streams[-1])[0] + 8]
         written.add(m.streams[-1].view.buffer)
