@@ -9,6 +9,7 @@ running max / sum and the rescaled output are exercised; masks broadcast as [B|1
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from codegen import compile_graph
 from codegen.attention import key_tile, query_blocks
 from device_sim.config import get_config
 from device_sim.executable import Executable, run_fresh
-from device_sim.profile import analyze
+from device_sim.profile import KernelProfile, analyze
 from device_sim.runners import SimulatorRunner
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -248,17 +249,9 @@ def test_a_row_pass_loads_its_row_values_computed_8_rows_at_a_time(monkeypatch: 
     k[0, 1, 1000, :] = 1e30  # the rows of kv head 1 attend to key 1000 alone
     v[0, 1, 7, 3] = math.nan
     v[0, 0, 9, 4] = math.inf
-    xs = [q, k, v]
 
     def run() -> tuple[np.ndarray, int, int]:
-        exe = compile_graph(trace(lambda q, k, v: _ctpu().attention(q, k, v, None, True, 0.125, True), *xs), xs,
-                            "large")
-        runner = SimulatorRunner("large")
-        runner.simulator.profile = True
-        (out,), _ = run_fresh(exe, [x.float().numpy() for x in xs], runner)
-        tiled = {f"k{kk['index']}" for kk in exe.summary["kernels"] if kk.get("chain") == "tiled"}
-        kernels = [kp for kp in analyze(runner.simulator.recording, exe.summary["kernels"]).kernels
-                   if kp.label in tiled]
+        out, _, kernels = _profiled_on_large(q, k, v)
         assert kernels
         return out, sum(kp.slot_ops["v0"] + kp.slot_ops["v1"] for kp in kernels), sum(kp.cycles for kp in kernels)
 
@@ -275,8 +268,9 @@ def test_a_row_pass_loads_its_row_values_computed_8_rows_at_a_time(monkeypatch: 
     np.testing.assert_allclose(out[finite], ref[finite], **TOL[BF16])
 
 
-def _with_tiled_chain_cycles(q, k, v, mask, causal: bool, scale: float) -> tuple[np.ndarray, int]:
-    """The attention's output on `large` and the cycles of its tiled chains (the profiler's kernel spans)."""
+def _profiled_on_large(q, k, v, mask=None, causal: bool = True, scale: float = 0.125,
+                       ) -> tuple[np.ndarray, list[dict[str, Any]], list[KernelProfile]]:
+    """The attention's output on `large`, and the profiler's roofline rows and kernels of its tiled chains."""
     op = _ctpu().attention
     xs = [q, k, v] + ([mask] if mask is not None else [])
     exe = compile_graph(trace(lambda q, k, v, *m: op(q, k, v, m[0] if m else None, causal, scale, True), *xs), xs,
@@ -285,9 +279,16 @@ def _with_tiled_chain_cycles(q, k, v, mask, causal: bool, scale: float) -> tuple
     runner.simulator.profile = True
     (out,), _ = run_fresh(exe, [x.float().numpy() for x in xs], runner)
     tiled = {f"k{kk['index']}" for kk in exe.summary["kernels"] if kk.get("chain") == "tiled"}
-    assert tiled
-    return out, sum(row["cycles"] for row in analyze(runner.simulator.recording, exe.summary["kernels"]).roofline()
-                    if row["kernel"] in tiled)
+    profile = analyze(runner.simulator.recording, exe.summary["kernels"])
+    rows = [row for row in profile.roofline() if row["kernel"] in tiled]
+    return out, rows, [kp for kp in profile.kernels if kp.label in tiled]
+
+
+def _with_tiled_chain_cycles(q, k, v, mask, causal: bool, scale: float) -> tuple[np.ndarray, int]:
+    """The attention's output on `large` and the cycles of its tiled chains (the profiler's kernel spans)."""
+    out, rows, _ = _profiled_on_large(q, k, v, mask, causal, scale)
+    assert rows
+    return out, sum(row["cycles"] for row in rows)
 
 
 def test_a_tiled_chain_moves_each_score_through_hbm_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -307,18 +308,11 @@ def test_a_tiled_chain_moves_each_score_through_hbm_once(monkeypatch: pytest.Mon
     k[0, 1, 300, :] = 1e30  # kv head 1's queries from 300 on attend to key 300 alone
     v[0, 2, 7, 3] = math.nan
     v[0, 3, 0, 4] = math.inf  # a key every query sees (eager's 0 * inf is NaN past a query's last key)
-    xs = [q, k, v]
 
     def run() -> tuple[np.ndarray, dict[str, float]]:
-        exe = compile_graph(trace(lambda q, k, v: _ctpu().attention(q, k, v, None, True, 0.125, True), *xs), xs,
-                            "large")
-        runner = SimulatorRunner("large")
-        runner.simulator.profile = True
-        (out,), _ = run_fresh(exe, [x.float().numpy() for x in xs], runner)
-        tiled = {f"k{kk['index']}" for kk in exe.summary["kernels"] if kk.get("chain") == "tiled"}
-        rows = analyze(runner.simulator.recording, exe.summary["kernels"]).roofline()
+        out, rows, _ = _profiled_on_large(q, k, v)
         scores = 8 * 4 * 128 * 256  # a chain's: a query block's 4,096 rows of one 256-key tile
-        return out, {row["kernel"]: row["hbm_bytes"] / scores for row in rows if row["kernel"] in tiled}
+        return out, {row["kernel"]: row["hbm_bytes"] / scores for row in rows}
 
     out, per_score = run()
     assert len(per_score) == 4 and all(b < 7.5 for b in per_score.values()), per_score  # measured 7.05
