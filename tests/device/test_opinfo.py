@@ -362,8 +362,9 @@ def test_as_accurate_as_cpu_compares_with_float64() -> None:
 
 
 def test_ill_conditioned_attention_passes_against_float64() -> None:
-    # Attention scores of ~1e5 (OpInfo's inputs in [-9, 9]): the CPU's float32 result is 0.046 from float64 and
-    # the ctpu's 0.023, so they differ by more than the MXU tolerance; both are float32-accurate.
+    # Attention scores of ~1e5 (OpInfo's inputs in [-9, 9]): the CPU's float32 result is 0.046 or 0.023 from
+    # float64 (AVX2 or AVX-512 eager) and the ctpu's 0.023 or 0.046, so they differ by more than the MXU
+    # tolerance; both are float32-accurate for scores this large: within 5e-5 of the largest |value| (1,448).
     from torch.testing import make_tensor
     from torch.testing._internal.opinfo.core import SampleInput
 
@@ -374,7 +375,10 @@ def test_ill_conditioned_attention_passes_against_float64() -> None:
     op = lambda *a, **kw: torch.nn.functional.multi_head_attention_forward(*a, training=False, **kw)[0]
     expected, _ = _run(op, sample)
     actual, err = _run(op, _to_device(sample, "ctpu"))
-    assert err is None and _as_accurate_as_cpu(op, sample, actual.cpu(), expected)
+    reference, _ = _run(op, _copy_sample(sample, "cpu", torch.float64))
+    assert err is None and not actual.isnan().any() and not expected.isnan().any()
+    for result in (actual.cpu(), expected):
+        assert (result.double() - reference).abs().max() <= 5e-5 * reference.abs().max()
 
 
 AUTOGRAD_OPS = [op for op in op_db if op.supports_autograd]
