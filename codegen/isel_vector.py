@@ -374,7 +374,7 @@ class TileBuffers:
     tiles: list[tuple[Region, Region] | None]
     expanded: list[Region | None]
     out: tuple[Region, Region]
-    row_values: dict[str, Region] = field(default_factory=dict)  # a row pass's (`_row_values`)
+    row_values: RowValues | None = None  # a row pass's
 
 
 def _tile_buffers(ctx: KernelContext, k: GenericKernel, streams: list[Stream], rows: int, P: int) -> TileBuffers:
@@ -391,9 +391,8 @@ def _tile_buffers(ctx: KernelContext, k: GenericKernel, streams: list[Stream], r
         expanded.append(ctx.region(tile_rows * P + 8, "bcast") if s.kind == "col" and s is not out and not by_rows
                         else None)
     out_rows = tile_rows * (1 if k.reduction else P) + 8
-    values = _row_values(k.body, streams, set()) if by_rows else None
     return TileBuffers(tile_rows, tiles, expanded, (ctx.region(out_rows, "out"), ctx.region(out_rows, "out")),
-                       {name: ctx.region(tile_rows + 8, "row_value") for name in values[1]} if values else {})
+                       _row_values(ctx, k.body, streams, set(), tile_rows) if by_rows else None)
 
 
 def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buffers: TileBuffers, rows: int,
@@ -466,11 +465,11 @@ def _tile_loop(ctx: KernelContext, k: GenericKernel, streams: list[Stream], buff
         if k.reduction:
             _reduce_tile(ctx, k.body, streams, p, out_tiles[p], n, C, P, k.init, computed)
         elif _maps_by_rows(k, P, streams):
-            if buffers.row_values:
-                values = _row_values(k.body, streams, set())
-                assert values is not None
-                _fill_row_values(b, k.body, streams, set(), *values[:2], buffers.row_values, p, n, computed)
-            _row_pass(ctx, [RowWork(k, streams, out_tiles[p], C, row_values=buffers.row_values)], p, n, P, computed)
+            values = buffers.row_values
+            if values is not None:
+                _fill_row_values(b, k.body, streams, set(), values, p, n, computed)
+            _row_pass(ctx, [RowWork(k, streams, out_tiles[p], C, row_values=values.loaded(streams, p) if values
+                                    else {})], p, n, P, computed)
         else:
             _map_tile(ctx, k.body, streams, p, out_tiles[p], n, P, computed)
         move(False, out, out_tiles[p], p, *size, rows_reg)
@@ -971,9 +970,9 @@ TILED_CHAINS = True
 # a tiled chain's members over rows of 8 to 8 * UNROLL_CHUNKS vmem rows run in row passes (`_row_passes`), and
 # maps with a column operand row by row; False: a member at a time, each column broadcast to vmem first
 ROW_PASSES = True
-# a tiled chain's row pass loads what a row computes from its columns alone (the columns spread across lanes,
-# a softmax's finite row max) from regions its tile filled 8 rows a vector op (`_row_values`); False: each row
-# computes them in the pass (two vector ops a row for a column's spread, two for the finite max)
+# a row pass (a tiled chain's, a tile loop's) loads what a row computes from its columns alone (the columns
+# spread across lanes, a softmax's finite row max, a norm's factor) from regions its tile filled 8 rows a vector
+# op (`_row_values`); False: each row computes them in the pass (two vector ops a row for a column's spread)
 ROW_VALUES = True
 # a tiled chain's first member takes at least this share of vmem (`large`: 4,096 rows, a 2048-token prefill's
 # key tile 8,192 score rows of 1,536 keys): a smaller run's few tiles pay the loop's fill and drain, and a
@@ -1353,8 +1352,7 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
             if j in chain.private and readers <= set(ps):
                 unstored.add(j)
     row_values = {j: rv for j in by_rows
-                  if (rv := _row_values(members[j].kernel.body, members[j].streams, full_lanes[j])) is not None}
-    value_regions = {j: {name: ctx.region(T + 8, "row_value") for name in rv[1]} for j, rv in row_values.items()}
+                  if (rv := _row_values(ctx, members[j].kernel.body, members[j].streams, full_lanes[j], T)) is not None}
     for s, _ in loads + loads_once:
         s.ptr = b.sreg()
         b.emit("addi", s.ptr, (ctx.hbm_addr(s.view, s.base),), imm=0)
@@ -1390,14 +1388,11 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
                 works = []
                 for j in ps:
                     m = members[j]
-                    values: dict[str, Region] = {}
-                    if j in row_values:
-                        _fill_row_values(b, m.kernel.body, m.streams, full_lanes[j], *row_values[j][:2],
-                                         value_regions[j], p, n)
-                        values = value_regions[j] | {s.arg: s.tiles[p] for s in m.streams[:-1]
-                                                     if s.arg in row_values[j][2]}
+                    values = row_values.get(j)
+                    if values is not None:
+                        _fill_row_values(b, m.kernel.body, m.streams, full_lanes[j], values, p, n)
                     works.append(RowWork(m.kernel, m.streams, outs[id(m)][p], m.C, full_lanes[j], fed[j],
-                                         j not in unstored, values))
+                                         j not in unstored, values.loaded(m.streams, p) if values else {}))
                 _row_pass(ctx, works, p, n, members[ps[0]].P)
                 continue
             m = members[ps[0]]
@@ -1417,11 +1412,24 @@ def lower_tiled_chain(ctx: KernelContext, chain: KernelChain) -> None:
     _double_buffered(b, [min(T, rows - t0) for t0 in range(0, rows, T)], first_loads, tile, "chain_tiles")
 
 
-def _row_values(body: ScalarProgram, streams: list[Stream], full_lanes: set[str],
-                ) -> tuple[list[str], list[str], set[str]] | None:
+@dataclass(frozen=True)
+class RowValues:
+    """A row pass's `_row_values`: the values to compute for a tile, the region (T + 8 rows) of each the pass
+    reads, and the columns it reads as they are (spread across lanes by an earlier reduction)."""
+
+    derived: list[str]
+    regions: dict[str, Region]
+    as_they_are: set[str]
+
+    def loaded(self, streams: list[Stream], p: int) -> dict[str, Region]:
+        """What the pass loads each row value from, with tile parity p."""
+        return self.regions | {s.arg: s.tiles[p] for s in streams[:-1] if s.arg in self.as_they_are and s.tiles}
+
+
+def _row_values(ctx: KernelContext, body: ScalarProgram, streams: list[Stream], full_lanes: set[str],
+                tile_rows: int) -> RowValues | None:
     """What a row-pass member computes from its columns alone, to be computed for a tile 8 rows a vector op
-    (`_fill_row_values`) rather than a row at a time in the pass: (the values to compute, those the pass reads
-    from regions of their own, the columns it reads as they are: spread by an earlier reduction). A column
+    (`_fill_row_values`) rather than a row at a time in the pass, with regions for its tiles of `tile_rows`. A column
     holding its row's value in lane 0 is spread across lanes there too (two vector ops a row in the pass: a
     causal softmax's last key), and a softmax's finite row max takes two (a compare and a select). None where
     nothing is won or the pass would load more per row."""
@@ -1435,12 +1443,11 @@ def _row_values(body: ScalarProgram, streams: list[Stream], full_lanes: set[str]
     stored = [name for name in [*(s.arg for s in cols), *derived] if name in read and name not in as_they_are]
     if len(stored) + len(as_they_are) > len(cols) or not (derived or any(s.arg not in full_lanes for s in cols)):
         return None
-    return derived, stored, as_they_are
+    return RowValues(derived, {name: ctx.region(tile_rows + 8, "row_value") for name in stored}, as_they_are)
 
 
 def _fill_row_values(b: Builder, body: ScalarProgram, streams: list[Stream], full_lanes: set[str],
-                     derived: list[str], stored: list[str], regions: dict[str, Region], p: int, n: int,
-                     rows: ValidRows = None) -> None:
+                     values: RowValues, p: int, n: int, rows: ValidRows = None) -> None:
     """The `_row_values` of a tile's n rows, 8 rows a chunk: each column's rows (lane 0 spread across lanes), the
     values computed from them, those the pass reads stored to their regions. `rows`: see `_over_rows`."""
     def chunk(off: Reg) -> None:
@@ -1449,9 +1456,9 @@ def _fill_row_values(b: Builder, body: ScalarProgram, streams: list[Stream], ful
             if s.kind == "col":
                 v = _load(b, s, p, off)
                 env[s.arg] = v if s.arg in full_lanes else _lane0_everywhere(b, v, s.view.dtype in ("i32", "i1"))
-        values = _evaluated(b, body, env, derived)
-        for name in stored:
-            _store(b, values[name], regions[name], off)
+        computed = _evaluated(b, body, env, values.derived)
+        for name, region in values.regions.items():
+            _store(b, computed[name], region, off)
 
     _over_rows(b, n, 1, rows, lambda first, count, valid: chunk_loop(
         b, -(-count // 8), chunk, "row_values", first, wanted=_chunks(b, valid, 1)))
