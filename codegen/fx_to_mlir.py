@@ -206,6 +206,7 @@ class MlirEmitter:
         self._n = 0
         self.arguments: list[TValue] = []  # the function's arguments: the only values `copy_` may write
         self.mutations: list[tuple[int, TValue]] = []  # (argument index, its new value), from copy_ nodes
+        self.split_from: dict[str, tuple[TValue, int]] = {}  # split_leading's results: (merged value, dims)
         # values later ops take as they are, by key (attention's causal last keys, the same in every layer: one
         # copy, which the layer loop's invariant kernels run once before the layers)
         self.reused: dict[tuple[object, ...], TValue] = {}
@@ -378,6 +379,26 @@ class MlirEmitter:
         dims = ", ".join(str(s) for s in shape)
         self.lines.append(f"{out.name} = tensor.expand_shape {flat.name} {groups} output_shape [{dims}] : "
                           f"{flat.type} into {out.type}")
+        return out
+
+    def merge_leading(self, x: TValue, dims: int) -> TValue:
+        """x with its first `dims` dims merged into one, in one `tensor.collapse_shape` (a view that
+        one-shot-bufferize writes through in place, where `reshape`'s hop through 1-d makes it copy x)."""
+        out = TValue(self.fresh(), (math.prod(x.shape[:dims]), *x.shape[dims:]), x.dtype)
+        groups = ", ".join([f"[{', '.join(str(i) for i in range(dims))}]",
+                            *(f"[{i}]" for i in range(dims, len(x.shape)))])
+        self.lines.append(f"{out.name} = tensor.collapse_shape {x.name} [{groups}] : {x.type} into {out.type}")
+        return out
+
+    def split_leading(self, x: TValue, shape: tuple[int, ...]) -> TValue:
+        """`merge_leading`'s inverse: x's first dim split into the leading dims of `shape`."""
+        dims = len(shape) - len(x.shape) + 1
+        out = TValue(self.fresh(), shape, x.dtype)
+        groups = ", ".join([f"[{', '.join(str(i) for i in range(dims))}]",
+                            *(f"[{i}]" for i in range(dims, len(shape)))])
+        self.lines.append(f"{out.name} = tensor.expand_shape {x.name} [{groups}] output_shape "
+                          f"[{', '.join(str(s) for s in shape)}] : {x.type} into {out.type}")
+        self.split_from[out.name] = (x, dims)
         return out
 
     def iota(self, shape: tuple[int, ...], fn: Callable[[list[str], BodyWriter], str], dtype: str) -> TValue:

@@ -29,6 +29,7 @@ Iota: `viota` (sublane * N + lane) plus the chunk base, stored to vmem, one DMA 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 
@@ -83,28 +84,29 @@ def _gather_chunk(ctx: KernelContext, k: GatherKernel, id_at: list[int], ids_reg
     b.emit("wait", flag=ctx.flag(Flag.ROWS))
 
 
-def _rows_by_eight(b: Builder, n: int, p: int, rows: Callable[[int, int, Reg, Reg], None], hint: str) -> None:
+def _rows_by_eight(b: Builder, n: int, p: int, rows: Callable[[int, int, Reg, Reg], None], hint: str,
+                   start: Reg = ZERO, data_start: Reg = ZERO) -> None:
     """rows(first, count, at, data_at) for the n rows of a chunk, 8 at a time, in order: a runtime loop (`at`:
-    its row offset, `data_at` = at * P) of GROUPS_PER_RUN groups a run, so code size does not grow with n
-    (the groups of a run overlap: a lone group's address chain and its DMAs left the bundles mostly
-    empty); the rows after the last whole run at constant addresses."""
+    its row offset, `data_at` = at * P, from `start` and `data_start`) of GROUPS_PER_RUN groups a run, so code
+    size does not grow with n (the groups of a run overlap: a lone group's address chain and its DMAs left
+    the bundles mostly empty); the rows after the last whole run at constant addresses."""
     run = 8 * GROUPS_PER_RUN
     runs = n // run
     if runs:
         data_at = b.sreg()
-        b.emit("addi", data_at, (ZERO,), imm=0)
+        b.emit("addi", data_at, (data_start,), imm=0)
 
         def one_run(at: Reg) -> None:
             for g in range(GROUPS_PER_RUN):
                 rows(8 * g, 8, at, data_at)
             b.emit("addi", data_at, (data_at,), imm=run * p)
 
-        chunk_loop(b, runs, one_run, hint, step=run, ivs={data_at: run * p})
+        chunk_loop(b, runs, one_run, hint, start=start, step=run, ivs={data_at: run * p})
     for first in range(runs * run, n, 8):  # the rest: constant addresses
-        rows(first, min(8, n - first), ZERO, ZERO)
+        rows(first, min(8, n - first), start, data_start)
 
 
-GROUPS_PER_RUN = 4
+GROUPS_PER_RUN = 8
 
 
 def _runs(offsets: list[int]) -> list[tuple[int, int, int]]:
@@ -129,6 +131,8 @@ def lower_scatter(ctx: KernelContext, k: ScatterKernel) -> None:
     dtype, cols, unit = _row_words(k)
     p = -(-cols // n_lanes)
     chunk = max(8, min(rows, (ctx.vmem_free() // 2 - 16) // (p + 1)) // 8 * 8)
+    if depth == 1 and chunk > CONTIGUOUS_RUN:  # chunks of whole runs: a run never straddles two
+        chunk = chunk // CONTIGUOUS_RUN * CONTIGUOUS_RUN
     idx_region = ctx.region(chunk + 8, "idx")
     data_region = ctx.region(chunk * p + 8, "rows")
     esize = ESIZE[k.dest.dtype]
@@ -152,9 +156,66 @@ def lower_scatter(ctx: KernelContext, k: ScatterKernel) -> None:
                 b.emit("vext", addr, (addresses,), imm=i * n_lanes)
                 ctx.dma(False, dtype, addr, data_region, (first + i) * p, 1, cols, cols, Flag.OUT, base=data_at)
 
-        _rows_by_eight(b, n, p, scatter_rows, "scatter")  # in order: a repeated index keeps the last row
+        # in order: a repeated index keeps the last row
+        if depth == 1 and min(n, k.dest.shape[0]) >= CONTIGUOUS_RUN:
+            _by_contiguous_runs(ctx, k, n, idx_region, data_region, dtype, cols, dest_base, scatter_rows)
+        else:
+            _rows_by_eight(b, n, p, scatter_rows, "scatter")
         if c0 + chunk < rows:  # as in lower_gather
             b.emit("wait", flag=ctx.flag(Flag.OUT))
+
+
+CONTIGUOUS_RUN = 256  # rows a contiguity check covers (its latency, ~50 cycles, is the loop's)
+
+
+def _by_contiguous_runs(ctx: KernelContext, k: ScatterKernel, n: int, idx_region: Region, data_region: Region,
+                        dtype: str, cols: int, dest_base: Reg, rows: Callable[[int, int, Reg, Reg], None]) -> None:
+    """A scatter of one flat row index a row, by runs of CONTIGUOUS_RUN rows: a run whose indices are
+    consecutive and inside the destination moves in one DMA, any other run a DMA a row (`rows`). A KV cache
+    update at consecutive positions (2048 rows a head in a prefill) was bound by its one-row DMAs (16,384 of
+    them in a 1B layer). The check: every index minus its place in the run equals the first index (lane 0 of
+    each index row; the other lanes are stale), and the first is in [0, rows - run]; a run that fails it, a
+    bad index included, takes the rows' path, which traps on it. The rows after the last whole run take it."""
+    b, run = ctx.b, CONTIGUOUS_RUN
+    p = -(-cols // ctx.lanes)
+    unit = 2 if dtype != k.dest.dtype else 1  # bf16 rows moved as 32-bit words
+    sublane, eight = b.vop_imm("viota", 1), b.vconst_bits(8)
+    positive = b.vconst_bits(0x7FFFFFFF)
+    last_first = b.const(k.dest.shape[0] - run + 1)
+    row_bytes = b.const(k.dest.strides[0] * ESIZE[k.dest.dtype])
+    data_at = b.sreg()
+    b.emit("addi", data_at, (ZERO,), imm=0)
+
+    def one_run(at: Reg) -> None:
+        loads = [b.vld(at, idx_region.row + 8 * g, row_mem(idx_region, at, 8 * g, 8)) for g in range(run // 8)]
+        first = b.emit("vext", b.sreg(), (loads[0],), imm=0)
+        expected = b.vop("vbcast", first)
+        # row 8g + s holds first + 8g + s: rows 0..7 against first, each later one against the one 8 before
+        offsets = [b.vop("vxor", loads[0], b.vop("vadd.i", expected, sublane))]
+        offsets += [b.vop("vxor", b.vop("vsub.i", v, u), eight) for u, v in itertools.pairwise(loads)]
+        while len(offsets) > 1:  # a tree: the check's latency is the loop's
+            offsets = [b.vop("vor", *offsets[i:i + 2]) if i + 1 < len(offsets) else offsets[i]
+                       for i in range(0, len(offsets), 2)]
+        # a row off the run has a nonzero offset: as a positive fp32, >= 1.0; the largest over the rows
+        worst = b.vop("vred.max.s", b.vop("vcvt.i2f", b.vop("vand", offsets[0], positive)))
+        misfits = b.emit("vext", b.sreg(), (worst,), imm=0)
+        fast = b.emit("sltu", b.sreg(), (misfits, b.const(1)))
+        fast = b.emit("and", b.sreg(), (fast, b.emit("sltu", b.sreg(), (first, last_first))))
+
+        def one_dma() -> None:
+            at_row = b.emit("add", b.sreg(), (dest_base, b.emit("mul", b.sreg(), (first, row_bytes))))
+            ctx.dma(False, dtype, at_row, data_region, 0, run, cols, k.dest.strides[0] // unit, Flag.OUT,
+                    base=data_at)
+
+        b.if_positive(fast, one_dma, "run")
+        b.if_positive(b.emit("xori", b.sreg(), (fast,), imm=1),
+                      lambda: _rows_by_eight(b, run, p, rows, "scatter", at, data_at), "rows")
+        b.emit("addi", data_at, (data_at,), imm=run * p)
+
+    runs = n // run
+    chunk_loop(b, runs, one_run, "runs", step=run, ivs={data_at: run * p})
+    _rows_by_eight(b, n - runs * run, p, lambda first, count, at, data: rows(runs * run + first, count, at, data),
+                   "scatter")
 
 
 class _IndexLanes:
@@ -168,7 +229,7 @@ class _IndexLanes:
     check, multiply and add spilled at 18 bundles a row."""
 
     def __init__(self, b: Builder, depth: int, base: Reg, shape: tuple[int, ...], stride_bytes: list[int]) -> None:
-        self.b = b
+        self.b, self.depth = b, depth
         lane = b.vop_imm("viota", 0)
         # lanes >= depth: stride 0 and a limit no component exceeds (a vmem row's other lanes are stale)
         stride, limit = b.vconst_bits(0), b.vconst_bits(0x7FFFFFFF)
@@ -187,6 +248,8 @@ class _IndexLanes:
         terms = b.vop("vadd.i", b.vop("vmul.i", v, self.stride), self.base)
         # ix outside [0, size) as unsigned: a signed compare of both sides with the sign bit flipped
         bad = b.vop("vcmp.lt.i", self.limit, b.vop("vxor", v, b.vconst_bits(_SIGN)))
+        if self.depth == 1:  # lane 0 holds the whole address: no lane sums (a valid one is below 2^31)
+            return b.vop("vor", terms, b.vop("vand", bad, b.vconst_bits(HBM_POISON)))
         address, top = None, None
         for shift in range(0, 32, self.piece_bits):
             piece = b.vop("vshr", terms, b.vconst_bits(shift)) if shift else terms
