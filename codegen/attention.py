@@ -63,6 +63,9 @@ MAX_QUERY_BLOCKS = 8
 # a causal block of at least this many score rows compares each key with its row's last key (`_last_keys`), so
 # that y joins the softmax's tiled chain; a smaller one keeps the query x key iota (no copy kernel for it)
 LAST_KEYS_MIN_ROWS = 1024
+# ... computed over the block's flat score rows where its query count is a power of two (False: by row, the
+# bit reference)
+FLAT_LAST_KEYS = True
 
 
 def key_tile(cfg: HardwareConfig, query_rows: int, keys: int) -> int:
@@ -212,9 +215,18 @@ def _last_keys(e: MlirEmitter, rows5: tuple[int, ...], offset: int) -> TValue:
         raise UnsupportedOp(f"a causal attention over {offset + rows5[3]} keys (f32 key indices are exact below 2^24)")
     key = ("attention.last_keys", rows5, offset)
     if key not in e.reused:
-        last = e.iota((*rows5, 1), lambda i, w: w.cast(w.op("arith.addi", i[3], w.const_int(offset), dtype="i32"),
-                                                      "i32", "f32"), "f32")
-        e.reused[key] = e.fusion_barrier(last)
+        n = rows5[3]
+        # over the flat rows, lane-dense: [.., n, 1] took a vmem row a value (5,129 cycles at 8,192 rows, for
+        # each of a 2048-token prefill's 8 query blocks)
+        if FLAT_LAST_KEYS and n & (n - 1) == 0:
+            flat = e.iota((math.prod(rows5),), lambda i, w: w.cast(w.op(
+                "arith.addi", w.op("arith.andi", i[0], w.const_int(n - 1), dtype="i32"), w.const_int(offset),
+                dtype="i32"), "i32", "f32"), "f32")
+            e.reused[key] = e.reshape(e.fusion_barrier(flat), (*rows5, 1))
+        else:
+            last = e.iota((*rows5, 1), lambda i, w: w.cast(w.op("arith.addi", i[3], w.const_int(offset),
+                                                                dtype="i32"), "i32", "f32"), "f32")
+            e.reused[key] = e.fusion_barrier(last)
     return e.reused[key]
 
 
