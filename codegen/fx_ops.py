@@ -424,9 +424,9 @@ def _checked_index(e: MlirEmitter, idx: TValue, size: int, wrap: bool) -> TValue
 @_reg(aten.index_put.default)
 def _index_put(e: MlirEmitter, x: TValue, indices: Any, values: Any, accumulate: bool = False) -> TValue:
     """x[:, .., idx, ...] = values with one 1-D index tensor at dim d (index_copy, a KV cache update): the
-    rows at the T runtime positions, as one scatter into x whose index rows are (i_0, .., i_{d-1},
-    position), a negative position counted from the end as torch does; the kernel traps on a position
-    outside [0, S) (the launch fails, as eager raises)."""
+    rows at the T runtime positions, as one scatter into x's rows (its dims up to d merged), a negative
+    position counted from the end as torch does; the kernel traps on a position outside [0, S) (the launch
+    fails, as eager raises)."""
     given = [(d, t) for d, t in enumerate(indices) if t is not None]
     if len(given) != 1 or not isinstance(given[0][1], TValue):
         raise UnsupportedOp(f"index_put with {len(given)} index tensors (one, x[.., idx, ..] = v, is supported)")

@@ -384,6 +384,8 @@ class MlirEmitter:
     def merge_leading(self, x: TValue, dims: int) -> TValue:
         """x with its first `dims` dims merged into one, in one `tensor.collapse_shape` (a view that
         one-shot-bufferize writes through in place, where `reshape`'s hop through 1-d makes it copy x)."""
+        if dims == 1:
+            return x
         out = TValue(self.fresh(), (math.prod(x.shape[:dims]), *x.shape[dims:]), x.dtype)
         groups = ", ".join([f"[{', '.join(str(i) for i in range(dims))}]",
                             *(f"[{i}]" for i in range(dims, len(x.shape)))])
@@ -393,6 +395,8 @@ class MlirEmitter:
     def split_leading(self, x: TValue, shape: tuple[int, ...]) -> TValue:
         """`merge_leading`'s inverse: x's first dim split into the leading dims of `shape`."""
         dims = len(shape) - len(x.shape) + 1
+        if dims == 1:
+            return x
         out = TValue(self.fresh(), shape, x.dtype)
         groups = ", ".join([f"[{', '.join(str(i) for i in range(dims))}]",
                             *(f"[{i}]" for i in range(dims, len(shape)))])

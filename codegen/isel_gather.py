@@ -180,7 +180,7 @@ def _by_contiguous_runs(ctx: KernelContext, k: ScatterKernel, n: int, idx_region
     p = -(-cols // ctx.lanes)
     unit = 2 if dtype != k.dest.dtype else 1  # bf16 rows moved as 32-bit words
     sublane, eight = b.vop_imm("viota", 1), b.vconst_bits(8)
-    positive = b.vconst_bits(0x7FFFFFFF)
+    zero = b.vconst_bits(0)
     last_first = b.const(k.dest.shape[0] - run + 1)
     row_bytes = b.const(k.dest.strides[0] * ESIZE[k.dest.dtype])
     data_at = b.sreg()
@@ -196,11 +196,11 @@ def _by_contiguous_runs(ctx: KernelContext, k: ScatterKernel, n: int, idx_region
         while len(offsets) > 1:  # a tree: the check's latency is the loop's
             offsets = [b.vop("vor", *offsets[i:i + 2]) if i + 1 < len(offsets) else offsets[i]
                        for i in range(0, len(offsets), 2)]
-        # a row off the run has a nonzero offset: as a positive fp32, >= 1.0; the largest over the rows
-        worst = b.vop("vred.max.s", b.vop("vcvt.i2f", b.vop("vand", offsets[0], positive)))
-        misfits = b.emit("vext", b.sreg(), (worst,), imm=0)
-        fast = b.emit("sltu", b.sreg(), (misfits, b.const(1)))
-        fast = b.emit("and", b.sreg(), (fast, b.emit("sltu", b.sreg(), (first, last_first))))
+        # a row in the run: offset 0, compared -1 (all bits), -1.0 as fp32; one off it 0.0; the largest over
+        # the rows is -1.0 only when every row is in the run
+        worst = b.vop("vred.max.s", b.vop("vcvt.i2f", b.vop("vcmp.eq.i", offsets[0], zero)))
+        every_row = b.emit("sltu", b.sreg(), (ZERO, b.emit("vext", b.sreg(), (worst,), imm=0)))
+        fast = b.emit("and", b.sreg(), (every_row, b.emit("sltu", b.sreg(), (first, last_first))))
 
         def one_dma() -> None:
             at_row = b.emit("add", b.sreg(), (dest_base, b.emit("mul", b.sreg(), (first, row_bytes))))

@@ -115,3 +115,28 @@ def test_a_decode_step_with_its_kv_cache_matches_the_simulator(monkeypatch: pyte
     spans = [slice(addrs[i], addrs[i] + exe.inputs[i].nbytes) for i in exe.mutated_inputs]
     written = [np.count_nonzero(after[span] != hbm[span]) for span in spans]
     assert sum(written) > 0  # the new K / V rows (and the counter) landed in the inputs' own buffers
+
+
+def test_a_kv_update_by_runs_matches_the_simulator() -> None:
+    """A KV cache update at consecutive positions (`isel_gather._by_contiguous_runs`) on the SystemVerilog
+    core: 2 heads x 260 positions of a 300-position cache are 520 rows, a first run of 256 consecutive rows
+    (one DMA), a second across the two heads (a DMA a row) and 8 rows after them. The final HBM (the cache,
+    written in place), registers and cycle count are the simulator's, and the cache is eager's."""
+    from test_scatter import _assign, _bits, capture_with_mutations
+
+    g = torch.Generator().manual_seed(4)
+    cache, vals = torch.randn(1, 2, 300, 16, generator=g), torch.randn(1, 2, 260, 16, generator=g)
+    pos = torch.arange(3, 263)
+    gm, examples, order = capture_with_mutations(_assign, cache, pos, vals)
+    exe = compile_graph(gm, examples, "small")
+    given = (cache, pos, vals)
+    hbm, addrs, arena, regs = stage(exe, [given[order.index(i)].numpy() for i in range(3)])
+    (report,) = diff_batch([RtlJob(exe.program, hbm.copy(), args=regs)], ["kv update by runs"])
+    assert report.ok, report.summary()
+    _, stats = launch(exe, SimulatorRunner("small"), hbm, addrs, arena)
+    assert stats.cycles == report.cycles
+    expected = cache.clone()
+    _assign(expected, pos, vals)
+    at = addrs[order[0]]
+    np.testing.assert_array_equal(hbm[at: at + cache.numel() * 4].view(np.int32).reshape(cache.shape),
+                                  _bits(expected))
