@@ -196,6 +196,12 @@ def affine_map(rank: int, results: Sequence[str] | None = None) -> str:
     return f"affine_map<({dims}) -> ({', '.join(results)})>"
 
 
+def _leading(dims: int, rank: int) -> str:
+    """The reassociation that merges the first `dims` of `rank` dims: [[0, .., dims - 1], [dims], ..]."""
+    return "[" + ", ".join([f"[{', '.join(str(i) for i in range(dims))}]",
+                            *(f"[{i}]" for i in range(dims, rank))]) + "]"
+
+
 class MlirEmitter:
     """Builds the text of one `func.func @main` from an FX graph; `config` is the configuration it is built
     for (lowerings that tile at the graph level size their tiles from it)."""
@@ -382,25 +388,23 @@ class MlirEmitter:
         return out
 
     def merge_leading(self, x: TValue, dims: int) -> TValue:
-        """x with its first `dims` dims merged into one, in one `tensor.collapse_shape` (a view that
-        one-shot-bufferize writes through in place, where `reshape`'s hop through 1-d makes it copy x)."""
+        """x with its first `dims` dims merged into one: one `tensor.collapse_shape`, a view of x's buffer."""
         if dims == 1:
             return x
         out = TValue(self.fresh(), (math.prod(x.shape[:dims]), *x.shape[dims:]), x.dtype)
-        groups = ", ".join([f"[{', '.join(str(i) for i in range(dims))}]",
-                            *(f"[{i}]" for i in range(dims, len(x.shape)))])
-        self.lines.append(f"{out.name} = tensor.collapse_shape {x.name} [{groups}] : {x.type} into {out.type}")
+        self.lines.append(f"{out.name} = tensor.collapse_shape {x.name} {_leading(dims, len(x.shape))} : {x.type} "
+                          f"into {out.type}")
         return out
 
     def split_leading(self, x: TValue, shape: tuple[int, ...]) -> TValue:
-        """`merge_leading`'s inverse: x's first dim split into the leading dims of `shape`."""
+        """`merge_leading`'s inverse: x's first dim split into the leading dims of `shape`. `copy_` writes
+        such a value into an input as the merged value into the same view of the input (`split_from`):
+        materialized as it is, it made one-shot-bufferize copy the input, then copy it back."""
         dims = len(shape) - len(x.shape) + 1
         if dims == 1:
             return x
         out = TValue(self.fresh(), shape, x.dtype)
-        groups = ", ".join([f"[{', '.join(str(i) for i in range(dims))}]",
-                            *(f"[{i}]" for i in range(dims, len(shape)))])
-        self.lines.append(f"{out.name} = tensor.expand_shape {x.name} [{groups}] output_shape "
+        self.lines.append(f"{out.name} = tensor.expand_shape {x.name} {_leading(dims, len(shape))} output_shape "
                           f"[{', '.join(str(s) for s in shape)}] : {x.type} into {out.type}")
         self.split_from[out.name] = (x, dims)
         return out
