@@ -50,6 +50,8 @@ from device_sim.isa import DMA_SHAPE_COLS_MASK
 
 MAX_TILE_VMEM_ROWS = 512  # vmem rows of one operand's tile (64 chunks): keeps double buffering useful
 UNROLL_CHUNKS = 4  # chunk sequences up to this long are unrolled, longer ones run as loops
+# an elementwise generic's dense trailing dims, rows narrower than a vmem row, as whole vmem rows (`_flattened`)
+FLATTEN_TRAILING = True
 # a tile of several pieces (groups) computes each piece's valid rows as a loop of its own only where the
 # pieces are at least this many chunks of 8 vmem rows: each loop pays its software pipeline's fill and drain
 # (1B-geometry layers, dynamic vs static: 16 takes attention's softmax at 65 of 128 queries from 1.057x to
@@ -134,20 +136,32 @@ def _merge_rows(outer: list[int], strides: list[list[int]]) -> tuple[int, int, l
 
 
 def _flattened(k: GenericKernel, lanes: int) -> GenericKernel:
-    """An elementwise generic whose operands are all dense in one row-major layout, with rows narrower than
-    a vmem row, as the same elements [n / N, N]: a row of C elements takes a whole vmem row (one element a
-    row for attention's [.., L, 1] row values, whose 8,192 rows a 256-query block made a ~30K-cycle kernel
-    of a division). Not for reductions, a dynamic-shape bucket's bounded kernels, or an `n` that N does not
-    divide."""
+    """An elementwise generic whose rows are narrower than a vmem row, with the trailing dims that every
+    operand lays out densely (row-major, the last at stride 1) as [m / N, N]: a row of C elements takes a
+    whole vmem row (one element a row for attention's [.., L, 1] row values, whose 8,192 rows a 256-query
+    block made a ~30K-cycle kernel of a division; a causal query block's copy of its queries, [KVH, rep,
+    256, 64] from q's [H, L, 64], rows of 64). All dims where every operand is dense in one layout. Not for
+    reductions, a dynamic-shape bucket's bounded kernels, or where N does not divide the merged dims."""
     n = math.prod(k.sizes)
-    if k.reduction or k.valid_extent is not None or not k.sizes or k.sizes[-1] >= lanes or n % lanes:
+    if k.reduction or k.valid_extent is not None or not k.sizes or k.sizes[-1] >= lanes:
         return k
-    if not all(row_major(k.sizes, a.iter_strides) for a in [*k.inputs, k.output]):
-        return k
-    shape = (n // lanes, lanes)
+    operands = [*k.inputs, k.output]
+    if n % lanes == 0 and all(row_major(k.sizes, a.iter_strides) for a in operands):
+        split, m = 0, n
+    else:  # the dense trailing dims
+        split, m = len(k.sizes) - 1, k.sizes[-1]
+        if not FLATTEN_TRAILING or any(a.iter_strides[-1] != 1 for a in operands):
+            return k
+        while split > 0 and all(a.iter_strides[split - 1] == m for a in operands):
+            split -= 1
+            m *= k.sizes[split]
+        if m % lanes or split == len(k.sizes) - 1:
+            return k
+    shape = (*k.sizes[:split], m // lanes, lanes)
 
     def flat(a: Access) -> Access:
-        return Access(View(a.view.buffer, a.view.offset, shape, (lanes, 1), a.view.dtype), (lanes, 1))
+        strides = (*a.iter_strides[:split], lanes, 1)
+        return Access(View(a.view.buffer, a.view.offset, shape, strides, a.view.dtype), strides)
 
     return dataclasses.replace(k, sizes=shape, inputs=[flat(a) for a in k.inputs], output=flat(k.output))
 
