@@ -158,7 +158,7 @@ def lower_scatter(ctx: KernelContext, k: ScatterKernel) -> None:
 
         # in order: a repeated index keeps the last row
         if depth == 1 and min(n, k.dest.shape[0]) >= CONTIGUOUS_RUN:
-            _by_contiguous_runs(ctx, k, n, idx_region, data_region, dtype, cols, dest_base, scatter_rows)
+            _by_contiguous_runs(ctx, k, n, idx_region, data_region, dest_base, scatter_rows)
         else:
             _rows_by_eight(b, n, p, scatter_rows, "scatter")
         if c0 + chunk < rows:  # as in lower_gather
@@ -169,7 +169,7 @@ CONTIGUOUS_RUN = 256  # rows a contiguity check covers (its latency, ~50 cycles,
 
 
 def _by_contiguous_runs(ctx: KernelContext, k: ScatterKernel, n: int, idx_region: Region, data_region: Region,
-                        dtype: str, cols: int, dest_base: Reg, rows: Callable[[int, int, Reg, Reg], None]) -> None:
+                        dest_base: Reg, rows: Callable[[int, int, Reg, Reg], None]) -> None:
     """A scatter of one flat row index a row, by runs of CONTIGUOUS_RUN rows: a run whose indices are
     consecutive and inside the destination moves in one DMA, any other run a DMA a row (`rows`). A KV cache
     update at consecutive positions (2048 rows a head in a prefill) was bound by its one-row DMAs (16,384 of
@@ -177,8 +177,8 @@ def _by_contiguous_runs(ctx: KernelContext, k: ScatterKernel, n: int, idx_region
     each index row; the other lanes are stale), and the first is in [0, rows - run]; a run that fails it, a
     bad index included, takes the rows' path, which traps on it. The rows after the last whole run take it."""
     b, run = ctx.b, CONTIGUOUS_RUN
+    dtype, cols, unit = _row_words(k)
     p = -(-cols // ctx.lanes)
-    unit = 2 if dtype != k.dest.dtype else 1  # bf16 rows moved as 32-bit words
     sublane, eight = b.vop_imm("viota", 1), b.vconst_bits(8)
     zero = b.vconst_bits(0)
     last_first = b.const(k.dest.shape[0] - run + 1)

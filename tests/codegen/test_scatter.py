@@ -42,6 +42,11 @@ def _run(fn, cache: torch.Tensor, *rest: torch.Tensor, config: str = "small"
     return flat.view(np.int16 if cache.dtype == torch.bfloat16 else np.int32).reshape(cache.shape), outs, exe
 
 
+def _assign(cache: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+    cache[:, :, pos] = vals  # index_put: a negative position counts from the end
+    return cache.sum(-1)
+
+
 def _index_copy(cache: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
     cache.index_copy_(2, pos, vals)
     return cache.sum(-1)  # reads the updated cache
@@ -83,13 +88,9 @@ def test_a_prefill_sized_update_runs_as_a_loop_and_keeps_the_last_of_repeated_ro
     pos = torch.randint(0, 64, (count,), generator=g)
     assert len(set(pos.tolist())) < count  # repeats
 
-    def assign(cache: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
-        cache[:, :, pos] = vals
-        return cache.sum(-1)
-
-    got, _, exe = _run(assign, cache, pos, vals)
+    got, _, exe = _run(_assign, cache, pos, vals)
     expected = cache.clone()
-    assign(expected, pos, vals)
+    _assign(expected, pos, vals)
     np.testing.assert_array_equal(got, _bits(expected))
     assert len(exe.program) < 1400, len(exe.program)  # not unrolled: ~2 bundles a row
 
@@ -120,11 +121,6 @@ def test_one_bad_position_among_a_large_update_traps(position: int) -> None:
     pos[1500] = position
     with pytest.raises(Exception, match="out of bounds"):
         _run(_index_copy, cache, pos, vals, config="large")
-
-
-def _assign(cache: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
-    cache[:, :, pos] = vals  # index_put: a negative position counts from the end
-    return cache.sum(-1)
 
 
 @pytest.mark.parametrize("start, count", [(0, 2048), (1, 2047), (-2048, 2048), (-100, 300)],
@@ -174,14 +170,10 @@ def test_the_cache_is_written_in_place_not_copied() -> None:
 
 
 def test_negative_position_counts_from_the_end_like_torch() -> None:
-    def assign(cache: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
-        cache[:, :, pos] = vals  # index_put: a negative index counts from the end
-        return cache.sum(-1)
-
     cache, pos, vals = torch.randn(1, 2, 11, 16), torch.tensor([-1, -11]), torch.randn(1, 2, 2, 16)
-    got, _, _ = _run(assign, cache, pos, vals)
+    got, _, _ = _run(_assign, cache, pos, vals)
     expected = cache.clone()
-    assign(expected, pos, vals)
+    _assign(expected, pos, vals)
     np.testing.assert_array_equal(got, _bits(expected))
 
 

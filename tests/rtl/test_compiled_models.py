@@ -122,7 +122,8 @@ def test_a_kv_update_by_runs_matches_the_simulator() -> None:
     core: 2 heads x 260 positions of a 300-position cache are 520 rows, a first run of 256 consecutive rows
     (one DMA), a second across the two heads (a DMA a row) and 8 rows after them. The final HBM (the cache,
     written in place), registers and cycle count are the simulator's, and the cache is eager's."""
-    from test_scatter import _assign, _bits, capture_with_mutations
+    from codegen_helpers import capture_with_mutations
+    from test_scatter import _assign, _bits
 
     g = torch.Generator().manual_seed(4)
     cache, vals = torch.randn(1, 2, 300, 16, generator=g), torch.randn(1, 2, 260, 16, generator=g)
